@@ -1,0 +1,33 @@
+# attnlab: attention-head experiments on causal language models.
+# This file only wires things together; logic lives in src/attnlab/.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+# `--configfile X` replaces the embedded default instead of being merged into
+# it, so a run never picks up models or datasets it was not given.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
+
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/models.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/inference.smk"
+include: "workflow/rules/plots.smk"
+
+
+localrules:
+    all,
+    accuracy_table,
+
+
+rule all:
+    input:
+        all_targets(),
+    default_target: True

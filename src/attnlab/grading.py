@@ -1,0 +1,114 @@
+"""Answer extraction, two graders, and accuracy with bootstrap confidence intervals.
+
+Graders:
+- ``math_verify``: Hugging Face math-verify, ``verify(parse(gold), parse(pred))``
+  with gold first; both sides are wrapped in ``\\boxed{}`` so plain strings and
+  LaTeX parse alike.
+- ``lenient``: the grader of the paper's code (arXiv 2510.01032): normalise both
+  strings, correct if ``pred == gold or pred in gold``. It is generous (a
+  prediction "1" matches gold "10"); an empty prediction is never correct here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+GRADERS = ("math_verify", "lenient")
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    if not starts:
+        return None
+    depth, begin = 1, starts[-1]
+    for pos in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[pos], 0)
+        if depth == 0:
+            return text[begin:pos].strip()
+    return None  # unbalanced: the answer was cut off
+
+
+def extract_answer(text: str, fallback: str = "last_number") -> tuple[str | None, str]:
+    """(answer, how it was found): the last \\boxed{}, GSM8K's "####", or the last number."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed, "boxed"
+    if "####" in text:
+        after = text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
+        if after:
+            return after, "hash"
+    if fallback == "last_number":
+        numbers = NUMBER.findall(text)
+        if numbers:
+            return numbers[-1].replace(",", ""), "last_number"
+    return None, "none"
+
+
+def grade_math_verify(gold: str, pred: str | None) -> bool:
+    from math_verify import parse, verify
+
+    if not pred:
+        return False
+    return bool(verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")))
+
+
+def normalise_lenient(text: str) -> str:
+    """String normalisation for the lenient grader (LaTeX noise removed)."""
+    text = re.sub(r"\\text\{([^}]*)\}", r"\1", text)
+    text = re.sub(r"\\(?:left|right|!|,|;|:)", "", text)
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = text.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\%", "").replace("$", "")
+    text = re.sub(r"\s+", "", text).rstrip(".").lower()
+    return text
+
+
+def grade_lenient(gold: str, pred: str | None) -> bool:
+    if not pred:
+        return False
+    gold_n, pred_n = normalise_lenient(gold), normalise_lenient(pred)
+    return bool(pred_n) and (pred_n == gold_n or pred_n in gold_n)
+
+
+def grade_items(prompts: pd.DataFrame, generations: pd.DataFrame, fallback: str) -> pd.DataFrame:
+    """One row per item: gold, extracted prediction, and both grades."""
+    merged = prompts[["id", "answer", "inserted_tokens"]].merge(generations, on="id", validate="1:1")
+    extracted = [extract_answer(text, fallback) for text in merged["response"]]
+    merged["pred"] = [pred for pred, _ in extracted]
+    merged["extraction"] = [how for _, how in extracted]
+    merged["math_verify"] = [grade_math_verify(g, p) for g, p in zip(merged["answer"], merged["pred"])]
+    merged["lenient"] = [grade_lenient(g, p) for g, p in zip(merged["answer"], merged["pred"])]
+    return merged.rename(columns={"answer": "gold"})
+
+
+def bootstrap_ci(correct, confidence: float, n_resamples: int, seed: int) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of 0/1 outcomes."""
+    values = np.asarray(correct, dtype=float)
+    if len(values) == 0:
+        return float("nan"), float("nan")
+    if values.min() == values.max():
+        # Every resample of a constant sample has that same mean.
+        return float(values[0]), float(values[0])
+    result = stats.bootstrap((values,), np.mean, confidence_level=confidence,
+                             n_resamples=n_resamples, method="percentile",
+                             rng=np.random.default_rng(seed))
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def summarise(graded: pd.DataFrame, bootstrap: dict) -> dict:
+    """Accuracy (in %) with its confidence interval, for each grader."""
+    summary = {"n": int(len(graded)),
+               "inserted_tokens": float(graded["inserted_tokens"].mean()),
+               "extracted_boxed": float((graded["extraction"] == "boxed").mean()),
+               "hit_token_limit": float(graded["hit_token_limit"].mean())}
+    for grader in GRADERS:
+        low, high = bootstrap_ci(graded[grader], bootstrap["confidence"],
+                                 bootstrap["n_resamples"], bootstrap["seed"])
+        summary[f"{grader}_acc"] = 100 * float(graded[grader].mean())
+        summary[f"{grader}_ci_low"], summary[f"{grader}_ci_high"] = 100 * low, 100 * high
+    return summary

@@ -1,0 +1,61 @@
+"""Crash-safe output helpers: write to a temporary sibling, then rename.
+
+A job killed half-way leaves only a ``.tmp-*`` file or folder behind, never
+a file under the final name that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pandas as pd
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, directory: bool = False) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it to ``path`` on success."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{final.name}.tmp-"
+    if directory:
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
+    else:
+        fd, name = tempfile.mkstemp(prefix=prefix, suffix=final.suffix, dir=final.parent)
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        yield tmp
+        if directory and final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_parquet(frame: pd.DataFrame, path: str | os.PathLike) -> None:
+    with atomic_path(path) as tmp:
+        frame.to_parquet(tmp, index=False)
+
+
+def write_csv(frame: pd.DataFrame, path: str | os.PathLike) -> None:
+    with atomic_path(path) as tmp:
+        frame.to_csv(tmp, index=False)
+
+
+def write_json(obj, path: str | os.PathLike) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: str | os.PathLike):
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,111 @@
+"""Turn any configured model source into a plain Hugging Face folder, and load it."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from attnlab.io import atomic_path
+from attnlab.sources import check_model_source, package_folder
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(preference: str = "auto") -> torch.device:
+    """CUDA when present (or asked for), else CPU."""
+    if preference == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if preference.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device '{preference}' was requested but CUDA is not available")
+    return torch.device(preference)
+
+
+def pick_dtype(preference: str, device: torch.device) -> torch.dtype:
+    """bfloat16 on GPUs, float32 on CPUs, unless the config names one."""
+    if preference == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, preference)
+
+
+def _gguf_location(source: dict, scratch: Path) -> tuple[str, str]:
+    """(folder, file name) of the GGUF file a source points at."""
+    if "gguf_path" in source:
+        path = Path(source["gguf_path"]).expanduser()
+        return str(path.parent), path.name
+    package = source["gguf_package"]
+    if source.get("assemble"):
+        # Split packages join their parts through the package's own API.
+        module = importlib.import_module(package)
+        path = Path(module.assemble(scratch / "model.gguf"))
+        return str(path.parent), path.name
+    return str(package_folder(package, package)), source["gguf_file"]
+
+
+def _load_from_gguf(source: dict, scratch: Path):
+    folder, name = _gguf_location(source, scratch)
+    log.info("loading GGUF %s/%s (dequantized to float32)", folder, name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained: rebuild it without the
+    # quantization config and move the dequantized weights over.
+    config = copy.deepcopy(quantized.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    model.generation_config = quantized.generation_config
+    return model, tokenizer
+
+
+def _load_from_pretrained(source: dict):
+    location = source.get("hub") or str(Path(source["local"]).expanduser())
+    revision = source.get("revision")
+    log.info("loading %s (revision %s)", location, revision or "default")
+    tokenizer = AutoTokenizer.from_pretrained(location, revision=revision)
+    model = AutoModelForCausalLM.from_pretrained(location, revision=revision, dtype="auto")
+    return model, tokenizer
+
+
+def prepare_model(name: str, source: dict, out_dir: str | Path) -> None:
+    """Write model ``name`` from ``source`` to ``out_dir`` as safetensors + tokenizer."""
+    check_model_source(name, source)
+    with tempfile.TemporaryDirectory(prefix="attnlab-gguf-") as scratch:
+        if "hub" in source or "local" in source:
+            model, tokenizer = _load_from_pretrained(source)
+        else:
+            model, tokenizer = _load_from_gguf(source, Path(scratch))
+        with atomic_path(out_dir, directory=True) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            provenance = {"name": name, "source": source, "torch": torch.__version__,
+                          "transformers": __import__("transformers").__version__}
+            (tmp / "attnlab_source.json").write_text(json.dumps(provenance, indent=2))
+    log.info("wrote %s", out_dir)
+
+
+def load_tokenizer(path: str | Path):
+    """Tokenizer set up for batched decoding: left padding, a pad token."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    return model.eval()
+
+
+def context_length(path: str | Path) -> int:
+    """The longest sequence (prompt + new tokens) the model was trained for."""
+    config = AutoConfig.from_pretrained(path)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text_config.max_position_embeddings)

@@ -1,0 +1,162 @@
+"""Prompt variants per condition, with token spans for every prompt region.
+
+A prompt is ``system`` + ``inserted`` + ``question``. The inserted text sits
+between the system prompt and the question (the paper's best position). Its
+length is counted in tokens under each model's own tokenizer. For every
+prompt we record the half-open token span ``[start, end)`` of each region so
+that attention plots can align prompts and shade the inserted run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import pandas as pd
+
+log = logging.getLogger(__name__)
+
+REGIONS = ("system", "inserted", "question")
+
+# Used by `kind: text` conditions without their own text ("random" in the
+# paper, which gives no text). Fixed so that runs are comparable; unrelated to
+# mathematics on purpose.
+DEFAULT_UNRELATED_TEXT = (
+    "The old lighthouse keeper walked along the rocky shore every morning, "
+    "listening to the gulls and watching the fishing boats drift out past the "
+    "harbour wall. In the village behind him the bakery opened its shutters, "
+    "the church bell rang seven times, and children hurried down the narrow "
+    "lanes towards the school by the river. Autumn had painted the hills in "
+    "shades of copper and gold, and the smell of wood smoke hung over the "
+    "rooftops while the tide slowly turned beneath a pale and quiet sky."
+)
+
+
+class PromptError(ValueError):
+    """A prompt cannot be built as configured."""
+
+
+def _token_count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def insertion_text(tokenizer, condition: dict) -> str:
+    """The text a condition inserts, about ``length`` tokens long under ``tokenizer``."""
+    kind, length = condition["kind"], condition.get("length", 0)
+    if kind == "none" or length == 0:
+        return ""
+    if kind == "repeat":
+        unit = condition["unit"]
+        # Smallest number of space-separated units reaching the target length
+        # (paper: 54 "/" joined by spaces, ~55 tokens).
+        for repeats in range(1, 4 * length + 1):
+            text = " ".join([unit] * repeats)
+            if _token_count(tokenizer, text) >= length:
+                return text
+        raise PromptError(f"cannot reach {length} tokens by repeating {unit!r}")
+    if kind == "text":
+        source = condition.get("text") or DEFAULT_UNRELATED_TEXT
+        ids = tokenizer(source, add_special_tokens=False).input_ids
+        while len(ids) < length:
+            source = f"{source} {source}"
+            ids = tokenizer(source, add_special_tokens=False).input_ids
+        return tokenizer.decode(ids[:length], skip_special_tokens=True).strip()
+    raise PromptError(f"unknown condition kind {kind!r}")
+
+
+def format_prompt(tokenizer, prompt_format: str, raw_template: str,
+                  system: str, inserted: str, question: str) -> str:
+    """The full prompt text in the model's chat template or the raw template."""
+    user = f"{inserted}\n{question}" if inserted else question
+    if prompt_format == "chat":
+        if not tokenizer.chat_template:
+            raise PromptError(
+                "prompt_format is 'chat' but the tokenizer has no chat template; "
+                "set prompt_format: raw for this model (base models have none)"
+            )
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return raw_template.format(system=system, user=user)
+
+
+def char_ranges(text: str, parts: dict[str, str]) -> dict[str, tuple[int, int]]:
+    """Character range of each region, searched in order so regions cannot overlap."""
+    ranges, cursor = {}, 0
+    for name in REGIONS:
+        part = parts[name]
+        if not part:
+            ranges[name] = (cursor, cursor)
+            continue
+        start = text.find(part, cursor)
+        if start < 0:
+            raise PromptError(f"the prompt template changed the {name} text; cannot locate it")
+        ranges[name] = (start, start + len(part))
+        cursor = start + len(part)
+    return ranges
+
+
+def token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
+    """Half-open span of the tokens whose characters overlap ``[start, end)``."""
+    inside = [i for i, (s, e) in enumerate(offsets) if e > s and s < end and e > start]
+    if not inside:
+        # Empty region: an empty span at the first token starting at/after `start`.
+        after = [i for i, (s, e) in enumerate(offsets) if e > s and s >= start]
+        at = after[0] if after else len(offsets)
+        return at, at
+    return inside[0], inside[-1] + 1
+
+
+@dataclass
+class BuiltPrompt:
+    text: str
+    input_ids: list[int]
+    spans: dict[str, tuple[int, int]]
+    span_exact: bool
+
+
+def build_prompt(tokenizer, prompt_format: str, raw_template: str,
+                 system: str, inserted: str, question: str) -> BuiltPrompt:
+    text = format_prompt(tokenizer, prompt_format, raw_template, system, inserted, question)
+    parts = {"system": system, "inserted": inserted, "question": question}
+    ranges = char_ranges(text, parts)
+    # Chat templates carry their own BOS; a raw prompt gets the tokenizer's.
+    encoded = tokenizer(text, add_special_tokens=prompt_format == "raw", return_offsets_mapping=True)
+    spans = {name: token_span(encoded.offset_mapping, *ranges[name]) for name in REGIONS}
+    exact = all(
+        tokenizer.decode(encoded.input_ids[s:e], clean_up_tokenization_spaces=False).strip()
+        == parts[name].strip()
+        for name, (s, e) in spans.items()
+    )
+    return BuiltPrompt(text, list(encoded.input_ids), spans, exact)
+
+
+def make_prompts(tokenizer, questions: pd.DataFrame, condition_name: str, condition: dict,
+                 prompt_cfg: dict, prompt_format: str, max_context: int) -> pd.DataFrame:
+    """One row per question: prompt text, token ids and region spans."""
+    inserted = insertion_text(tokenizer, condition)
+    rows = []
+    for item in questions.itertuples(index=False):
+        built = build_prompt(tokenizer, prompt_format, prompt_cfg["raw_template"],
+                             prompt_cfg["system"], inserted, item.question)
+        if len(built.input_ids) > max_context:
+            raise PromptError(
+                f"item '{item.id}': prompt is {len(built.input_ids)} tokens, longer than the "
+                f"model's context of {max_context}; drop the item or shorten the insertion"
+            )
+        row = {"id": item.id, "question": item.question, "answer": item.answer,
+               "condition": condition_name, "prompt_format": prompt_format,
+               "prompt": built.text, "input_ids": built.input_ids,
+               "n_prompt_tokens": len(built.input_ids), "inserted_text": inserted,
+               "inserted_chars": len(inserted), "span_exact": built.span_exact}
+        for name, (start, end) in built.spans.items():
+            row[f"{name}_start"], row[f"{name}_end"] = start, end
+        row["inserted_tokens"] = row["inserted_end"] - row["inserted_start"]
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    inexact = int((~frame["span_exact"]).sum())
+    if inexact:
+        log.warning("%d prompts have a token merged across a region boundary; "
+                    "their spans are approximate (span_exact=False)", inexact)
+    log.info("condition %s: %d inserted tokens (%d characters)", condition_name,
+             frame["inserted_tokens"].iloc[0] if len(frame) else 0, len(inserted))
+    return frame

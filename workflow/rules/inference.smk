@@ -1,0 +1,64 @@
+rule generate:
+    """Batched greedy decoding; CUDA when present, else CPU."""
+    input:
+        model="resources/models/{model}",
+        prompts="results/prompts/{model}/{dataset}/{condition}.parquet",
+    output:
+        "results/generations/{model}/{dataset}/{condition}.parquet",
+    params:
+        generation=generation_settings,
+    threads: 8
+    log:
+        "results/logs/generate/{model}/{dataset}/{condition}.log",
+    benchmark:
+        "results/benchmarks/generate/{model}/{dataset}/{condition}.tsv"
+    resources:
+        gpu=1,
+        mem_mb=lambda wildcards, attempt: 16000 * attempt,
+        runtime=lambda wildcards, attempt: 120 * attempt,
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/generate.py"
+
+
+rule grade:
+    """Extract answers; grade with math-verify and the paper's lenient grader."""
+    input:
+        prompts="results/prompts/{model}/{dataset}/{condition}.parquet",
+        generations="results/generations/{model}/{dataset}/{condition}.parquet",
+    output:
+        per_item="results/grades/{model}/{dataset}/{condition}.csv",
+        summary="results/grades/{model}/{dataset}/{condition}.json",
+    params:
+        cell=grade_keys,
+        grading=config["grading"],
+    log:
+        "results/logs/grade/{model}/{dataset}/{condition}.log",
+    benchmark:
+        "results/benchmarks/grade/{model}/{dataset}/{condition}.tsv"
+    resources:
+        mem_mb=4000,
+        runtime=30,
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/grade.py"
+
+
+rule accuracy_table:
+    """Accuracy per model x dataset x condition, both graders, bootstrap CI."""
+    input:
+        all_summaries(),
+    output:
+        report(
+            "results/tables/accuracy.csv",
+            caption="../report/accuracy_table.rst",
+            category="Accuracy",
+        ),
+    log:
+        "results/logs/accuracy_table.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/accuracy_table.py"

@@ -1,0 +1,7 @@
+import sys
+
+sys.path.insert(0, f"{snakemake.scriptdir}/../../src")  # attnlab, installed or not
+from attnlab import steps  # noqa: E402
+
+steps.setup_logging(snakemake.log[0])
+steps.prepare_model(snakemake.wildcards.model, snakemake.params.source, snakemake.output[0])
