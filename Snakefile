@@ -9,7 +9,7 @@ min_version("9.0")
 # it, so a run never picks up models or datasets it was not given.
 if not workflow.overwrite_configfiles:
 
-    configfile: "config/config.yaml"
+    configfile: f"{workflow.basedir}/config/config.yaml"
 
 
 report: "workflow/report/workflow.rst"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pandas as pd
 import torch
 from tqdm import tqdm
@@ -45,12 +46,13 @@ def _decode_rows(tokenizer, new_tokens: torch.Tensor, config: GenerationConfig) 
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     rows = []
     for row in new_tokens.tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        # A finished row is filled with padding; EOS itself counts as generated.
+        end = next((i + (t in eos_ids) for i, t in enumerate(row)
+                    if t in eos_ids or t == config.pad_token_id), len(row))
         text = tokenizer.decode(row[:end], skip_special_tokens=True)
-        for stop in config.stop_strings or []:
-            text = text.split(stop)[0] if stop in text else text
-        rows.append({"response": text, "n_new_tokens": end,
-                     "hit_token_limit": end == len(row) and row[-1] not in eos_ids})
+        stopped = [text.index(s) for s in config.stop_strings or [] if s in text]
+        rows.append({"response": text[:min(stopped)] if stopped else text, "n_new_tokens": end,
+                     "hit_token_limit": end == len(row) and not stopped and row[-1] not in eos_ids})
     return rows
 
 
@@ -69,7 +71,7 @@ def generate_all(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
     start = 0
     while start < len(order):
         rows = order[start:start + batch_size]
-        ids = [list(prompts.at[i, "input_ids"]) for i in rows]
+        ids = [np.asarray(prompts.at[i, "input_ids"]).tolist() for i in rows]
         try:
             new_tokens = _generate_batch(model, tokenizer, ids, config)
         except torch.cuda.OutOfMemoryError:

@@ -50,10 +50,15 @@ def extract_answer(text: str, fallback: str = "last_number") -> tuple[str | None
     return None, "none"
 
 
+def _present(pred) -> bool:
+    """A non-empty extracted answer (pandas turns a missing one into NaN)."""
+    return isinstance(pred, str) and bool(pred.strip())
+
+
 def grade_math_verify(gold: str, pred: str | None) -> bool:
     from math_verify import parse, verify
 
-    if not pred:
+    if not _present(pred):
         return False
     return bool(verify(parse(f"\\boxed{{{gold}}}"), parse(f"\\boxed{{{pred}}}")))
 
@@ -69,7 +74,7 @@ def normalise_lenient(text: str) -> str:
 
 
 def grade_lenient(gold: str, pred: str | None) -> bool:
-    if not pred:
+    if not _present(pred):
         return False
     gold_n, pred_n = normalise_lenient(gold), normalise_lenient(pred)
     return bool(pred_n) and (pred_n == gold_n or pred_n in gold_n)

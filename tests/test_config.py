@@ -1,0 +1,96 @@
+"""Bad configs fail before any job runs, with messages that say what and where."""
+
+import yaml
+
+from conftest import REPO, snakemake
+
+
+def _dry_run(tmp_path, config: dict):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return snakemake("-n", "--cores", "1", "--configfile", str(path), workdir=tmp_path)
+
+
+def _tiny():
+    return yaml.safe_load((REPO / "tests/configs/tiny.yaml").read_text())
+
+
+def test_tiny_config_dry_run_counts_jobs(tmp_path):
+    result = _dry_run(tmp_path, _tiny())
+    assert result.returncode == 0, result.stderr
+    counts = {}
+    for line in result.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            counts[parts[0]] = int(parts[1])
+    # 1 model x 2 datasets x 2 conditions.
+    assert counts == {"prepare_model": 1, "prepare_dataset": 2, "make_prompts": 4, "generate": 4,
+                      "grade": 4, "accuracy_table": 1, "plot_accuracy": 2, "all": 1, "total": 19}
+
+
+def test_configfile_replaces_the_default_config(tmp_path):
+    result = _dry_run(tmp_path, _tiny())
+    assert "gemma3-270m" not in result.stdout and "math500" not in result.stdout
+
+
+def test_unknown_key_is_named(tmp_path):
+    config = _tiny()
+    config["generation"]["max_new_tokenz"] = 5
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0
+    assert "'max_new_tokenz' was unexpected" in result.stderr
+    assert "additionalProperties" in result.stderr
+
+
+def test_wrong_type_is_named(tmp_path):
+    config = _tiny()
+    config["generation"]["batch_size"] = "sixteen"
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0
+    assert "'sixteen' is not of type 'integer'" in result.stderr
+    assert "batch_size" in result.stderr
+
+
+def test_condition_kind_requires_its_fields(tmp_path):
+    config = _tiny()
+    config["conditions"]["mless"] = {"kind": "repeat", "length": 5}
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and "'unit' is a required property" in result.stderr
+
+
+def test_names_cannot_escape_results(tmp_path):
+    for bad in ["../evil", "a/b", "/abs", ".hidden"]:
+        config = _tiny()
+        config["conditions"][bad] = {"kind": "none"}
+        result = _dry_run(tmp_path, config)
+        assert result.returncode != 0, bad
+        assert "does not match" in result.stderr and "propertyNames" in result.stderr, bad
+
+
+def test_missing_local_model_folder_fails_before_jobs(tmp_path):
+    config = _tiny()
+    config["models"]["smollm2-135m"]["source"] = {"local": str(tmp_path / "no-such-model")}
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0
+    assert "models.smollm2-135m.source.local" in result.stderr
+    assert "no config.json" in result.stderr
+
+
+def test_missing_gguf_file_lists_what_is_there(tmp_path):
+    config = _tiny()
+    config["models"]["smollm2-135m"]["source"]["gguf_file"] = "nope.gguf"
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0
+    assert "no file 'nope.gguf'" in result.stderr and "SmolLM2-135M-Instruct.Q4_1.gguf" in result.stderr
+
+
+def test_paper_config_dry_run(tmp_path):
+    result = snakemake("-n", "--cores", "1", "--configfile", str(REPO / "config/paper.yaml"),
+                       workdir=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "generate" in result.stdout
+
+
+def test_lint_passes():
+    result = snakemake("--lint", workdir=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr

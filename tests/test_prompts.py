@@ -1,0 +1,86 @@
+import pandas as pd
+import pytest
+
+from attnlab.prompts import (DEFAULT_UNRELATED_TEXT, PromptError, build_prompt, insertion_text,
+                             make_prompts, token_span)
+
+SYSTEM = r"You are an expert mathematician. Put your final answer within \boxed{}"
+RAW = "{system}\n{user}\nSolution:"
+CONDITIONS = {
+    "none": {"kind": "none"},
+    "mless": {"kind": "repeat", "unit": "/", "length": 55},
+    "mless_q": {"kind": "repeat", "unit": "?", "length": 25},
+    "mful": {"kind": "repeat", "unit": "he", "length": 55},
+    "random": {"kind": "text", "length": 40},
+}
+QUESTIONS = [
+    "What is $\\frac{1}{2} + \\frac{1}{3}$?",
+    "Janet has 16 eggs.  She eats 3. How many are left?",
+    " leading space and unicode: café ≤ 5 ",
+]
+
+
+def _decode(tokenizer, ids):
+    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("fmt", ["chat", "raw"])
+@pytest.mark.parametrize("condition", list(CONDITIONS))
+def test_spans_decode_back_to_their_text(smollm2_tokenizer, fmt, condition):
+    tok = smollm2_tokenizer
+    inserted = insertion_text(tok, CONDITIONS[condition])
+    for question in QUESTIONS:
+        built = build_prompt(tok, fmt, RAW, SYSTEM, inserted, question)
+        parts = {"system": SYSTEM, "inserted": inserted, "question": question}
+        for name, (start, end) in built.spans.items():
+            assert _decode(tok, built.input_ids[start:end]).strip() == parts[name].strip(), name
+        assert built.span_exact
+        # Regions are in order and do not overlap.
+        (s0, s1), (i0, i1), (q0, q1) = (built.spans[r] for r in ("system", "inserted", "question"))
+        assert s0 < s1 <= i0 <= i1 <= q0 < q1 <= len(built.input_ids)
+
+
+def test_inserted_length_is_counted_in_tokens(smollm2_tokenizer, smollm2_dir):
+    questions = pd.DataFrame({"id": ["a", "b"], "question": QUESTIONS[:2], "answer": ["5/6", "13"]})
+    prompt_cfg = {"system": SYSTEM, "raw_template": RAW}
+    for name, condition in CONDITIONS.items():
+        frame = make_prompts(smollm2_tokenizer, questions, name, condition, prompt_cfg, "chat", 8192)
+        expected = condition.get("length", 0)
+        assert frame["inserted_tokens"].tolist() == [expected, expected], name
+        assert (frame["inserted_chars"] == len(frame["inserted_text"][0])).all()
+        assert (frame["n_prompt_tokens"] == frame["input_ids"].map(len)).all()
+
+
+def test_random_text_is_a_prefix_of_the_fixed_paragraph(smollm2_tokenizer):
+    text = insertion_text(smollm2_tokenizer, {"kind": "text", "length": 20})
+    assert DEFAULT_UNRELATED_TEXT.startswith(text)
+    # Longer than the paragraph: it repeats instead of failing.
+    long = insertion_text(smollm2_tokenizer, {"kind": "text", "length": 300})
+    assert len(smollm2_tokenizer(long, add_special_tokens=False).input_ids) >= 299
+
+
+def test_token_span_edges():
+    offsets = [(0, 0), (0, 3), (3, 8), (8, 9)]  # a special token first
+    assert token_span(offsets, 0, 3) == (1, 2)
+    assert token_span(offsets, 3, 9) == (2, 4)
+    assert token_span(offsets, 8, 8) == (3, 3)  # empty region: empty span in place
+    assert token_span(offsets, 9, 9) == (4, 4)
+
+
+def test_prompt_longer_than_context_names_the_item(smollm2_tokenizer):
+    questions = pd.DataFrame({"id": ["short", "long-one"], "question": ["1+1?", "word " * 300],
+                              "answer": ["2", "0"]})
+    with pytest.raises(PromptError, match=r"item 'long-one': prompt is \d+ tokens, longer than "
+                                          r"the model's context of 200"):
+        make_prompts(smollm2_tokenizer, questions, "none", {"kind": "none"},
+                     {"system": SYSTEM, "raw_template": RAW}, "chat", 200)
+
+
+def test_chat_format_needs_a_template(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    saved, tok.chat_template = tok.chat_template, None
+    try:
+        with pytest.raises(PromptError, match="prompt_format: raw"):
+            build_prompt(tok, "chat", RAW, SYSTEM, "", "q")
+    finally:
+        tok.chat_template = saved
