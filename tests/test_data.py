@@ -62,3 +62,14 @@ def test_local_file_missing_is_clear(tmp_path):
     with pytest.raises(SourceError, match="does not exist"):
         prepare_dataset("d", {"source": {"path": str(tmp_path / "nope.jsonl")}, "question": ["q"],
                               "answer": "a", "answer_format": "latex", "n": None, "seed": 0})
+
+
+def test_generated_arithmetic_is_correct_and_non_negative():
+    table = prepare_dataset("arithmetic", {"source": {"arithmetic": {"low": 2, "high": 9, "ops": ["+", "-"]}},
+                                           "question": ["question"], "answer": "answer", "id": "id",
+                                           "answer_format": "latex", "n": 20, "seed": 1})
+    assert len(table) == 20 and table["id"].is_unique
+    for row in table.itertuples():
+        a, op, b = row.source_a, row.source_op, row.source_b
+        assert row.question == f"What is {a} {op} {b}?"
+        assert int(row.answer) == (a + b if op == "+" else a - b) >= 0

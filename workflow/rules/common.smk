@@ -54,9 +54,12 @@ def prompt_format(wildcards):
 
 
 def generation_settings(wildcards):
-    """Top-level generation settings with the model's own overrides applied."""
-    overrides = config["models"][wildcards.model].get("generation", {})
-    return {**config["generation"], **overrides}
+    """Top-level generation settings, then the dataset's, then the model's overrides."""
+    return {
+        **config["generation"],
+        **config["datasets"][wildcards.dataset].get("generation", {}),
+        **config["models"][wildcards.model].get("generation", {}),
+    }
 
 
 def grade_keys(wildcards):
