@@ -19,6 +19,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/inference.smk"
+include: "workflow/rules/attention.smk"
 include: "workflow/rules/plots.smk"
 
 

@@ -29,6 +29,10 @@ def atomic_path(path: str | os.PathLike, directory: bool = False) -> Iterator[Pa
         fd, name = tempfile.mkstemp(prefix=prefix, suffix=final.suffix, dir=final.parent)
         os.close(fd)
         tmp = Path(name)
+    # mkstemp/mkdtemp create private files; give the output the usual permissions.
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod((0o777 if directory else 0o666) & ~umask)
     try:
         yield tmp
         if directory and final.exists():

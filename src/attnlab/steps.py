@@ -101,8 +101,10 @@ def grade(prompts_path: str, generations_path: str, items_path: str, summary_pat
 
 
 def accuracy_table(summary_paths: list[str], out_path: str) -> None:
+    keys = ["model", "dataset", "condition"]
     table = pd.DataFrame([io.read_json(p) for p in summary_paths])
-    io.write_csv(table.sort_values(["dataset", "model", "condition"]), out_path)
+    table = table[keys + [c for c in table.columns if c not in keys]]
+    io.write_csv(table.sort_values(["dataset", "model"], kind="stable"), out_path)
 
 
 def plot_accuracy(summary_paths: list[str], out_path: str, dataset: str, models: list[str],
@@ -111,3 +113,69 @@ def plot_accuracy(summary_paths: list[str], out_path: str, dataset: str, models:
 
     table = pd.DataFrame([io.read_json(p) for p in summary_paths])
     plot(table, dataset, models, conditions, out_path, dpi)
+
+
+def extract_attention(model_dir: str, prompts_path: str, out_path: str, settings: dict,
+                      attrs: dict, threads: int) -> None:
+    import torch
+
+    from attnlab.extraction import extract, write_attention
+    from attnlab.models import load_model, pick_device, pick_dtype
+
+    torch.set_num_threads(threads)
+    prompts = pd.read_parquet(prompts_path)
+    if settings["max_prompts"]:
+        prompts = prompts.head(settings["max_prompts"])
+    device = pick_device(settings["device"])
+    dtype = pick_dtype(settings["dtype"], device)
+    model = load_model(model_dir, device, dtype)
+    log.info("extracting %d prompts on %s (%s), batch size %d", len(prompts), device, dtype,
+             settings["batch_size"])
+    started = time.perf_counter()
+    extraction = extract(model, prompts, settings["batch_size"], settings["full_map_layers"])
+    elapsed = time.perf_counter() - started
+    log.info("%d tokens in %.1f s (%.0f tokens/s)", prompts["n_prompt_tokens"].sum(), elapsed,
+             prompts["n_prompt_tokens"].sum() / max(elapsed, 1e-9))
+    tokenizer_config = io.read_json(f"{model_dir}/tokenizer_config.json")
+    write_attention(out_path, extraction, prompts, {
+        **attrs, "tokenizer": tokenizer_config.get("tokenizer_class", "unknown"),
+        "dtype": str(dtype), "device": str(device)})
+
+
+def plot_attention_head(paths: dict[str, str], out_path: str, model: str, dataset: str,
+                        layer: int, head: int, plot: dict, dpi: int) -> None:
+    from attnlab.attention_analysis import read_head
+    from attnlab.plots import plot_attention_head as plot_head
+
+    per_condition = {condition: read_head(path, layer, head) for condition, path in paths.items()}
+    plot_head(per_condition, model, dataset, layer, head, out_path, plot["drop_first"],
+              plot["per_prompt"], dpi)
+
+
+def rank_attention_heads(paths: dict[str, str], table_path: str, figure_dir: str, model: str,
+                         dataset: str, top: dict, plot: dict, ext: str, dpi: int) -> None:
+    """Heads whose received attention changes most between two conditions, and their plots."""
+    from pathlib import Path
+
+    from attnlab.attention_analysis import head_change_scores
+
+    first, second = top["between"]
+    scores = head_change_scores(paths[first], paths[second], plot["drop_first"])
+    scores.insert(0, "between", f"{first} vs {second}")
+    io.write_csv(scores, table_path)
+    with io.atomic_path(figure_dir, directory=True) as tmp:
+        for rank, row in enumerate(scores.head(top["k"]).itertuples(), start=1):
+            plot_attention_head(paths, str(Path(tmp) / f"rank{rank}_layer{row.layer}_head{row.head}.{ext}"),
+                                model, dataset, row.layer, row.head, plot, dpi)
+
+
+def lambda_summary(paths: dict[str, str], table_path: str, figure_path: str, keys: dict,
+                   dpi: int) -> None:
+    from attnlab.attention_analysis import lambda_table
+    from attnlab.plots import plot_lambda_heatmap
+
+    table = lambda_table(paths)
+    for key, value in reversed(list(keys.items())):
+        table.insert(0, key, value)
+    io.write_csv(table, table_path)
+    plot_lambda_heatmap(table, keys["model"], keys["dataset"], figure_path, dpi)

@@ -7,7 +7,7 @@ from snakemake.utils import validate
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
-from attnlab.sources import SourceError, check_model_source
+from attnlab.sources import SourceError, check_model_source, prepared_model_shape
 
 
 validate(config, "../../config/schema.yaml")
@@ -15,12 +15,46 @@ validate(config, "../../config/schema.yaml")
 MODELS = list(config["models"])
 DATASETS = list(config["datasets"])
 CONDITIONS = list(config["conditions"])
+EXT = config["plots"]["format"]
 
-for _name, _model in config["models"].items():
-    try:
-        check_model_source(_name, _model["source"])
-    except SourceError as error:
-        raise WorkflowError(str(error)) from None
+ATTENTION = config["attention"]
+ATTENTION_DATASETS = ATTENTION["datasets"] or DATASETS if ATTENTION["enabled"] else []
+HEADS = ATTENTION["heads"]
+
+
+def _check_config():
+    """Cross-references the schema cannot express; fails before any job runs."""
+    for name, model in config["models"].items():
+        check_model_source(name, model["source"])
+        shape = prepared_model_shape(f"resources/models/{name}")
+        if shape:
+            check_heads(name, *shape)
+    unknown = [d for d in ATTENTION_DATASETS if d not in DATASETS]
+    if unknown:
+        raise SourceError(f"attention.datasets names {unknown}, not in datasets: {DATASETS}")
+    top = ATTENTION["top_changed"]
+    if top["k"] and ATTENTION_DATASETS:
+        missing = [c for c in top["between"] if c not in CONDITIONS]
+        if missing:
+            raise SourceError(
+                f"attention.top_changed.between names {missing}, not in conditions: "
+                f"{CONDITIONS}; set it to two configured conditions or k: 0"
+            )
+
+
+def check_heads(model, n_layers, n_heads):
+    bad = [h for h in HEADS if h["layer"] >= n_layers or h["head"] >= n_heads]
+    if bad:
+        raise SourceError(
+            f"attention.heads {bad} out of range for model '{model}', which has {n_layers} "
+            f"layers x {n_heads} heads (0-based: layers 0..{n_layers - 1}, heads 0..{n_heads - 1})"
+        )
+
+
+try:
+    _check_config()
+except SourceError as error:
+    raise WorkflowError(str(error)) from None
 
 
 def _one_of(names):
@@ -32,6 +66,8 @@ wildcard_constraints:
     dataset=_one_of(DATASETS),
     condition=_one_of(CONDITIONS),
     ext="png|pdf|svg",
+    layer=r"\d+",
+    head=r"\d+",
 
 
 # ---- parameter slices: each rule gets only the config it uses ----
@@ -67,6 +103,17 @@ def grade_keys(wildcards):
             "condition": wildcards.condition}
 
 
+def extraction_settings(wildcards):
+    keys = ("max_prompts", "batch_size", "device", "dtype", "full_map_layers")
+    return {key: ATTENTION[key] for key in keys}
+
+
+def attention_files(wildcards):
+    """One HDF5 per condition for a model x dataset, in CONDITIONS order."""
+    return expand("results/attention/{model}/{dataset}/{condition}.h5",
+                  model=wildcards.model, dataset=wildcards.dataset, condition=CONDITIONS)
+
+
 # ---- targets ----
 
 
@@ -81,9 +128,24 @@ def all_summaries():
                   model=MODELS, dataset=DATASETS, condition=CONDITIONS)
 
 
+def attention_targets():
+    ext = EXT
+    targets = []
+    for model in MODELS:
+        for dataset in ATTENTION_DATASETS:
+            figures = f"results/figures/attention/{model}/{dataset}"
+            tables = f"results/tables/attention/{model}/{dataset}"
+            targets += [f"{figures}/layer{h['layer']}_head{h['head']}.{ext}" for h in HEADS]
+            targets += [f"{tables}/lambda.csv", f"{figures}/lambda.{ext}"]
+            if ATTENTION["top_changed"]["k"]:
+                targets += [f"{tables}/head_changes.csv", f"{figures}/top_changed"]
+    return targets
+
+
 def all_targets():
     return [
         "results/tables/accuracy.csv",
         *expand("results/figures/accuracy/{dataset}.{ext}",
                 dataset=DATASETS, ext=config["plots"]["format"]),
+        *attention_targets(),
     ]

@@ -1,0 +1,105 @@
+"""Region-aligned views of the extracted attention, head rankings and λ tables.
+
+Within one condition every prompt has the same prefix (template + system
+prompt) and the same inserted run, so positions line up across prompts until
+the question starts; questions differ in length, so means are taken over the
+prompts that still have a token at each position (shown only where at least
+``min_share`` of them do).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from attnlab.extraction import open_attention
+
+INSERTED = 1  # index of the inserted region in /spans
+
+
+class HeadRangeError(ValueError):
+    """A configured layer or head does not exist in the model."""
+
+
+def check_heads(heads: list[dict], n_layers: int, n_heads: int, model: str) -> None:
+    bad = [h for h in heads if not (0 <= h["layer"] < n_layers and 0 <= h["head"] < n_heads)]
+    if bad:
+        raise HeadRangeError(
+            f"model '{model}' has {n_layers} layers x {n_heads} heads (0-based: layers "
+            f"0..{n_layers - 1}, heads 0..{n_heads - 1}); configured {bad} is out of range. "
+            "Fix attention.heads in the config."
+        )
+
+
+def read_head(path, layer: int, head: int, name: str = "received") -> dict:
+    """One head across all prompts (a single chunk read), with spans and lengths."""
+    with open_attention(path) as h5:
+        check_heads([{"layer": layer, "head": head}], int(h5.attrs["n_layers"]),
+                    int(h5.attrs["n_heads"]), str(h5.attrs.get("model", path)))
+        return {"values": h5[f"{name}/layer_{layer:02d}"][head], "spans": h5["spans"][:],
+                "lengths": h5["lengths"][:], "ids": h5["ids"].asstr()[:]}
+
+
+def align(values: np.ndarray, spans: np.ndarray, lengths: np.ndarray, remove_inserted: bool) -> np.ndarray:
+    """[prompts, positions] with the inserted run cut out when asked (NaN padded)."""
+    rows = []
+    for row, (length, span) in enumerate(zip(lengths, spans)):
+        start, end = span[INSERTED]
+        kept = np.r_[0:start, end:length] if remove_inserted else np.arange(length)
+        rows.append(values[row, kept])
+    width = max(len(r) for r in rows)
+    out = np.full((len(rows), width), np.nan, np.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def mean_and_band(aligned: np.ndarray, min_share: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+    """Mean over prompts and the half-width of its normal 95% interval."""
+    present = np.isfinite(aligned)
+    count = present.sum(0)
+    keep = count >= max(1, min_share * len(aligned))
+    width = int(np.max(np.nonzero(keep)[0]) + 1) if keep.any() else 0
+    data = aligned[:, :width]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.nanmean(data, axis=0)
+        sem = np.nanstd(data, axis=0, ddof=1) / np.sqrt(count[:width])
+    return mean, 1.96 * np.nan_to_num(sem)
+
+
+def head_change_scores(path_a, path_b, drop_first: bool = True) -> pd.DataFrame:
+    """Per head: mean |received_a − received_b| over aligned, non-inserted positions."""
+    with open_attention(path_a) as a, open_attention(path_b) as b:
+        if list(a["ids"].asstr()[:]) != list(b["ids"].asstr()[:]):
+            raise ValueError(f"{path_a} and {path_b} hold different prompts")
+        rows = []
+        spans_a, spans_b = a["spans"][:], b["spans"][:]
+        lengths_a, lengths_b = a["lengths"][:], b["lengths"][:]
+        for layer in range(int(a.attrs["n_layers"])):
+            ra, rb = a[f"received/layer_{layer:02d}"][:], b[f"received/layer_{layer:02d}"][:]
+            for head in range(ra.shape[0]):
+                xa = align(ra[head], spans_a, lengths_a, remove_inserted=True)
+                xb = align(rb[head], spans_b, lengths_b, remove_inserted=True)
+                width = min(xa.shape[1], xb.shape[1])
+                diff = np.abs(xa[:, :width] - xb[:, :width])[:, int(drop_first):]
+                rows.append({"layer": layer, "head": head, "score": float(np.nanmean(diff))})
+    return pd.DataFrame(rows).sort_values("score", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def lambda_table(paths: dict[str, str]) -> pd.DataFrame:
+    """Mean λ over question-token queries, per condition × layer × head."""
+    rows = []
+    for condition, path in paths.items():
+        with open_attention(path) as h5:
+            spans, lengths = h5["spans"][:], h5["lengths"][:]
+            question = np.zeros((len(lengths), int(lengths.max())), bool)
+            for row, (start, end) in enumerate(spans[:, 2]):
+                question[row, start:end] = True
+            for layer in range(int(h5.attrs["n_layers"])):
+                lam = h5[f"lam/layer_{layer:02d}"][:]  # [H, N, T]
+                for head in range(lam.shape[0]):
+                    values = lam[head][:, : question.shape[1]][question]
+                    rows.append({"condition": condition, "layer": layer, "head": head,
+                                 "lambda_mean": float(values.mean()),
+                                 "lambda_min": float(values.min())})
+    return pd.DataFrame(rows)

@@ -1,0 +1,139 @@
+"""Attention statistics for every layer, head and prompt, into one HDF5 file.
+
+Layout (``N`` prompts, ``T`` = longest prompt, ``H`` heads, positions are
+token indices of each prompt, left-aligned; padding is NaN or -1):
+
+    /received/layer_{l:02d}  float32 [H, N, T]  attention key j receives from later tokens
+    /lam/layer_{l:02d}       float32 [H, N, T]  λ: attention mass query i puts on non-inserted keys
+    /maps/layer_{l:02d}      float16 [H, N, T, T]  full attention maps (only configured layers)
+    /token_ids               int32   [N, T]     -1 on padding
+    /lengths                 int32   [N]
+    /spans                   int32   [N, 3, 2]  [start, end) of system, inserted, question
+    /ids                     str     [N]        item ids
+
+Per-layer arrays are chunked ``[1, N, T]``: one head across all prompts is
+one chunk read. Attributes record the model, condition, tokenizer, metric
+definition and package versions; ``complete`` is written last and the file
+is renamed into place only after it, so a killed job never leaves a file
+that reads as complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from attnlab import attention
+from attnlab.io import atomic_path
+from attnlab.prompts import REGIONS
+
+log = logging.getLogger(__name__)
+
+
+class IncompleteFileError(RuntimeError):
+    """An HDF5 file that a killed job left behind."""
+
+
+@dataclass
+class Extraction:
+    received: list[np.ndarray]  # per layer [H, N, T]
+    lam: list[np.ndarray]
+    maps: dict[int, np.ndarray]  # layer -> [H, N, T, T]
+
+
+def _batch_masks(lengths: list[int], spans: np.ndarray, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real-token and inserted-key masks in left-padded batch positions."""
+    real = torch.zeros(len(lengths), width, dtype=torch.bool)
+    inserted = torch.zeros_like(real)
+    for row, (length, (start, end)) in enumerate(zip(lengths, spans)):
+        pad = width - length
+        real[row, pad:] = True
+        inserted[row, pad + start: pad + end] = True
+    return real, inserted
+
+
+def extract(model, prompts: pd.DataFrame, batch_size: int, map_layers: list[int]) -> Extraction:
+    """Run every prompt through the model once, reducing attention per layer."""
+    config = model.config.get_text_config()
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    n, width = len(prompts), int(prompts["n_prompt_tokens"].max())
+    received = [np.full((heads, n, width), np.nan, np.float32) for _ in range(layers)]
+    lam = [np.full((heads, n, width), np.nan, np.float32) for _ in range(layers)]
+    maps = {layer: np.full((heads, n, width, width), np.nan, np.float16) for layer in map_layers}
+    spans = prompts[["inserted_start", "inserted_end"]].to_numpy()
+    base = model.get_decoder()  # hidden states only: the LM head is not needed
+    device = next(model.parameters()).device
+    for start in tqdm(range(0, n, batch_size), desc="extract", unit="batch", mininterval=5):
+        rows = list(range(start, min(start + batch_size, n)))
+        ids = [np.asarray(prompts["input_ids"].iloc[r]).tolist() for r in rows]
+        lengths = [len(x) for x in ids]
+        batch_width = max(lengths)
+        padded = torch.zeros(len(rows), batch_width, dtype=torch.long)
+        for i, x in enumerate(ids):
+            padded[i, batch_width - len(x):] = torch.tensor(x)
+        real, inserted = _batch_masks(lengths, spans[rows], batch_width)
+        with attention.reducing(model, real.to(device), inserted.to(device), map_layers) as out, \
+                torch.inference_mode():
+            base(input_ids=padded.to(device), attention_mask=real.long().to(device), use_cache=False)
+        for i, (row, length) in enumerate(zip(rows, lengths)):
+            pad = batch_width - length
+            for layer in range(layers):
+                received[layer][:, row, :length] = out.received[layer][i, :, pad:].numpy()
+                lam[layer][:, row, :length] = out.lam[layer][i, :, pad:].numpy()
+            for layer in map_layers:
+                maps[layer][:, row, :length, :length] = out.maps[layer][i, :, pad:, pad:].numpy()
+    return Extraction(received, lam, maps)
+
+
+def _versions() -> dict:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "h5py": h5py.__version__, "numpy": np.__version__}
+
+
+def write_attention(path: str | Path, extraction: Extraction, prompts: pd.DataFrame, attrs: dict) -> None:
+    n, width = extraction.received[0].shape[1:]
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as h5:
+        compression = {"compression": "gzip", "compression_opts": 4, "shuffle": True}
+        for name, arrays in (("received", extraction.received), ("lam", extraction.lam)):
+            group = h5.create_group(name)
+            for layer, array in enumerate(arrays):
+                group.create_dataset(f"layer_{layer:02d}", data=array,
+                                     chunks=(1, n, width), **compression)
+        maps = h5.create_group("maps")
+        for layer, array in extraction.maps.items():
+            maps.create_dataset(f"layer_{layer:02d}", data=array,
+                                chunks=(1, 1, width, width), **compression)
+        token_ids = np.full((n, width), -1, np.int32)
+        for row, ids in enumerate(prompts["input_ids"]):
+            token_ids[row, : len(ids)] = ids
+        h5.create_dataset("token_ids", data=token_ids, **compression)
+        h5.create_dataset("lengths", data=prompts["n_prompt_tokens"].to_numpy(np.int32))
+        spans = np.stack([prompts[[f"{r}_start", f"{r}_end"]].to_numpy(np.int32) for r in REGIONS], 1)
+        h5.create_dataset("spans", data=spans)
+        h5.create_dataset("ids", data=prompts["id"].astype(str).tolist(), dtype=h5py.string_dtype())
+        h5.attrs.update({key: json.dumps(value) if isinstance(value, (dict, list)) else value
+                         for key, value in attrs.items()})
+        h5.attrs["regions"] = json.dumps(list(REGIONS))
+        h5.attrs["metric_definition"] = attention.METRIC_DEFINITION
+        h5.attrs["versions"] = json.dumps(_versions())
+        h5.attrs["n_layers"], h5.attrs["n_heads"] = len(extraction.received), extraction.received[0].shape[0]
+        h5.attrs["complete"] = True
+
+
+def open_attention(path: str | Path) -> h5py.File:
+    """Open an attention file for reading, refusing one a killed job left behind."""
+    h5 = h5py.File(path, "r")
+    if not h5.attrs.get("complete", False):
+        h5.close()
+        raise IncompleteFileError(f"{path} is incomplete (its job did not finish); delete it and rerun")
+    return h5

@@ -1,0 +1,99 @@
+"""The reduced attention statistics equal those computed from full eager maps."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+from attnlab.extraction import extract
+
+
+def _prompts(lengths, inserted, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i, length in enumerate(lengths):
+        start, end = inserted if inserted else (0, 0)
+        rows.append({"id": f"p{i}", "input_ids": rng.integers(3, vocab, size=length).tolist(),
+                     "n_prompt_tokens": length, "system_start": 0, "system_end": start,
+                     "inserted_start": start, "inserted_end": end,
+                     "question_start": end, "question_end": length})
+    return pd.DataFrame(rows)
+
+
+def _reference(model, prompts):
+    """received and λ from output_attentions=True, one unpadded prompt at a time."""
+    model.set_attn_implementation("eager")
+    out = []
+    for row in prompts.itertuples():
+        ids = torch.tensor([row.input_ids])
+        with torch.no_grad():
+            maps = model(ids, output_attentions=True).attentions
+        per_layer = []
+        for a in maps:
+            a = a[0].double()  # [H, L, L]
+            length = a.shape[-1]
+            received = torch.stack([a[:, j + 1:, j].mean(dim=1) if j < length - 1
+                                    else torch.full((a.shape[0],), float("nan"), dtype=a.dtype)
+                                    for j in range(length)], dim=1)
+            lam = 1 - a[:, :, row.inserted_start:row.inserted_end].sum(-1)
+            per_layer.append((received.numpy(), lam.numpy(), a.numpy()))
+        out.append(per_layer)
+    return out
+
+
+def _tiny(config_class, **extra):
+    torch.manual_seed(0)
+    config = config_class(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          max_position_embeddings=256, **extra)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+TINY = {
+    "llama-gqa": lambda: _tiny(LlamaConfig),
+    "qwen2": lambda: _tiny(Qwen2Config),
+    "gemma3-sliding": lambda: _tiny(Gemma3TextConfig, sliding_window=5,
+                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+}
+
+
+def _check(model, prompts, batch_size, map_layers=()):
+    got = extract(model, prompts, batch_size=batch_size, map_layers=list(map_layers))
+    want = _reference(model, prompts)
+    for p, per_layer in enumerate(want):
+        length = prompts["n_prompt_tokens"][p]
+        for layer, (received, lam, maps) in enumerate(per_layer):
+            np.testing.assert_allclose(got.received[layer][:, p, :length], received, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(got.lam[layer][:, p, :length], lam, atol=1e-5, rtol=0)
+            assert np.isnan(got.received[layer][:, p, length:]).all()  # padding stays NaN
+            if layer in map_layers:
+                np.testing.assert_allclose(got.maps[layer][:, p, :length, :length], maps, atol=1e-3)
+    return got
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_matches_eager_maps_with_padding(arch):
+    model = TINY[arch]()
+    # Unequal lengths force left padding inside each batch of 3.
+    prompts = _prompts([17, 9, 23, 12], inserted=(3, 8), vocab=101)
+    _check(model, prompts, batch_size=3, map_layers=[1])
+
+
+def test_lambda_is_exactly_one_without_insertion():
+    model = TINY["llama-gqa"]()
+    got = extract(model, _prompts([10, 14], inserted=None, vocab=101), batch_size=2, map_layers=[])
+    for lam in got.lam:
+        assert np.all(lam[:, 0, :10] == 1.0) and np.all(lam[:, 1, :14] == 1.0)
+
+
+@pytest.mark.slow
+def test_matches_eager_maps_on_smollm2(smollm2_dir, smollm2_tokenizer):
+    from attnlab.models import load_model
+
+    model = load_model(smollm2_dir, torch.device("cpu"), torch.float32)
+    ids = [smollm2_tokenizer(t).input_ids for t in
+           ["You are an expert. / / / / / / What is 2 + 3?", "Hi / / / there, how are you today my friend?"]]
+    prompts = pd.DataFrame({"id": ["a", "b"], "input_ids": ids, "n_prompt_tokens": [len(i) for i in ids],
+                            "inserted_start": [4, 1], "inserted_end": [10, 4]})
+    _check(model, prompts, batch_size=2)

@@ -1,0 +1,96 @@
+rule extract_attention:
+    """Every layer and head of one model x dataset x condition into one HDF5."""
+    input:
+        model="resources/models/{model}",
+        prompts="results/prompts/{model}/{dataset}/{condition}.parquet",
+    output:
+        "results/attention/{model}/{dataset}/{condition}.h5",
+    params:
+        settings=extraction_settings,
+        attrs=grade_keys,
+    threads: 8
+    log:
+        "results/logs/extract_attention/{model}/{dataset}/{condition}.log",
+    benchmark:
+        "results/benchmarks/extract_attention/{model}/{dataset}/{condition}.tsv"
+    resources:
+        gpu=1,
+        mem_mb=lambda wildcards, attempt: 16000 * attempt,
+        runtime=lambda wildcards, attempt: 60 * attempt,
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/extract_attention.py"
+
+
+rule plot_attention_head:
+    """Attention received vs position for one configured head, a line per condition."""
+    input:
+        attention_files,
+    output:
+        report(
+            "results/figures/attention/{model}/{dataset}/layer{layer}_head{head}.{ext}",
+            caption="../report/attention_head.rst",
+            category="Attention",
+            subcategory="{model}",
+        ),
+    params:
+        conditions=CONDITIONS,
+        plot=config["attention"]["plot"],
+        dpi=config["plots"]["dpi"],
+    log:
+        "results/logs/plot_attention_head/{model}/{dataset}/layer{layer}_head{head}.{ext}.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/plot_attention_head.py"
+
+
+rule rank_attention_heads:
+    """Heads ranked by how much their received attention changes between two conditions."""
+    input:
+        attention_files,
+    output:
+        table="results/tables/attention/{model}/{dataset}/head_changes.csv",
+        figures=report(
+            directory("results/figures/attention/{model}/{dataset}/top_changed"),
+            patterns=["{name}." + EXT],
+            caption="../report/attention_top.rst",
+            category="Attention",
+            subcategory="{model}",
+        ),
+    params:
+        conditions=CONDITIONS,
+        top=config["attention"]["top_changed"],
+        ext=EXT,
+        plot=config["attention"]["plot"],
+        dpi=config["plots"]["dpi"],
+    log:
+        "results/logs/rank_attention_heads/{model}/{dataset}.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/rank_attention_heads.py"
+
+
+rule lambda_summary:
+    """Mean λ per condition x layer x head, as a table and a heatmap."""
+    input:
+        attention_files,
+    output:
+        table="results/tables/attention/{model}/{dataset}/lambda.csv",
+        figure=report(
+            "results/figures/attention/{model}/{dataset}/lambda." + EXT,
+            caption="../report/lambda.rst",
+            category="Attention",
+            subcategory="{model}",
+        ),
+    params:
+        conditions=CONDITIONS,
+        dpi=config["plots"]["dpi"],
+    log:
+        "results/logs/lambda_summary/{model}/{dataset}.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/lambda_summary.py"

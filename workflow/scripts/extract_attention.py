@@ -1,0 +1,14 @@
+import sys
+
+sys.path.insert(0, f"{snakemake.scriptdir}/../../src")  # attnlab, installed or not
+from attnlab import steps  # noqa: E402
+
+steps.setup_logging(snakemake.log[0])
+steps.extract_attention(
+    model_dir=snakemake.input.model,
+    prompts_path=snakemake.input.prompts,
+    out_path=snakemake.output[0],
+    settings=snakemake.params.settings,
+    attrs=snakemake.params.attrs,
+    threads=snakemake.threads,
+)
