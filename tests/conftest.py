@@ -32,10 +32,27 @@ def smollm2_tokenizer(smollm2_dir):
 
 
 def snakemake(*args, workdir: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run the workflow through its command line, as a user would."""
+    """Run the workflow through its command line, as a user would.
+
+    Snakemake prints errors and job stats on either stream, so both are
+    merged into ``stdout``.
+    """
     command = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"),
                "--directory", str(workdir), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """The "Job stats" table of a Snakemake run or dry run."""
+    lines = output.split("Job stats:", 1)[1].splitlines()[3:]
+    counts = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            break
+        counts[parts[0]] = int(parts[1])
+    return counts
 
 
 def copy_config(name: str, workdir: Path) -> Path:

@@ -2,7 +2,7 @@
 
 import yaml
 
-from conftest import REPO, snakemake
+from conftest import REPO, job_counts, snakemake
 
 
 def _dry_run(tmp_path, config: dict):
@@ -17,15 +17,13 @@ def _tiny():
 
 def test_tiny_config_dry_run_counts_jobs(tmp_path):
     result = _dry_run(tmp_path, _tiny())
-    assert result.returncode == 0, result.stderr
-    counts = {}
-    for line in result.stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
-            counts[parts[0]] = int(parts[1])
-    # 1 model x 2 datasets x 2 conditions.
+    assert result.returncode == 0, result.stdout
+    counts = job_counts(result.stdout)
+    # 1 model x 2 datasets x 2 conditions; attention on 1 dataset, 1 configured head.
     assert counts == {"prepare_model": 1, "prepare_dataset": 2, "make_prompts": 4, "generate": 4,
-                      "grade": 4, "accuracy_table": 1, "plot_accuracy": 2, "all": 1, "total": 19}
+                      "grade": 4, "accuracy_table": 1, "plot_accuracy": 2, "extract_attention": 2,
+                      "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
+                      "all": 1, "total": 24}
 
 
 def test_configfile_replaces_the_default_config(tmp_path):
@@ -38,8 +36,8 @@ def test_unknown_key_is_named(tmp_path):
     config["generation"]["max_new_tokenz"] = 5
     result = _dry_run(tmp_path, config)
     assert result.returncode != 0
-    assert "'max_new_tokenz' was unexpected" in result.stderr
-    assert "additionalProperties" in result.stderr
+    assert "'max_new_tokenz' was unexpected" in result.stdout
+    assert "additionalProperties" in result.stdout
 
 
 def test_wrong_type_is_named(tmp_path):
@@ -47,15 +45,15 @@ def test_wrong_type_is_named(tmp_path):
     config["generation"]["batch_size"] = "sixteen"
     result = _dry_run(tmp_path, config)
     assert result.returncode != 0
-    assert "'sixteen' is not of type 'integer'" in result.stderr
-    assert "batch_size" in result.stderr
+    assert "'sixteen' is not of type 'integer'" in result.stdout
+    assert "batch_size" in result.stdout
 
 
 def test_condition_kind_requires_its_fields(tmp_path):
     config = _tiny()
     config["conditions"]["mless"] = {"kind": "repeat", "length": 5}
     result = _dry_run(tmp_path, config)
-    assert result.returncode != 0 and "'unit' is a required property" in result.stderr
+    assert result.returncode != 0 and "'unit' is a required property" in result.stdout
 
 
 def test_names_cannot_escape_results(tmp_path):
@@ -64,7 +62,7 @@ def test_names_cannot_escape_results(tmp_path):
         config["conditions"][bad] = {"kind": "none"}
         result = _dry_run(tmp_path, config)
         assert result.returncode != 0, bad
-        assert "does not match" in result.stderr and "propertyNames" in result.stderr, bad
+        assert "does not match" in result.stdout and "propertyNames" in result.stdout, bad
 
 
 def test_missing_local_model_folder_fails_before_jobs(tmp_path):
@@ -72,8 +70,8 @@ def test_missing_local_model_folder_fails_before_jobs(tmp_path):
     config["models"]["smollm2-135m"]["source"] = {"local": str(tmp_path / "no-such-model")}
     result = _dry_run(tmp_path, config)
     assert result.returncode != 0
-    assert "models.smollm2-135m.source.local" in result.stderr
-    assert "no config.json" in result.stderr
+    assert "models.smollm2-135m.source.local" in result.stdout
+    assert "no config.json" in result.stdout
 
 
 def test_missing_gguf_file_lists_what_is_there(tmp_path):
@@ -81,16 +79,27 @@ def test_missing_gguf_file_lists_what_is_there(tmp_path):
     config["models"]["smollm2-135m"]["source"]["gguf_file"] = "nope.gguf"
     result = _dry_run(tmp_path, config)
     assert result.returncode != 0
-    assert "no file 'nope.gguf'" in result.stderr and "SmolLM2-135M-Instruct.Q4_1.gguf" in result.stderr
+    assert "no file 'nope.gguf'" in result.stdout and "SmolLM2-135M-Instruct.Q4_1.gguf" in result.stdout
+
+
+def test_attention_cross_references_are_checked(tmp_path):
+    config = _tiny()
+    config["attention"]["top_changed"]["between"] = ["none", "mful"]
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and "names ['mful'], not in conditions" in result.stdout
+    config = _tiny()
+    config["attention"]["datasets"] = ["math500"]
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and "attention.datasets names ['math500']" in result.stdout
 
 
 def test_paper_config_dry_run(tmp_path):
     result = snakemake("-n", "--cores", "1", "--configfile", str(REPO / "config/paper.yaml"),
                        workdir=tmp_path)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout
     assert "generate" in result.stdout
 
 
 def test_lint_passes():
     result = snakemake("--lint", workdir=REPO)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout

@@ -3,6 +3,7 @@ on real SmolLM2 weights and real data, and a second run that does nothing."""
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -18,7 +19,7 @@ def tiny_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("tiny")
     config = copy_config("tiny.yaml", workdir)
     result = snakemake("--cores", "2", "--configfile", str(config), workdir=workdir)
-    assert result.returncode == 0, result.stderr[-5000:]
+    assert result.returncode == 0, result.stdout[-5000:]
     return workdir, config
 
 
@@ -69,7 +70,58 @@ def test_second_run_schedules_nothing(tiny_run):
     workdir, config = tiny_run
     dry = snakemake("-n", "--cores", "2", "--configfile", str(config), workdir=workdir)
     assert dry.returncode == 0
-    assert "Nothing to be done" in dry.stdout + dry.stderr
+    assert "Nothing to be done" in dry.stdout
     again = snakemake("--cores", "2", "--configfile", str(config), workdir=workdir)
     assert again.returncode == 0
-    assert "Finished job" not in again.stdout + again.stderr
+    assert "Finished job" not in again.stdout
+
+
+def test_attention_hdf5_layout(tiny_run):
+    import h5py
+
+    workdir, _ = tiny_run
+    prompts = pd.read_parquet(workdir / f"results/prompts/{MODEL}/svamp/mless.parquet")
+    with h5py.File(workdir / f"results/attention/{MODEL}/svamp/mless.h5") as h5:
+        assert h5.attrs["complete"] and h5.attrs["model"] == MODEL and h5.attrs["condition"] == "mless"
+        assert "mean over i > j of A[i, j]" in h5.attrs["metric_definition"]
+        assert "transformers" in json.loads(h5.attrs["versions"])
+        n, width = len(prompts), int(prompts["n_prompt_tokens"].max())
+        assert h5.attrs["n_layers"] == 30 and h5.attrs["n_heads"] == 9
+        for name in ("received", "lam"):
+            layer = h5[f"{name}/layer_29"]
+            assert layer.shape == (9, n, width) and layer.chunks == (1, n, width)
+            assert layer.compression == "gzip"
+        assert h5["token_ids"][0, : prompts["n_prompt_tokens"][0]].tolist() == prompts["input_ids"][0].tolist()
+        assert h5["spans"][:, 1].tolist() == prompts[["inserted_start", "inserted_end"]].values.tolist()
+        lam = h5["lam/layer_05"][:]
+        assert np.nanmax(lam) <= 1 + 1e-6 and np.nanmin(lam) < 1  # the insertion takes attention
+    with h5py.File(workdir / f"results/attention/{MODEL}/svamp/none.h5") as h5:
+        lengths = h5["lengths"][:]
+        for layer in range(30):
+            lam = h5[f"lam/layer_{layer:02d}"][:]
+            assert all((lam[:, i, :length] == 1.0).all() for i, length in enumerate(lengths))
+
+
+def test_attention_figures_and_tables(tiny_run):
+    workdir, _ = tiny_run
+    figures = workdir / f"results/figures/attention/{MODEL}/svamp"
+    assert (figures / "layer0_head0.png").stat().st_size > 10_000
+    assert (figures / "lambda.png").is_file()
+    ranked = pd.read_csv(workdir / f"results/tables/attention/{MODEL}/svamp/head_changes.csv")
+    assert len(ranked) == 30 * 9 and ranked["score"].is_monotonic_decreasing
+    top = ranked.iloc[0]
+    assert [p.name for p in (figures / "top_changed").glob("*.png")] == [
+        f"rank1_layer{top['layer']}_head{top['head']}.png"]
+    lam = pd.read_csv(workdir / f"results/tables/attention/{MODEL}/svamp/lambda.csv")
+    assert len(lam) == 2 * 30 * 9
+    assert (lam[lam["condition"] == "none"]["lambda_mean"] == 1.0).all()
+    assert (lam[lam["condition"] == "mless"]["lambda_mean"] < 1.0).any()
+
+
+def test_head_out_of_range_names_the_real_shape(tiny_run):
+    workdir, config = tiny_run
+    bad = workdir / "bad_head.yaml"
+    bad.write_text(config.read_text().replace("heads: [{layer: 0, head: 0}]", "heads: [{layer: 30, head: 2}]"))
+    result = snakemake("-n", "--cores", "1", "--configfile", str(bad), workdir=workdir)
+    assert result.returncode != 0
+    assert "has 30 layers x 9 heads" in result.stdout

@@ -54,7 +54,7 @@ rule rank_attention_heads:
         table="results/tables/attention/{model}/{dataset}/head_changes.csv",
         figures=report(
             directory("results/figures/attention/{model}/{dataset}/top_changed"),
-            patterns=["{name}." + EXT],
+            patterns=[f"{{name}}.{EXT}"],
             caption="../report/attention_top.rst",
             category="Attention",
             subcategory="{model}",
@@ -80,7 +80,7 @@ rule lambda_summary:
     output:
         table="results/tables/attention/{model}/{dataset}/lambda.csv",
         figure=report(
-            "results/figures/attention/{model}/{dataset}/lambda." + EXT,
+            f"results/figures/attention/{{model}}/{{dataset}}/lambda.{EXT}",
             caption="../report/lambda.rst",
             category="Attention",
             subcategory="{model}",

@@ -1,0 +1,64 @@
+import h5py
+import numpy as np
+import pytest
+
+from attnlab.attention_analysis import HeadRangeError, align, mean_and_band, read_head
+from attnlab.extraction import IncompleteFileError, extract, open_attention, write_attention
+from test_attention import TINY, _prompts
+
+
+@pytest.fixture()
+def written(tmp_path):
+    model = TINY["llama-gqa"]()
+    prompts = _prompts([12, 8, 15], inserted=(2, 6), vocab=101)
+    for region, (start, end) in {"system": (0, 2), "question": (6, None)}.items():
+        prompts[f"{region}_start"], prompts[f"{region}_end"] = start, end or prompts["n_prompt_tokens"]
+    path = tmp_path / "cell.h5"
+    write_attention(path, extract(model, prompts, 2, []), prompts, {"model": "tiny", "condition": "c"})
+    return path, prompts
+
+
+def test_written_file_reads_back(written):
+    path, prompts = written
+    head = read_head(path, layer=2, head=3)
+    assert head["values"].shape == (3, 15)
+    assert head["ids"].tolist() == ["p0", "p1", "p2"]
+    assert np.isnan(head["values"][1, 8:]).all()
+
+
+def test_out_of_range_head_names_the_model_shape(written):
+    path, _ = written
+    with pytest.raises(HeadRangeError, match=r"model 'tiny' has 3 layers x 4 heads"):
+        read_head(path, layer=3, head=0)
+
+
+def test_incomplete_file_is_refused(written):
+    path, _ = written
+    with h5py.File(path, "a") as h5:
+        h5.attrs["complete"] = False
+    with pytest.raises(IncompleteFileError, match="delete it and rerun"):
+        open_attention(path)
+
+
+def test_killed_write_leaves_no_file(tmp_path, written, monkeypatch):
+    _, prompts = written
+    import attnlab.extraction as extraction
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # stands in for a kill arriving mid-write
+
+    monkeypatch.setattr(extraction, "_versions", crash)
+    target = tmp_path / "killed.h5"
+    with pytest.raises(KeyboardInterrupt):
+        write_attention(target, extract(TINY["llama-gqa"](), prompts, 2, []), prompts, {})
+    assert not target.exists() and not list(tmp_path.glob(".killed.h5.tmp-*"))
+
+
+def test_align_removes_the_inserted_run():
+    values = np.arange(20, dtype=np.float32).reshape(2, 10)
+    spans = np.array([[[0, 2], [2, 5], [5, 10]], [[0, 2], [2, 5], [5, 8]]])
+    aligned = align(values, spans, np.array([10, 8]), remove_inserted=True)
+    assert aligned[0].tolist() == [0, 1, 5, 6, 7, 8, 9]
+    assert aligned[1, :5].tolist() == [10, 11, 15, 16, 17] and np.isnan(aligned[1, 5:]).all()
+    mean, band = mean_and_band(aligned, min_share=1.0)
+    assert len(mean) == 5 and mean[0] == 5.0 and band[0] > 0
