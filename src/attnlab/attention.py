@@ -59,44 +59,77 @@ def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
         batch, kv_heads * groups, length, dim)
 
 
+BLOCK_BYTES = 4 * 2**20  # score block size: small enough to stay in cache on CPUs
+
+
 def reducing_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, attention_mask: torch.Tensor | None,
                        scaling: float | None = None, dropout: float = 0.0,
                        softcap: float | None = None, **kwargs):
-    """Eager attention that also records this layer's reductions in ``_active``."""
+    """Eager attention computed in blocks of queries, reducing as it goes.
+
+    Query rows [q0, q1) only see keys [0, q1) (causal), so each block skips
+    the masked upper triangle and stays small enough to remain in cache while
+    it is softmaxed, multiplied with the values and reduced. The result equals
+    eager attention; with ``_active`` set, this layer's statistics are kept.
+    """
     if scaling is None:
         scaling = module.head_dim ** -0.5
     key = _repeat_kv(key, module.num_key_value_groups)
     value = _repeat_kv(value, module.num_key_value_groups)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
-    if _active is not None:
-        _reduce(module.layer_idx, weights, _active)
-    return output, None
+    batch, heads, length, _ = query.shape
+    stats = None if _active is None else _LayerStats(_active, module.layer_idx, batch, heads, length, query.device)
+    rows_per_block = max(16, BLOCK_BYTES // (4 * batch * heads * length))
+    output = torch.empty_like(query)
+    for q0 in range(0, length, rows_per_block):
+        q1 = min(q0 + rows_per_block, length)
+        # Keys from q1 on are causally masked for every query of this block.
+        scores = torch.matmul(query[:, :, q0:q1], key[:, :, :q1].transpose(2, 3)) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if attention_mask is not None:
+            scores += attention_mask[:, :, q0:q1, :q1]
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        output[:, :, q0:q1] = torch.matmul(weights, value[:, :, :q1])
+        if stats is not None:
+            stats.add_block(weights, q0, q1)
+    if stats is not None:
+        stats.finish()
+    return output.transpose(1, 2).contiguous(), None
 
 
-def _reduce(layer: int, weights: torch.Tensor, into: BatchReduction) -> None:
-    """Two batched vector-matrix products; no second copy of the weights."""
-    weights = weights.float()
-    length = weights.shape[-1]
-    # For a real query i, A[i, j] = 0 when j > i, so summing real rows gives
-    # the diagonal plus everything strictly below it. Padding rows are left out.
-    real_rows = into.real_tokens[:, None, None, :].float()
-    column_sums = torch.matmul(real_rows, weights)[:, :, 0, :]
-    later = torch.arange(length - 1, -1, -1, device=weights.device, dtype=torch.float32)
-    received = (column_sums - weights.diagonal(dim1=-2, dim2=-1)) / later
-    received[..., -1] = float("nan")
-    inserted = into.inserted_keys[:, None, :, None].float()
-    lam = 1.0 - torch.matmul(weights, inserted)[..., 0]
-    into.received[layer] = received.cpu()
-    into.lam[layer] = lam.cpu()
-    if layer in into.map_layers:
-        into.maps[layer] = weights.half().cpu()
+class _LayerStats:
+    """One layer's reductions, accumulated block by block with two small matmuls each."""
+
+    def __init__(self, into: BatchReduction, layer: int, batch: int, heads: int, length: int, device):
+        self.into, self.layer = into, layer
+        self.real_rows = into.real_tokens[:, None, None, :].float()
+        self.inserted = into.inserted_keys[:, None, :, None].float()
+        self.column_sums = torch.zeros(batch, heads, length, device=device)
+        self.diagonal = torch.zeros(batch, heads, length, device=device)
+        self.lam = torch.empty(batch, heads, length, device=device)
+        self.map = (torch.zeros(batch, heads, length, length, device=device)
+                    if layer in into.map_layers else None)
+
+    def add_block(self, weights: torch.Tensor, q0: int, q1: int) -> None:
+        weights = weights.float()
+        # For a real query i, A[i, j] = 0 when j > i, so summing real rows gives
+        # the diagonal plus everything strictly below it. Padding rows are left out.
+        self.column_sums[..., :q1] += torch.matmul(self.real_rows[..., q0:q1], weights)[:, :, 0]
+        self.diagonal[..., q0:q1] = weights.diagonal(offset=q0, dim1=-2, dim2=-1)
+        self.lam[..., q0:q1] = 1.0 - torch.matmul(weights, self.inserted[:, :, :q1])[..., 0]
+        if self.map is not None:
+            self.map[:, :, q0:q1, :q1] = weights
+
+    def finish(self) -> None:
+        length = self.column_sums.shape[-1]
+        later = torch.arange(length - 1, -1, -1, device=self.column_sums.device, dtype=torch.float32)
+        received = (self.column_sums - self.diagonal) / later
+        received[..., -1] = float("nan")
+        self.into.received[self.layer] = received.cpu()
+        self.into.lam[self.layer] = self.lam.cpu()
+        if self.map is not None:
+            self.into.maps[self.layer] = self.map.half().cpu()
 
 
 AttentionInterface.register(IMPLEMENTATION, reducing_attention)
