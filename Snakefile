@@ -20,6 +20,7 @@ include: "workflow/rules/models.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/inference.smk"
 include: "workflow/rules/attention.smk"
+include: "workflow/rules/pruning.smk"
 include: "workflow/rules/plots.smk"
 
 

@@ -105,3 +105,34 @@ def plot_lambda_heatmap(table: pd.DataFrame, model: str, dataset: str, out_path,
     fig.colorbar(image, ax=axes[0].tolist(), label="mean λ over question tokens")
     fig.suptitle(f"{model} on {dataset}: λ = attention mass on non-inserted tokens")
     _save(fig, out_path, dpi)
+
+
+def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] | None,
+                 threshold: float, ablation: str, ranking: str, out_path, dpi: int = 150) -> None:
+    """Explained effect vs number of heads kept, one curve per model, with an "N×" label."""
+    from attnlab.pruning import heads_to_reach
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours = plt.get_cmap("tab10")
+    needed = {}
+    for k, (model, sweep) in enumerate(sweeps.items()):
+        needed[model] = heads_to_reach(sweep, threshold)
+        label = f"{model} ({needed[model] if needed[model] is not None else 'never'} heads to {threshold:g})"
+        ax.plot(sweep["heads_kept"], sweep["explained_effect"], color=colours(k % 10), lw=1.5, label=label)
+        if needed[model] is not None:
+            ax.plot([needed[model]], [threshold], "o", color=colours(k % 10))
+    ax.axhline(threshold, ls="--", color="grey", lw=1)
+    first, second = (compare or list(sweeps))[:2] if len(sweeps) > 1 else (None, None)
+    if first and needed.get(first) and needed.get(second):
+        ratio = needed[first] / needed[second]
+        ax.text(0.98, threshold + 0.03, f"{ratio:.1f}× ({first} / {second})", ha="right",
+                transform=ax.get_yaxis_transform(), fontsize=10)
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlabel("Number of Heads Kept")
+    ax.set_ylabel("Explained Effect")
+    ax.set_title(f"{task}: ablation = {ablation}, ranking = {ranking}\n"
+                 "explained effect = (m(k) − m(0)) / (m(all) − m(0)), MLPs intact", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    _save(fig, out_path, dpi)

@@ -6,10 +6,12 @@ step can be run and tested without Snakemake.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
 
+import numpy as np
 import pandas as pd
 
 from attnlab import io
@@ -179,3 +181,77 @@ def lambda_summary(paths: dict[str, str], table_path: str, figure_path: str, key
         table.insert(0, key, value)
     io.write_csv(table, table_path)
     plot_lambda_heatmap(table, keys["model"], keys["dataset"], figure_path, dpi)
+
+
+def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
+                summary_path: str, threads: int) -> None:
+    """Generate the task for this tokenizer, then score every head."""
+    import torch
+    from scipy.stats import spearmanr
+
+    from attnlab.models import load_model, load_tokenizer, pick_device
+    from attnlab.pruning import Patcher, build_batch
+    from attnlab.tasks import generate_task
+
+    torch.set_num_threads(threads)
+    _seed_everything(settings["seed"])
+    tokenizer = load_tokenizer(model_dir)
+    prompts = generate_task(task, tokenizer, settings["n"], settings["seed"])
+    io.write_json(dataclasses.asdict(prompts), prompts_path)
+    model = load_model(model_dir, pick_device(settings["device"]), torch.float32)
+    patcher = Patcher(model, build_batch(prompts, tokenizer), settings["ablation"], settings["batch_size"])
+    clean, corrupted = patcher.metric(), patcher.corrupted_metric()
+    log.info("%s: clean metric %.3f, corrupted %.3f (%d prompts)", task, clean, corrupted, len(prompts.clean))
+    started = time.perf_counter()
+    attribution = patcher.attribution()
+    timings = {"attribution_s": time.perf_counter() - started}
+    layers, heads = attribution.shape
+    scores = pd.DataFrame({"layer": np.repeat(np.arange(layers), heads), "head": np.tile(np.arange(heads), layers),
+                           "attribution": attribution.flatten().numpy()})
+    summary = {"task": task, "n_prompts": len(prompts.clean), "clean_metric": clean,
+               "corrupted_metric": corrupted, "ablation": settings["ablation"],
+               "ranking": settings["ranking"], **prompts.info}
+    if settings["exact"] or settings["ranking"] == "exact":
+        started = time.perf_counter()
+        scores["exact"] = patcher.exact().flatten().numpy()
+        timings["exact_s"] = time.perf_counter() - started
+        summary["spearman_attribution_vs_exact"] = float(spearmanr(scores["attribution"], scores["exact"]).statistic)
+    ranking = scores[settings["ranking"]]
+    scores["rank"] = ranking.rank(ascending=False, method="first").astype(int)
+    io.write_csv(scores.sort_values("rank"), scores_path)
+    io.write_json({**summary, **timings}, summary_path)
+
+
+def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
+                sweep_path: str, summary_path: str, threads: int) -> None:
+    """Keep the top-k heads, ablate the rest, for every k of the grid."""
+    import torch
+
+    from attnlab.models import load_model, load_tokenizer, pick_device
+    from attnlab.pruning import Patcher, build_batch, heads_to_reach, k_grid
+    from attnlab.tasks import TaskPrompts
+
+    torch.set_num_threads(threads)
+    _seed_everything(settings["seed"])
+    tokenizer = load_tokenizer(model_dir)
+    prompts = TaskPrompts(**io.read_json(prompts_path))
+    model = load_model(model_dir, pick_device(settings["device"]), torch.float32)
+    patcher = Patcher(model, build_batch(prompts, tokenizer), settings["ablation"], settings["batch_size"])
+    scores = pd.read_csv(scores_path).sort_values("rank")
+    order = list(zip(scores["layer"], scores["head"]))
+    started = time.perf_counter()
+    sweep = patcher.sweep(order, k_grid(len(order), settings["all_k_up_to"], settings["log_points"]))
+    elapsed = time.perf_counter() - started
+    io.write_csv(sweep, sweep_path)
+    io.write_json({"task": task, "heads": len(order), "sweep_s": elapsed, "points": len(sweep),
+                   "threshold": settings["threshold"],
+                   "heads_to_reach_threshold": heads_to_reach(sweep, settings["threshold"]),
+                   "ablation": settings["ablation"], "ranking": settings["ranking"]}, summary_path)
+
+
+def plot_pruning(sweep_paths: dict[str, str], out_path: str, task: str, compare, threshold: float,
+                 ablation: str, ranking: str, dpi: int) -> None:
+    from attnlab.plots import plot_pruning as plot
+
+    sweeps = {model: pd.read_csv(path) for model, path in sweep_paths.items()}
+    plot(sweeps, task, compare, threshold, ablation, ranking, out_path, dpi)

@@ -20,6 +20,9 @@ EXT = config["plots"]["format"]
 ATTENTION = config["attention"]
 ATTENTION_DATASETS = ATTENTION["datasets"] or DATASETS if ATTENTION["enabled"] else []
 HEADS = ATTENTION["heads"]
+PRUNING = config["pruning"]
+PRUNING_MODELS = (PRUNING["models"] or MODELS) if PRUNING["enabled"] else []
+TASKS = list(PRUNING["tasks"]) if PRUNING["enabled"] else []
 
 
 def _check_config():
@@ -32,6 +35,9 @@ def _check_config():
     unknown = [d for d in ATTENTION_DATASETS if d not in DATASETS]
     if unknown:
         raise SourceError(f"attention.datasets names {unknown}, not in datasets: {DATASETS}")
+    unknown = [m for m in PRUNING_MODELS + (PRUNING["compare"] or []) if m not in MODELS]
+    if unknown:
+        raise SourceError(f"pruning names models {unknown}, not in models: {MODELS}")
     top = ATTENTION["top_changed"]
     if top["k"] and ATTENTION_DATASETS:
         missing = [c for c in top["between"] if c not in CONDITIONS]
@@ -66,6 +72,7 @@ wildcard_constraints:
     dataset=_one_of(DATASETS),
     condition=_one_of(CONDITIONS),
     ext="png|pdf|svg",
+    task="ioi|ioi_long|greater_than|docstring",
     layer=r"\d+",
     head=r"\d+",
 
@@ -114,6 +121,17 @@ def attention_files(wildcards):
                   model=wildcards.model, dataset=wildcards.dataset, condition=CONDITIONS)
 
 
+def pruning_settings(wildcards):
+    """The pruning settings one model x task uses (not the plot's)."""
+    keys = ("seed", "ablation", "ranking", "exact", "batch_size", "device", "all_k_up_to",
+            "log_points", "threshold")
+    return {**{key: PRUNING[key] for key in keys}, **PRUNING["tasks"][wildcards.task]}
+
+
+def pruning_sweeps(wildcards):
+    return expand("results/pruning/{model}/{task}/sweep.csv", model=PRUNING_MODELS, task=wildcards.task)
+
+
 # ---- targets ----
 
 
@@ -142,8 +160,16 @@ def attention_targets():
     return targets
 
 
+def pruning_targets():
+    return [
+        *expand("results/pruning/{model}/{task}/scores.csv", model=PRUNING_MODELS, task=TASKS),
+        *expand("results/figures/pruning/{task}.{ext}", task=TASKS, ext=EXT),
+    ]
+
+
 def all_targets():
     return [
+        *pruning_targets(),
         "results/tables/accuracy.csv",
         *expand("results/figures/accuracy/{dataset}.{ext}",
                 dataset=DATASETS, ext=config["plots"]["format"]),

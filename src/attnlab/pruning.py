@@ -1,0 +1,282 @@
+"""Head attribution and head-pruning sweeps.
+
+Every head is gated at the input of its layer's attention output projection
+(``o_proj``), the concatenation of per-query-head outputs (also under
+grouped-query attention): ``z' = r + g * (z - r)`` for that head's slice,
+where ``r`` is the ablation reference (the corrupted run's activation, the
+dataset mean, or zero). ``g = 1`` keeps the head, ``g = 0`` ablates it; MLPs
+are never touched.
+
+- Attribution patching: with all gates at 1, ``d metric / d g`` for every
+  head from one clean forward, one corrupted forward (the reference) and one
+  backward: a linear estimate of how much the metric drops when that head is
+  ablated.
+- Exact patching: the same drop, measured with one forward per head.
+- Sweep: keep the k best-ranked heads, ablate the rest, for each k. Explained
+  effect = (m(k) − m(0)) / (m(all) − m(0)), with m(0) and m(all) taken from
+  the same sweep, so it is exactly 0 at k = 0 and exactly 1 at k = all.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from attnlab.tasks import TaskError, TaskPrompts
+
+log = logging.getLogger(__name__)
+ABLATIONS = ("corrupted", "mean", "zero")
+
+
+class HeadGates:
+    """Forward pre-hooks on every layer's o_proj that gate each head's slice."""
+
+    def __init__(self, model):
+        config = model.config.get_text_config()
+        self.n_layers, self.n_heads = config.num_hidden_layers, config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.gates = torch.ones(self.n_layers, self.n_heads, device=model.device)
+        self.reference: list[torch.Tensor] | None = None  # per layer, like o_proj's input
+        self.captured: list[torch.Tensor | None] = [None] * self.n_layers
+        self.capturing = False
+        self._handles = [layer.self_attn.o_proj.register_forward_pre_hook(self._hook(i))
+                         for i, layer in enumerate(model.get_decoder().layers)]
+
+    def _hook(self, layer: int):
+        def hook(module, args):
+            z = args[0]
+            if self.capturing:
+                self.captured[layer] = z.detach()
+            if self.reference is None:
+                return None
+            shape = (*z.shape[:-1], self.n_heads, self.head_dim)
+            reference = self.reference[layer].view(shape)
+            gate = self.gates[layer].view(1, 1, self.n_heads, 1).to(z.dtype)
+            gated = reference + gate * (z.view(shape) - reference)
+            return (gated.reshape(z.shape), *args[1:])
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+@dataclass
+class TaskBatch:
+    """Token ids of every clean/corrupted prompt (left padded) and the task metric."""
+
+    clean: torch.Tensor
+    corrupted: torch.Tensor
+    mask: torch.Tensor
+    templates: list[int]
+    # (logits at the last 2 positions, the prompts they belong to) -> metric per prompt
+    metric: Callable[[torch.Tensor, slice], torch.Tensor]
+    info: dict
+    rows_per_prompt: int = 1  # Greater-Than on digit tokenizers: 10 (one per first digit)
+
+    @property
+    def n_prompts(self) -> int:
+        return len(self.clean) // self.rows_per_prompt
+
+
+def _pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def build_batch(prompts: TaskPrompts, tokenizer) -> TaskBatch:
+    clean = [tokenizer(p).input_ids for p in prompts.clean]
+    corrupted = [tokenizer(p).input_ids for p in prompts.corrupted]
+    templates = list(prompts.templates)
+    info = dict(prompts.info)
+    if prompts.task == "greater_than":
+        metric, clean, corrupted, templates = _greater_than_metric(prompts, tokenizer, clean, corrupted, templates)
+    else:
+        answers = torch.tensor(prompts.answers)
+        distractors = torch.tensor(prompts.distractors)
+
+        def metric(logits: torch.Tensor, prompts: slice) -> torch.Tensor:
+            last = logits[:, -1].float()
+            right = last.gather(1, answers[prompts, None].to(last.device))[:, 0]
+            wrong = last.gather(1, distractors[prompts].to(last.device)).max(dim=1).values
+            return right - wrong
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    clean_ids, mask = _pad(clean, pad)
+    corrupted_ids, corrupted_mask = _pad(corrupted, pad)
+    if not torch.equal(mask, corrupted_mask):
+        raise TaskError(f"{prompts.task}: clean and corrupted prompts differ in token length")
+    rows_per_prompt = len(clean) // len(prompts.clean)
+    return TaskBatch(clean_ids, corrupted_ids, mask, templates, metric, info, rows_per_prompt)
+
+
+def _greater_than_metric(prompts, tokenizer, clean, corrupted, templates):
+    """Σ p(y > YY) − Σ p(y ≤ YY) over the 100 two-digit continuations."""
+    years = torch.tensor(prompts.years)
+    later = torch.arange(100)[None, :] > years[:, None]  # [n, 100]
+    sign = later.float() * 2 - 1
+    if prompts.info["formulation"] == "two_digit":
+        year_ids = torch.tensor([_single_id(tokenizer, f"{y:02d}") for y in range(100)])
+
+        def metric(logits, prompts):
+            probs = logits[:, -1].float().softmax(-1)[:, year_ids.to(logits.device)]
+            return (probs * sign[prompts].to(logits.device)).sum(-1)
+        return metric, clean, corrupted, templates
+    # Digit-level tokenizers: p(d1 d2) = p(d1) * p(d2 | d1). Each prompt is
+    # extended by each first digit, so one forward gives both factors.
+    digit_ids = [_single_id(tokenizer, str(d)) for d in range(10)]
+    digits = torch.tensor(digit_ids)
+
+    def metric(logits, prompts):
+        n = logits.shape[0] // 10
+        first = logits[::10, -2].float().softmax(-1)[:, digits.to(logits.device)]  # [n, 10]
+        second = logits[:, -1].float().softmax(-1)[:, digits.to(logits.device)].view(n, 10, 10)
+        probs = (first[:, :, None] * second).reshape(n, 100)
+        return (probs * sign[prompts].to(logits.device)).sum(-1)
+
+    extend = lambda rows: [row + [d] for row in rows for d in digit_ids]  # noqa: E731
+    return metric, extend(clean), extend(corrupted), [t for t in templates for _ in range(10)]
+
+
+def _single_id(tokenizer, text: str) -> int:
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) != 1:
+        raise TaskError(f"'{text}' is not a single token under {tokenizer.name_or_path}")
+    return ids[0]
+
+
+class Patcher:
+    """Runs a task batch through a model with head gates, in mini-batches."""
+
+    def __init__(self, model, batch: TaskBatch, ablation: str, batch_size: int):
+        if ablation not in ABLATIONS:
+            raise ValueError(f"ablation must be one of {ABLATIONS}, not {ablation!r}")
+        self.model, self.batch = model, batch
+        # A prompt's rows never straddle two mini-batches.
+        self.batch_size = max(1, batch_size // batch.rows_per_prompt) * batch.rows_per_prompt
+        model.requires_grad_(False)
+        self.gates = HeadGates(model)
+        self.device = model.device
+        self.positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+        self.references = self._references(ablation)
+
+    def _chunks(self):
+        n = len(self.batch.clean)
+        return [slice(i, min(i + self.batch_size, n)) for i in range(0, n, self.batch_size)]
+
+    def _logits(self, ids: torch.Tensor, rows: slice) -> torch.Tensor:
+        out = self.model(input_ids=ids[rows].to(self.device), attention_mask=self.batch.mask[rows].to(self.device),
+                         position_ids=self.positions[rows].to(self.device), use_cache=False, logits_to_keep=2)
+        return out.logits
+
+    def _metric(self, ids: torch.Tensor, rows: slice) -> torch.Tensor:
+        per = self.batch.rows_per_prompt
+        return self.batch.metric(self._logits(ids, rows), slice(rows.start // per, rows.stop // per))
+
+    def _references(self, ablation: str) -> list[list[torch.Tensor]]:
+        """Per chunk, per layer: what an ablated head's slice is replaced by."""
+        self.gates.capturing = True
+        source = self.batch.corrupted if ablation == "corrupted" else self.batch.clean
+        references = []
+        with torch.no_grad():
+            for rows in self._chunks():
+                self._logits(source, rows)
+                references.append(list(self.gates.captured))
+        self.gates.capturing = False
+        if ablation == "zero":
+            return [[torch.zeros_like(z) for z in chunk] for chunk in references]
+        if ablation == "mean":
+            return self._template_means(references)
+        return references
+
+    def _template_means(self, references):
+        """Mean over prompts of the same template, per position (equal lengths by construction)."""
+        templates = np.asarray(self.batch.templates)
+        layers = [torch.cat([chunk[layer] for chunk in references]) for layer in range(self.gates.n_layers)]
+        for template in np.unique(templates):
+            rows = torch.from_numpy(np.nonzero(templates == template)[0])
+            for z in layers:
+                z[rows] = z[rows].mean(0, keepdim=True)
+        return [[z[rows] for z in layers] for rows in self._chunks()]
+
+    def metric(self, gates: torch.Tensor | None = None) -> float:
+        """Mean task metric with the given gates (None: the unpatched model)."""
+        total = 0.0
+        with torch.no_grad():
+            for rows, reference in zip(self._chunks(), self.references):
+                self._set(gates, reference)
+                total += float(self._metric(self.batch.clean, rows).sum())
+        self.gates.reference = None
+        return total / self.batch.n_prompts
+
+    def corrupted_metric(self) -> float:
+        self.gates.reference = None
+        with torch.no_grad():
+            values = [self._metric(self.batch.corrupted, rows).sum() for rows in self._chunks()]
+        return float(sum(values)) / self.batch.n_prompts
+
+    def _set(self, gates, reference) -> None:
+        self.gates.reference = None if gates is None else reference
+        if gates is not None:
+            self.gates.gates = gates.to(self.device)
+
+    def attribution(self) -> torch.Tensor:
+        """d mean-metric / d gate for every head at gates = 1: [layers, heads]."""
+        gates = torch.ones(self.gates.n_layers, self.gates.n_heads, device=self.device, requires_grad=True)
+        for rows, reference in zip(self._chunks(), self.references):
+            self.gates.reference, self.gates.gates = reference, gates
+            metric = self._metric(self.batch.clean, rows).sum() / self.batch.n_prompts
+            metric.backward()
+        self.gates.reference = None
+        return gates.grad.detach().cpu()
+
+    def exact(self) -> torch.Tensor:
+        """metric(all heads) − metric(that head ablated), one forward per head."""
+        full = self.metric(torch.ones(self.gates.n_layers, self.gates.n_heads))
+        scores = torch.zeros(self.gates.n_layers, self.gates.n_heads)
+        heads = [(l, h) for l in range(self.gates.n_layers) for h in range(self.gates.n_heads)]
+        for layer, head in tqdm(heads, desc="exact patching", unit="head", mininterval=10):
+            gates = torch.ones(self.gates.n_layers, self.gates.n_heads)
+            gates[layer, head] = 0
+            scores[layer, head] = full - self.metric(gates)
+        return scores
+
+    def sweep(self, order: list[tuple[int, int]], ks: list[int]) -> pd.DataFrame:
+        """Metric with only the first k heads of ``order`` kept, for each k."""
+        rows = []
+        for k in tqdm(ks, desc="sweep", unit="k", mininterval=10):
+            gates = torch.zeros(self.gates.n_layers, self.gates.n_heads)
+            for layer, head in order[:k]:
+                gates[layer, head] = 1
+            rows.append({"heads_kept": k, "metric": self.metric(gates)})
+        frame = pd.DataFrame(rows)
+        none_kept = frame.loc[frame["heads_kept"] == 0, "metric"].iloc[0]
+        all_kept = frame.loc[frame["heads_kept"] == len(order), "metric"].iloc[0]
+        if all_kept == none_kept:
+            raise ValueError("the metric is the same with all heads and with none: explained effect is undefined")
+        frame["explained_effect"] = (frame["metric"] - none_kept) / (all_kept - none_kept)
+        return frame
+
+
+def k_grid(n_heads: int, max_all: int = 300, points: int = 40) -> list[int]:
+    """Every k for small models, a log-spaced grid (with 0 and all) for large ones."""
+    if n_heads <= max_all:
+        return list(range(n_heads + 1))
+    grid = np.unique(np.round(np.geomspace(1, n_heads, points)).astype(int))
+    return [0, *[int(k) for k in grid if 0 < k < n_heads], n_heads]
+
+
+def heads_to_reach(sweep: pd.DataFrame, threshold: float) -> int | None:
+    """Fewest heads kept whose explained effect reaches the threshold."""
+    reached = sweep[sweep["explained_effect"] >= threshold]
+    return int(reached["heads_kept"].min()) if len(reached) else None

@@ -1,0 +1,112 @@
+import numpy as np
+import pytest
+import torch
+
+from attnlab.pruning import HeadGates, Patcher, build_batch, heads_to_reach, k_grid
+from attnlab.tasks import TaskError, TaskPrompts, generate_task, single_tokens, year_formulation
+from test_attention import TINY
+
+
+class WordTokenizer:
+    """A stand-in tokenizer: one token per space-separated word, ids by a fixed table."""
+
+    name_or_path = "word-tokenizer"
+    pad_token_id = 0
+
+    def __init__(self):
+        self.vocab = {"<pad>": 0}
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [self.vocab.setdefault(word, len(self.vocab) % 100 + 1) for word in text.split()]
+        return type("Encoding", (), {"input_ids": ids})()
+
+
+def _toy_batch(n=6, length=7, vocab=101, seed=0):
+    rng = np.random.default_rng(seed)
+    clean = [" ".join(f"w{x}" for x in rng.integers(0, 50, length)) for _ in range(n)]
+    corrupted = [" ".join(f"w{x}" for x in rng.integers(0, 50, length)) for _ in range(n)]
+    prompts = TaskPrompts("ioi", clean, corrupted, [0] * n, answers=list(rng.integers(1, vocab, n)),
+                          distractors=[[int(x)] for x in rng.integers(1, vocab, n)])
+    return build_batch(prompts, WordTokenizer())
+
+
+def test_ablating_a_head_changes_only_its_slice():
+    model = TINY["llama-gqa"]()
+    gates = HeadGates(model)
+    seen = {}
+    model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(
+        lambda module, args: seen.__setitem__("z", args[0].detach().clone()))
+    ids = torch.randint(3, 100, (2, 9))
+    gates.reference = [torch.full((2, 9, 64), 7.0) for _ in range(3)]
+    with torch.no_grad():
+        model(ids)
+        kept = seen["z"].view(2, 9, 4, 16)
+        gates.gates[1, 2] = 0  # ablate layer 1, head 2 (query heads share KV heads: GQA)
+        model(ids)
+        ablated = seen["z"].view(2, 9, 4, 16)
+    assert torch.equal(ablated[:, :, [0, 1, 3]], kept[:, :, [0, 1, 3]])
+    assert torch.all(ablated[:, :, 2] == 7.0) and not torch.equal(kept[:, :, 2], ablated[:, :, 2])
+    gates.remove()
+
+
+@pytest.mark.parametrize("ablation", ["corrupted", "mean", "zero"])
+def test_explained_effect_is_exactly_zero_and_one_at_the_ends(ablation):
+    model = TINY["qwen2"]()
+    patcher = Patcher(model, _toy_batch(), ablation, batch_size=4)
+    heads = [(l, h) for l in range(3) for h in range(4)]
+    sweep = patcher.sweep(heads, k_grid(len(heads)))
+    assert sweep["heads_kept"].tolist() == list(range(13))
+    assert sweep["explained_effect"].iloc[0] == 0.0 and sweep["explained_effect"].iloc[-1] == 1.0
+    assert sweep["metric"].iloc[-1] == pytest.approx(patcher.metric(), abs=1e-5)  # all kept = unpatched
+
+
+def test_attribution_is_the_gradient_of_the_gates():
+    model = TINY["llama-gqa"]()
+    patcher = Patcher(model, _toy_batch(), "corrupted", batch_size=4)
+    attribution = patcher.attribution()
+    exact = patcher.exact()
+    assert attribution.shape == exact.shape == (3, 4)
+    # A finite difference of one gate agrees with its gradient.
+    eps = 1e-3
+    gates = torch.ones(3, 4)
+    gates[2, 1] = 1 - eps
+    slope = (patcher.metric(torch.ones(3, 4)) - patcher.metric(gates)) / eps
+    assert attribution[2, 1].item() == pytest.approx(slope, rel=1e-2, abs=1e-4)
+    # Exact patching measures the full drop of each head.
+    gates = torch.ones(3, 4)
+    gates[0, 3] = 0
+    assert exact[0, 3].item() == pytest.approx(patcher.metric(torch.ones(3, 4)) - patcher.metric(gates))
+
+
+def test_k_grid_and_threshold():
+    assert k_grid(5) == [0, 1, 2, 3, 4, 5]
+    grid = k_grid(1024, max_all=300, points=20)
+    assert grid[0] == 0 and grid[-1] == 1024 and len(grid) <= 21 and grid == sorted(set(grid))
+    import pandas as pd
+    sweep = pd.DataFrame({"heads_kept": [0, 1, 2, 3], "explained_effect": [0, 0.95, 0.85, 1.0]})
+    assert heads_to_reach(sweep, 0.9) == 1
+    assert heads_to_reach(sweep, 1.01) is None
+
+
+@pytest.mark.parametrize("task", ["ioi", "ioi_long", "greater_than", "docstring"])
+def test_tasks_on_smollm2_have_aligned_pairs(smollm2_tokenizer, task):
+    prompts = generate_task(task, smollm2_tokenizer, 24, seed=1)
+    assert len(prompts.clean) == len(prompts.corrupted) == 24
+    assert prompts.clean != prompts.corrupted
+    again = generate_task(task, smollm2_tokenizer, 24, seed=1)
+    assert again.clean == prompts.clean  # seeded
+    batch = build_batch(prompts, smollm2_tokenizer)
+    assert batch.clean.shape == batch.corrupted.shape
+
+
+def test_greater_than_uses_digits_on_smollm2(smollm2_tokenizer):
+    assert year_formulation(smollm2_tokenizer) == "digits"
+    prompts = generate_task("greater_than", smollm2_tokenizer, 4, seed=0)
+    assert prompts.info["formulation"] == "digits"
+    assert prompts.clean[0].startswith("The ") and prompts.corrupted[0].endswith(prompts.clean[0][-2:])
+    assert build_batch(prompts, smollm2_tokenizer).rows_per_prompt == 10
+
+
+def test_zero_survivors_name_the_tokenizer_and_list(smollm2_tokenizer):
+    with pytest.raises(TaskError, match=r"no IOI names is a single token under .*candidates were \['Bartholomew"):
+        single_tokens(smollm2_tokenizer, ["Bartholomew", "Maximiliano"], "IOI names")

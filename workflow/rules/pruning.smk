@@ -1,0 +1,74 @@
+rule score_heads:
+    """Task prompts for this tokenizer, then attribution (and exact) scores of every head."""
+    input:
+        model="resources/models/{model}",
+    output:
+        prompts="results/pruning/{model}/{task}/prompts.json",
+        scores="results/pruning/{model}/{task}/scores.csv",
+        summary="results/pruning/{model}/{task}/scores.json",
+    params:
+        settings=pruning_settings,
+    threads: 8
+    log:
+        "results/logs/score_heads/{model}/{task}.log",
+    benchmark:
+        "results/benchmarks/score_heads/{model}/{task}.tsv"
+    resources:
+        gpu=1,
+        mem_mb=lambda wildcards, attempt: 16000 * attempt,
+        runtime=lambda wildcards, attempt: 60 * attempt,
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/score_heads.py"
+
+
+rule sweep_heads:
+    """Keep the top-k heads, ablate the rest: the metric and explained effect for each k."""
+    input:
+        model="resources/models/{model}",
+        prompts="results/pruning/{model}/{task}/prompts.json",
+        scores="results/pruning/{model}/{task}/scores.csv",
+    output:
+        sweep="results/pruning/{model}/{task}/sweep.csv",
+        summary="results/pruning/{model}/{task}/sweep.json",
+    params:
+        settings=pruning_settings,
+    threads: 8
+    log:
+        "results/logs/sweep_heads/{model}/{task}.log",
+    benchmark:
+        "results/benchmarks/sweep_heads/{model}/{task}.tsv"
+    resources:
+        gpu=1,
+        mem_mb=lambda wildcards, attempt: 16000 * attempt,
+        runtime=lambda wildcards, attempt: 60 * attempt,
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/sweep_heads.py"
+
+
+rule plot_pruning:
+    """Explained effect vs heads kept, one curve per model, with the Nx label."""
+    input:
+        pruning_sweeps,
+    output:
+        report(
+            "results/figures/pruning/{task}.{ext}",
+            caption="../report/pruning.rst",
+            category="Head pruning",
+        ),
+    params:
+        models=PRUNING_MODELS,
+        compare=PRUNING["compare"],
+        threshold=PRUNING["threshold"],
+        ablation=PRUNING["ablation"],
+        ranking=PRUNING["ranking"],
+        dpi=config["plots"]["dpi"],
+    log:
+        "results/logs/plot_pruning/{task}.{ext}.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/plot_pruning.py"

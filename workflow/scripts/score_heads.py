@@ -1,0 +1,15 @@
+import sys
+
+sys.path.insert(0, f"{snakemake.scriptdir}/../../src")  # attnlab, installed or not
+from attnlab import steps  # noqa: E402
+
+steps.setup_logging(snakemake.log[0])
+steps.score_heads(
+    model_dir=snakemake.input.model,
+    task=snakemake.wildcards.task,
+    settings=snakemake.params.settings,
+    prompts_path=snakemake.output.prompts,
+    scores_path=snakemake.output.scores,
+    summary_path=snakemake.output.summary,
+    threads=snakemake.threads,
+)

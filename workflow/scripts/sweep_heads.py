@@ -1,0 +1,16 @@
+import sys
+
+sys.path.insert(0, f"{snakemake.scriptdir}/../../src")  # attnlab, installed or not
+from attnlab import steps  # noqa: E402
+
+steps.setup_logging(snakemake.log[0])
+steps.sweep_heads(
+    model_dir=snakemake.input.model,
+    task=snakemake.wildcards.task,
+    settings=snakemake.params.settings,
+    prompts_path=snakemake.input.prompts,
+    scores_path=snakemake.input.scores,
+    sweep_path=snakemake.output.sweep,
+    summary_path=snakemake.output.summary,
+    threads=snakemake.threads,
+)
