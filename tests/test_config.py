@@ -19,11 +19,12 @@ def test_tiny_config_dry_run_counts_jobs(tmp_path):
     result = _dry_run(tmp_path, _tiny())
     assert result.returncode == 0, result.stdout
     counts = job_counts(result.stdout)
-    # 1 model x 2 datasets x 2 conditions; attention on 1 dataset, 1 configured head.
+    # 1 model x 2 datasets x 2 conditions; attention on 1 dataset, 1 configured head;
+    # pruning on 1 task.
     assert counts == {"prepare_model": 1, "prepare_dataset": 2, "make_prompts": 4, "generate": 4,
                       "grade": 4, "accuracy_table": 1, "plot_accuracy": 2, "extract_attention": 2,
                       "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
-                      "all": 1, "total": 24}
+                      "score_heads": 1, "sweep_heads": 1, "plot_pruning": 1, "all": 1, "total": 27}
 
 
 def test_configfile_replaces_the_default_config(tmp_path):

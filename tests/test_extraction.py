@@ -2,7 +2,8 @@ import h5py
 import numpy as np
 import pytest
 
-from attnlab.attention_analysis import HeadRangeError, align, mean_and_band, read_head
+from attnlab.attention_analysis import align, mean_and_band, read_head
+from attnlab.sources import HeadRangeError
 from attnlab.extraction import IncompleteFileError, extract, open_attention, write_attention
 from test_attention import TINY, _prompts
 

@@ -110,3 +110,20 @@ def test_greater_than_uses_digits_on_smollm2(smollm2_tokenizer):
 def test_zero_survivors_name_the_tokenizer_and_list(smollm2_tokenizer):
     with pytest.raises(TaskError, match=r"no IOI names is a single token under .*candidates were \['Bartholomew"):
         single_tokens(smollm2_tokenizer, ["Bartholomew", "Maximiliano"], "IOI names")
+
+
+@pytest.mark.slow
+def test_gemma3_does_ioi(gemma3_dir):
+    """Gemma-3-270M prefers the indirect object: positive logit difference, lost when corrupted."""
+    from attnlab.models import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(gemma3_dir)
+    model = load_model(gemma3_dir, torch.device("cpu"), torch.float32)
+    prompts = generate_task("ioi", tokenizer, 30, seed=0)
+    patcher = Patcher(model, build_batch(prompts, tokenizer), "corrupted", batch_size=32)
+    clean, corrupted = patcher.metric(), patcher.corrupted_metric()
+    assert clean > 1.0
+    assert abs(corrupted) < clean / 2
+    n_heads = 18 * 4
+    sweep = patcher.sweep([(l, h) for l in range(18) for h in range(4)], [0, n_heads])
+    assert sweep["explained_effect"].tolist() == [0.0, 1.0]

@@ -124,4 +124,19 @@ def test_head_out_of_range_names_the_real_shape(tiny_run):
     bad.write_text(config.read_text().replace("heads: [{layer: 0, head: 0}]", "heads: [{layer: 30, head: 2}]"))
     result = snakemake("-n", "--cores", "1", "--configfile", str(bad), workdir=workdir)
     assert result.returncode != 0
-    assert "has 30 layers x 9 heads" in result.stdout
+    assert "model 'smollm2-135m' has 30 layers x 9 heads" in result.stdout
+
+
+def test_pruning_outputs(tiny_run):
+    workdir, _ = tiny_run
+    scores = pd.read_csv(workdir / f"results/pruning/{MODEL}/ioi/scores.csv")
+    assert len(scores) == 270 and sorted(scores["rank"]) == list(range(1, 271))
+    assert {"attribution", "exact"} <= set(scores.columns)
+    summary = json.loads((workdir / f"results/pruning/{MODEL}/ioi/scores.json").read_text())
+    assert summary["clean_metric"] > summary["corrupted_metric"]
+    assert -1 <= summary["spearman_attribution_vs_exact"] <= 1
+    sweep = pd.read_csv(workdir / f"results/pruning/{MODEL}/ioi/sweep.csv")
+    assert sweep["heads_kept"].tolist() == list(range(271))
+    assert sweep["explained_effect"].iloc[0] == 0.0 and sweep["explained_effect"].iloc[-1] == 1.0
+    assert sweep["metric"].iloc[-1] == pytest.approx(summary["clean_metric"], abs=1e-4)
+    assert (workdir / "results/figures/pruning/ioi.png").stat().st_size > 10_000

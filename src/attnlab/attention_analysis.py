@@ -13,22 +13,9 @@ import numpy as np
 import pandas as pd
 
 from attnlab.extraction import open_attention
+from attnlab.sources import check_heads
 
 INSERTED = 1  # index of the inserted region in /spans
-
-
-class HeadRangeError(ValueError):
-    """A configured layer or head does not exist in the model."""
-
-
-def check_heads(heads: list[dict], n_layers: int, n_heads: int, model: str) -> None:
-    bad = [h for h in heads if not (0 <= h["layer"] < n_layers and 0 <= h["head"] < n_heads)]
-    if bad:
-        raise HeadRangeError(
-            f"model '{model}' has {n_layers} layers x {n_heads} heads (0-based: layers "
-            f"0..{n_layers - 1}, heads 0..{n_heads - 1}); configured {bad} is out of range. "
-            "Fix attention.heads in the config."
-        )
 
 
 def read_head(path, layer: int, head: int, name: str = "received") -> dict:

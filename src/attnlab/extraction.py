@@ -82,7 +82,10 @@ def extract(model, prompts: pd.DataFrame, batch_size: int, map_layers: list[int]
         real, inserted = _batch_masks(lengths, spans[rows], batch_width)
         with attention.reducing(model, real.to(device), inserted.to(device), map_layers) as out, \
                 torch.inference_mode():
-            base(input_ids=padded.to(device), attention_mask=real.long().to(device), use_cache=False)
+            # Positions count real tokens only, as in generation with left padding.
+            positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+            base(input_ids=padded.to(device), attention_mask=real.long().to(device),
+                 position_ids=positions.to(device), use_cache=False)
         for i, (row, length) in enumerate(zip(rows, lengths)):
             pad = batch_width - length
             for layer in range(layers):

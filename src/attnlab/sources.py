@@ -50,6 +50,21 @@ def check_model_source(name: str, source: dict) -> None:
             )
 
 
+class HeadRangeError(SourceError):
+    """A configured layer or head does not exist in the model."""
+
+
+def check_heads(heads: list[dict], n_layers: int, n_heads: int, model: str) -> None:
+    """Every {layer, head} (0-based) must exist in a model of this shape."""
+    bad = [h for h in heads if not (0 <= h["layer"] < n_layers and 0 <= h["head"] < n_heads)]
+    if bad:
+        raise HeadRangeError(
+            f"model '{model}' has {n_layers} layers x {n_heads} heads (0-based: layers "
+            f"0..{n_layers - 1}, heads 0..{n_heads - 1}); configured {bad} is out of range. "
+            "Fix attention.heads in the config."
+        )
+
+
 def prepared_model_shape(folder: str | Path) -> tuple[int, int] | None:
     """(layers, attention heads) of a prepared model folder, None before it exists."""
     import json

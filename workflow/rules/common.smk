@@ -7,7 +7,7 @@ from snakemake.utils import validate
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
-from attnlab.sources import SourceError, check_model_source, prepared_model_shape
+from attnlab.sources import SourceError, check_heads, check_model_source, prepared_model_shape
 
 
 validate(config, "../../config/schema.yaml")
@@ -18,7 +18,7 @@ CONDITIONS = list(config["conditions"])
 EXT = config["plots"]["format"]
 
 ATTENTION = config["attention"]
-ATTENTION_DATASETS = ATTENTION["datasets"] or DATASETS if ATTENTION["enabled"] else []
+ATTENTION_DATASETS = (ATTENTION["datasets"] or DATASETS) if ATTENTION["enabled"] else []
 HEADS = ATTENTION["heads"]
 PRUNING = config["pruning"]
 PRUNING_MODELS = (PRUNING["models"] or MODELS) if PRUNING["enabled"] else []
@@ -30,8 +30,8 @@ def _check_config():
     for name, model in config["models"].items():
         check_model_source(name, model["source"])
         shape = prepared_model_shape(f"resources/models/{name}")
-        if shape:
-            check_heads(name, *shape)
+        if shape and ATTENTION_DATASETS:
+            check_heads(HEADS, *shape, name)
     unknown = [d for d in ATTENTION_DATASETS if d not in DATASETS]
     if unknown:
         raise SourceError(f"attention.datasets names {unknown}, not in datasets: {DATASETS}")
@@ -46,15 +46,6 @@ def _check_config():
                 f"attention.top_changed.between names {missing}, not in conditions: "
                 f"{CONDITIONS}; set it to two configured conditions or k: 0"
             )
-
-
-def check_heads(model, n_layers, n_heads):
-    bad = [h for h in HEADS if h["layer"] >= n_layers or h["head"] >= n_heads]
-    if bad:
-        raise SourceError(
-            f"attention.heads {bad} out of range for model '{model}', which has {n_layers} "
-            f"layers x {n_heads} heads (0-based: layers 0..{n_layers - 1}, heads 0..{n_heads - 1})"
-        )
 
 
 try:
