@@ -63,3 +63,9 @@ def test_align_removes_the_inserted_run():
     assert aligned[1, :5].tolist() == [10, 11, 15, 16, 17] and np.isnan(aligned[1, 5:]).all()
     mean, band = mean_and_band(aligned, min_share=1.0)
     assert len(mean) == 5 and mean[0] == 5.0 and band[0] > 0
+
+
+def test_full_map_layer_out_of_range_is_named():
+    prompts = _prompts([6], inserted=None, vocab=101)
+    with pytest.raises(HeadRangeError, match=r"full_map_layers \[3\]: the model has 3 layers"):
+        extract(TINY["llama-gqa"](), prompts, 1, [3])

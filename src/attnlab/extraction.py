@@ -34,6 +34,7 @@ from tqdm import tqdm
 from attnlab import attention
 from attnlab.io import atomic_path
 from attnlab.prompts import REGIONS
+from attnlab.sources import HeadRangeError
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ def extract(model, prompts: pd.DataFrame, batch_size: int, map_layers: list[int]
     """Run every prompt through the model once, reducing attention per layer."""
     config = model.config.get_text_config()
     layers, heads = config.num_hidden_layers, config.num_attention_heads
+    if any(not 0 <= layer < layers for layer in map_layers):
+        raise HeadRangeError(f"attention.full_map_layers {list(map_layers)}: the model has {layers} "
+                             f"layers (0-based: 0..{layers - 1})")
     n, width = len(prompts), int(prompts["n_prompt_tokens"].max())
     received = [np.full((heads, n, width), np.nan, np.float32) for _ in range(layers)]
     lam = [np.full((heads, n, width), np.nan, np.float32) for _ in range(layers)]

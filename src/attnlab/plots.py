@@ -125,9 +125,10 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
     first, second = (compare or list(sweeps))[:2] if len(sweeps) > 1 else (None, None)
     if first and needed.get(first) and needed.get(second):
         ratio = needed[first] / needed[second]
-        ax.text(0.98, threshold + 0.03, f"{ratio:.1f}× ({first} / {second})", ha="right",
-                transform=ax.get_yaxis_transform(), fontsize=10)
+        ax.text(0.02, 0.96, f"{ratio:.1f}× fewer heads for {second} than {first} at {threshold:g}",
+                ha="left", va="top", transform=ax.transAxes, fontsize=10)
     ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlim(left=0)
     ax.set_xlabel("Number of Heads Kept")
     ax.set_ylabel("Explained Effect")
     ax.set_title(f"{task}: ablation = {ablation}, ranking = {ranking}\n"

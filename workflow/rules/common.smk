@@ -63,7 +63,7 @@ wildcard_constraints:
     dataset=_one_of(DATASETS),
     condition=_one_of(CONDITIONS),
     ext="png|pdf|svg",
-    task="ioi|ioi_long|greater_than|docstring",
+    task=_one_of(TASKS),
     layer=r"\d+",
     head=r"\d+",
 
