@@ -14,7 +14,7 @@ $(STAMP): requirements.txt requirements-nodeps.txt constraints.txt pyproject.tom
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt -c constraints.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-nodeps.txt
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
 run: install

@@ -69,3 +69,21 @@ def test_full_map_layer_out_of_range_is_named():
     prompts = _prompts([6], inserted=None, vocab=101)
     with pytest.raises(HeadRangeError, match=r"full_map_layers \[3\]: the model has 3 layers"):
         extract(TINY["llama-gqa"](), prompts, 1, [3])
+
+
+def test_removing_the_insertion_recovers_the_plain_prompt(smollm2_tokenizer):
+    """Cutting the inserted run (and its separator) leaves exactly the tokens of `none`."""
+    from attnlab.prompts import make_prompts
+    import pandas as pd
+
+    questions = pd.DataFrame({"id": ["a"], "question": ["What is 7 + 5?"], "answer": ["12"]})
+    cfg = {"system": "Be brief.", "raw_template": "{system}\n{user}\nSolution:"}
+    for fmt in ("chat", "raw"):
+        plain = make_prompts(smollm2_tokenizer, questions, "none", {"kind": "none"}, cfg, fmt, 999)
+        mless = make_prompts(smollm2_tokenizer, questions, "mless",
+                             {"kind": "repeat", "unit": "/", "length": 9}, cfg, fmt, 999)
+        ids = np.asarray(mless["input_ids"][0], dtype=np.float32)[None]
+        spans = mless[[f"{r}_{e}" for r in ("system", "inserted", "question")
+                       for e in ("start", "end")]].to_numpy().reshape(1, 3, 2)
+        kept = align(ids, spans, np.array([len(ids[0])]), remove_inserted=True)[0]
+        assert kept.tolist() == list(plain["input_ids"][0]), fmt

@@ -15,7 +15,7 @@ import pandas as pd
 from attnlab.extraction import open_attention
 from attnlab.sources import check_heads
 
-INSERTED = 1  # index of the inserted region in /spans
+INSERTED, QUESTION = 1, 2  # indices of the regions in /spans
 
 
 def read_head(path, layer: int, head: int, name: str = "received") -> dict:
@@ -28,11 +28,13 @@ def read_head(path, layer: int, head: int, name: str = "received") -> dict:
 
 
 def align(values: np.ndarray, spans: np.ndarray, lengths: np.ndarray, remove_inserted: bool) -> np.ndarray:
-    """[prompts, positions] with the inserted run cut out when asked (NaN padded)."""
+    """[prompts, positions], NaN padded; with ``remove_inserted`` the inserted run and the
+    separator after it (everything up to the question) are cut out, so the remaining
+    tokens are exactly those of the prompt without insertion."""
     rows = []
     for row, (length, span) in enumerate(zip(lengths, spans)):
-        start, end = span[INSERTED]
-        kept = np.r_[0:start, end:length] if remove_inserted else np.arange(length)
+        start, question_start = span[INSERTED][0], span[QUESTION][0]
+        kept = np.r_[0:start, question_start:length] if remove_inserted else np.arange(length)
         rows.append(values[row, kept])
     width = max(len(r) for r in rows)
     out = np.full((len(rows), width), np.nan, np.float32)
@@ -80,7 +82,7 @@ def lambda_table(paths: dict[str, str]) -> pd.DataFrame:
         with open_attention(path) as h5:
             spans, lengths = h5["spans"][:], h5["lengths"][:]
             question = np.zeros((len(lengths), int(lengths.max())), bool)
-            for row, (start, end) in enumerate(spans[:, 2]):
+            for row, (start, end) in enumerate(spans[:, QUESTION]):
                 question[row, start:end] = True
             for layer in range(int(h5.attrs["n_layers"])):
                 lam = h5[f"lam/layer_{layer:02d}"][:]  # [H, N, T]

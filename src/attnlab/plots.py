@@ -101,7 +101,7 @@ def plot_lambda_heatmap(table: pd.DataFrame, model: str, dataset: str, out_path,
         image = ax.imshow(grid.to_numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
         ax.set_title(condition)
         ax.set_xlabel("head (0-based)")
-        ax.set_ylabel("layer (0-based)")
+    axes[0][0].set_ylabel("layer (0-based)")
     fig.colorbar(image, ax=axes[0].tolist(), label="mean λ over question tokens")
     fig.suptitle(f"{model} on {dataset}: λ = attention mass on non-inserted tokens")
     _save(fig, out_path, dpi)
