@@ -82,7 +82,7 @@ def plot_attention_head(per_condition: dict[str, dict], model: str, dataset: str
     axes[0].set_title("inserted tokens removed (meaningful tokens aligned)")
     axes[1].set_title("full sequence, inserted tokens shaded")
     for ax in axes:
-        ax.set_xlabel("token position" + (" (position 0, the attention sink, not shown)" if drop_first else ""))
+        ax.set_xlabel("token position (0-based)" + ("; position 0, the attention sink, not shown" if drop_first else ""))
         ax.set_ylabel("attention received\n(mean over later tokens)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="upper right")
