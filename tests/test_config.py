@@ -27,6 +27,15 @@ def test_tiny_config_dry_run_counts_jobs(tmp_path):
                       "score_heads": 1, "sweep_heads": 1, "plot_pruning": 1, "all": 1, "total": 27}
 
 
+def test_length_sweep_adds_one_figure_per_model_and_dataset(tmp_path):
+    config = _tiny()
+    config["conditions"]["mless_25"] = {"kind": "repeat", "unit": "/", "length": 25}
+    result = _dry_run(tmp_path, config)
+    assert result.returncode == 0, result.stdout
+    assert job_counts(result.stdout)["plot_length_sweep"] == 2
+    assert job_counts(_dry_run(tmp_path, _tiny()).stdout).get("plot_length_sweep") is None
+
+
 def test_configfile_replaces_the_default_config(tmp_path):
     result = _dry_run(tmp_path, _tiny())
     assert "gemma3-270m" not in result.stdout and "math500" not in result.stdout

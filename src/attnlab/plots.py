@@ -137,3 +137,35 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     _save(fig, out_path, dpi)
+
+
+def plot_length_sweep(table: pd.DataFrame, families: dict[str, str | None], model: str,
+                      dataset: str, out_path, dpi: int = 150) -> None:
+    """Accuracy vs inserted length (tokens), one line per inserted kind, CI band.
+
+    ``families`` maps each condition to its kind label (e.g. "repeat '/'"), or
+    None for conditions that insert nothing; those are the length-0 point of
+    every line.
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    colours = plt.get_cmap("tab10")
+    cells = table.set_index("condition")
+    baseline = [c for c, family in families.items() if family is None and c in cells.index]
+    labels = list(dict.fromkeys(f for f in families.values() if f is not None))
+    for ax, grader in zip(axes, GRADER_TITLES):
+        for k, label in enumerate(labels):
+            members = baseline + [c for c, f in families.items() if f == label and c in cells.index]
+            points = cells.loc[members].sort_values("inserted_tokens")
+            x = points["inserted_tokens"].to_numpy()
+            ax.plot(x, points[f"{grader}_acc"], "o-", color=colours(k % 10), label=label)
+            ax.fill_between(x, points[f"{grader}_ci_low"], points[f"{grader}_ci_high"],
+                            color=colours(k % 10), alpha=0.15, lw=0)
+        ax.set_title(GRADER_TITLES[grader])
+        ax.set_xlabel("inserted tokens (under this model's tokenizer)")
+        ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
+        ax.grid(alpha=0.3)
+    axes[0].legend(title="inserted kind", fontsize=8)
+    n = int(table["n"].max()) if len(table) else 0
+    fig.suptitle(f"{model} on {dataset}: accuracy vs inserted length (n = {n} per point)")
+    fig.tight_layout()
+    _save(fig, out_path, dpi)

@@ -255,3 +255,11 @@ def plot_pruning(sweep_paths: dict[str, str], out_path: str, task: str, compare,
 
     sweeps = {model: pd.read_csv(path) for model, path in sweep_paths.items()}
     plot(sweeps, task, compare, threshold, ablation, ranking, out_path, dpi)
+
+
+def plot_length_sweep(summary_paths: list[str], out_path: str, model: str, dataset: str,
+                      families: dict, dpi: int) -> None:
+    from attnlab.plots import plot_length_sweep as plot
+
+    table = pd.DataFrame([io.read_json(p) for p in summary_paths])
+    plot(table, families, model, dataset, out_path, dpi)

@@ -17,6 +17,17 @@ DATASETS = list(config["datasets"])
 CONDITIONS = list(config["conditions"])
 EXT = config["plots"]["format"]
 
+def _family(spec):
+    """What a condition inserts, regardless of length; None when it inserts nothing."""
+    if spec["kind"] == "none" or spec.get("length", 0) == 0:
+        return None
+    return f"repeat '{spec['unit']}'" if spec["kind"] == "repeat" else f"text: {spec.get('text', 'default')[:24]}"
+
+
+FAMILIES = {name: _family(spec) for name, spec in config["conditions"].items()}
+# A length sweep: some inserted kind configured at two or more lengths.
+LENGTH_SWEEP = any(list(FAMILIES.values()).count(f) > 1 for f in set(FAMILIES.values()) - {None})
+
 ATTENTION = config["attention"]
 ATTENTION_DATASETS = (ATTENTION["datasets"] or DATASETS) if ATTENTION["enabled"] else []
 HEADS = ATTENTION["heads"]
@@ -126,6 +137,12 @@ def pruning_sweeps(wildcards):
 # ---- targets ----
 
 
+def cell_summaries(wildcards):
+    """Summaries of every condition for one model x dataset."""
+    return expand("results/grades/{model}/{dataset}/{condition}.json",
+                  model=wildcards.model, dataset=wildcards.dataset, condition=CONDITIONS)
+
+
 def accuracy_summaries(wildcards):
     """Per-cell summaries for one dataset (all models x conditions)."""
     return expand("results/grades/{model}/{dataset}/{condition}.json",
@@ -158,8 +175,16 @@ def pruning_targets():
     ]
 
 
+def length_sweep_targets():
+    if not LENGTH_SWEEP:
+        return []
+    return expand("results/figures/length_sweep/{model}/{dataset}.{ext}",
+                  model=MODELS, dataset=DATASETS, ext=EXT)
+
+
 def all_targets():
     return [
+        *length_sweep_targets(),
         *pruning_targets(),
         "results/tables/accuracy.csv",
         *expand("results/figures/accuracy/{dataset}.{ext}",

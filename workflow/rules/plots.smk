@@ -19,3 +19,25 @@ rule plot_accuracy:
         "../../envs/attnlab.yaml"
     script:
         "../scripts/plot_accuracy.py"
+
+
+rule plot_length_sweep:
+    """Accuracy vs inserted length, one line per inserted kind (conditions at several lengths)."""
+    input:
+        cell_summaries,
+    output:
+        report(
+            "results/figures/length_sweep/{model}/{dataset}.{ext}",
+            caption="../report/length_sweep.rst",
+            category="Accuracy",
+            subcategory="length sweep",
+        ),
+    params:
+        families=FAMILIES,
+        dpi=config["plots"]["dpi"],
+    log:
+        "results/logs/plot_length_sweep/{model}/{dataset}.{ext}.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/plot_length_sweep.py"
