@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 
 import torch
 from scipy.stats import spearmanr
@@ -49,12 +50,13 @@ def main() -> None:
             patcher = Patcher(model, build_batch(prompts, tokenizer), "corrupted", batch_size=512)
             layers, heads = patcher.gates.n_layers, patcher.gates.n_heads
             ones = torch.ones(layers, heads)
-            unit = statistics.median(timed(lambda: patcher.metric(ones))[1] for _ in range(3))
+            unit = statistics.median(timed(partial(patcher.metric, ones))[1] for _ in range(3))
             attribution, attribution_s = timed(patcher.attribution)
             exact, exact_s = timed(patcher.exact)
             ks = k_grid(layers * heads)[:: max(1, layers * heads // 20)]
             order = [(l, h) for l in range(layers) for h in range(heads)]
-            _, sweep_s = timed(lambda: [patcher.metric(_kept(order, k, layers, heads)) for k in ks])
+            kept = [_kept(order, k, layers, heads) for k in ks]
+            _, sweep_s = timed(partial(list, map(patcher.metric, kept)))
             row = {"model": name, "task": task, "prompts": args.n, "heads": layers * heads,
                    "formulation": prompts.info.get("formulation", ""),
                    "clean_metric": round(patcher.metric(), 3),

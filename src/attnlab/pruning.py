@@ -215,10 +215,12 @@ class Patcher:
 
     def metric(self, gates: torch.Tensor | None = None) -> float:
         """Mean task metric with the given gates (None: the unpatched model)."""
+        if gates is not None:
+            self.gates.gates = gates.to(self.device)
         total = 0.0
         with torch.no_grad():
             for rows, reference in zip(self._chunks(), self.references):
-                self._set(gates, reference)
+                self.gates.reference = None if gates is None else reference
                 total += float(self._metric(self.batch.clean, rows).sum())
         self.gates.reference = None
         return total / self.batch.n_prompts
@@ -228,11 +230,6 @@ class Patcher:
         with torch.no_grad():
             values = [self._metric(self.batch.corrupted, rows).sum() for rows in self._chunks()]
         return float(sum(values)) / self.batch.n_prompts
-
-    def _set(self, gates, reference) -> None:
-        self.gates.reference = None if gates is None else reference
-        if gates is not None:
-            self.gates.gates = gates.to(self.device)
 
     def attribution(self) -> torch.Tensor:
         """d mean-metric / d gate for every head at gates = 1: [layers, heads]."""

@@ -102,9 +102,14 @@ def grade(prompts_path: str, generations_path: str, items_path: str, summary_pat
     io.write_json(summary, summary_path)
 
 
+def _read_summaries(paths: list[str]) -> pd.DataFrame:
+    """One row per graded model x dataset x condition cell."""
+    return pd.DataFrame([io.read_json(p) for p in paths])
+
+
 def accuracy_table(summary_paths: list[str], out_path: str) -> None:
     keys = ["model", "dataset", "condition"]
-    table = pd.DataFrame([io.read_json(p) for p in summary_paths])
+    table = _read_summaries(summary_paths)
     table = table[keys + [c for c in table.columns if c not in keys]]
     io.write_csv(table.sort_values(["dataset", "model"], kind="stable"), out_path)
 
@@ -113,7 +118,7 @@ def plot_accuracy(summary_paths: list[str], out_path: str, dataset: str, models:
                   conditions: list[str], dpi: int) -> None:
     from attnlab.plots import plot_accuracy as plot
 
-    table = pd.DataFrame([io.read_json(p) for p in summary_paths])
+    table = _read_summaries(summary_paths)
     plot(table, dataset, models, conditions, out_path, dpi)
 
 
@@ -261,5 +266,5 @@ def plot_length_sweep(summary_paths: list[str], out_path: str, model: str, datas
                       families: dict, dpi: int) -> None:
     from attnlab.plots import plot_length_sweep as plot
 
-    table = pd.DataFrame([io.read_json(p) for p in summary_paths])
+    table = _read_summaries(summary_paths)
     plot(table, families, model, dataset, out_path, dpi)
