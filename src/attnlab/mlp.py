@@ -1,0 +1,213 @@
+"""The MLP side of the meaningless-token effect: activation statistics and ARM.
+
+Both work on one decoder layer's MLP activation ``a = act_fn(gate_proj(x))``
+(SiLU in Llama/Qwen2, GELU-tanh in Gemma-3), reached with a forward hook on
+the layer's ``mlp.act_fn`` module: its input is the gate pre-activation
+``g = gate_proj(x)`` and its output is ``a``.
+
+ARM (Activation Redistribution Module, arXiv 2510.01032), per token, i.e. on
+each token's activation vector ``a`` of the intermediate size ``d``:
+
+1. ``eps = 1.4826 * MAD(|a|) * c``, with ``MAD(v) = median(|v - median(v)|)`` (the lower
+   median for an even count, as ``torch.median``);
+2. ``S`` = share of entries with ``|a| < eps``; ``fraction = clip(S, pmin, pmax)``;
+3. the ``n = round(fraction * d)`` entries of smallest ``|a|`` are redrawn,
+   keeping their sign: a positive (or zero) entry from ``U[0, q_p]`` with
+   ``q_p`` the p-th percentile of ``a``, a negative one from ``U[min(a), 0]``.
+   ``mode: replace`` (the paper's code) puts the draw in place of the entry;
+   ``mode: add`` (the paper's text) adds it to the entry.
+
+Statistics are taken per token, not over the whole batch tensor, so that a
+token's result does not depend on which prompts share its batch, on padding,
+or on whether it is processed in the prefill or in a decoding step. All of it
+runs on the activation's device (no transfer to the CPU for a percentile).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from attnlab.sources import HeadRangeError
+
+log = logging.getLogger(__name__)
+
+MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+ARM_MODES = ("replace", "add")
+
+
+@dataclass(frozen=True)
+class ArmSettings:
+    """ARM hyperparameters; defaults are mid-range of the paper's c 0.1-0.3 and p 90-99.5."""
+
+    layer: int = 0
+    c: float = 0.2
+    p: float = 95.0
+    pmin: float = 0.02
+    pmax: float = 0.25
+    mode: str = "replace"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in ARM_MODES:
+            raise ValueError(f"ARM mode {self.mode!r}: expected one of {ARM_MODES}")
+        if not 0 <= self.pmin <= self.pmax <= 1:
+            raise ValueError(f"ARM needs 0 <= pmin <= pmax <= 1, got pmin={self.pmin}, pmax={self.pmax}")
+        if not 0 < self.p <= 100:
+            raise ValueError(f"ARM percentile p={self.p} must be in (0, 100]")
+
+
+def _kth(values: torch.Tensor, k: int) -> torch.Tensor:
+    """k-th smallest (1-based) along the last dimension, keeping it."""
+    return values.kthvalue(k, dim=-1, keepdim=True).values
+
+
+def redistribute(a: torch.Tensor, settings: ArmSettings, generator: torch.Generator) -> torch.Tensor:
+    """ARM applied to every token vector (last dimension) of ``a``; a new tensor."""
+    d = a.shape[-1]
+    rows = a.reshape(-1, d)
+    work = rows.float()
+    magnitude = work.abs()
+    median = _kth(magnitude, (d + 1) // 2)
+    mad = _kth((magnitude - median).abs(), (d + 1) // 2)
+    eps = MAD_TO_SIGMA * mad * settings.c
+    share = (magnitude < eps).float().mean(-1, keepdim=True)
+    count = (share.clamp(settings.pmin, settings.pmax) * d).round().long()  # [rows, 1]
+    # The count largest-possible selection, sorted by |a|; each row keeps its first `count`.
+    most = max(1, math.ceil(settings.pmax * d))
+    smallest = magnitude.topk(most, dim=-1, largest=False, sorted=True).indices
+    take = torch.arange(most, device=a.device).expand_as(smallest) < count
+    chosen = torch.zeros_like(magnitude, dtype=torch.bool).scatter_(-1, smallest, take)
+    upper = _kth(work, max(1, math.ceil(settings.p / 100 * d))).clamp(min=0)
+    lower = work.min(-1, keepdim=True).values.clamp(max=0)
+    uniform = torch.rand(work.shape, generator=generator, device=a.device, dtype=work.dtype)
+    draws = torch.where(work >= 0, uniform * upper, uniform * lower)
+    if settings.mode == "add":
+        draws = work + draws
+    return torch.where(chosen, draws, work).to(a.dtype).reshape(a.shape)
+
+
+def _act_fn(model, layer: int) -> torch.nn.Module:
+    layers = model.get_decoder().layers
+    if not 0 <= layer < len(layers):
+        raise HeadRangeError(f"MLP layer {layer}: the model has {len(layers)} layers "
+                             f"(0-based: 0..{len(layers) - 1})")
+    mlp = layers[layer].mlp
+    if not hasattr(mlp, "act_fn") or not hasattr(mlp, "gate_proj"):
+        raise TypeError(f"layer {layer}'s MLP ({type(mlp).__name__}) is not a gated MLP with "
+                        "gate_proj and act_fn; ARM and the MLP analysis need one")
+    if any(other.mlp.act_fn is mlp.act_fn for i, other in enumerate(layers) if i != layer):
+        raise TypeError(f"layer {layer} shares its act_fn module with another layer; "
+                        "a hook on it would fire for both")
+    return mlp.act_fn
+
+
+@contextmanager
+def arm_applied(model, settings: ArmSettings | None):
+    """ARM on the configured layer for every forward inside (prefill and decoding)."""
+    if settings is None:
+        yield
+        return
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(settings.seed)
+
+    def hook(module, args, output):
+        return redistribute(output, settings, generator)
+
+    handle = _act_fn(model, settings.layer).register_forward_hook(hook)
+    log.info("ARM on layer %d's MLP activation: %s", settings.layer, settings)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+# ---- statistics ----
+
+STATISTICS = {
+    "near_zero": "share of |a| below the threshold",
+    "l1": "sum of |a| over the intermediate units",
+    "l2": "Euclidean norm of a",
+    "gini": "Gini coefficient of |a| (0: all equal, 1: one unit holds everything)",
+    "gate_variance": "variance of g = gate_proj(x) over the prompt's question tokens, mean over units",
+}
+
+
+def gini(values: torch.Tensor) -> torch.Tensor:
+    """Gini coefficient of non-negative values along the last dimension."""
+    n = values.shape[-1]
+    ordered = values.sort(dim=-1).values
+    weights = 2 * torch.arange(1, n + 1, device=values.device, dtype=values.dtype) - n - 1
+    total = ordered.sum(-1)
+    return torch.where(total > 0, (ordered * weights).sum(-1) / (n * total), torch.zeros_like(total))
+
+
+def token_statistics(a: torch.Tensor, threshold: float) -> dict[str, torch.Tensor]:
+    """Per-token statistics of activation vectors ``a`` [..., d]."""
+    magnitude = a.float().abs()
+    return {"near_zero": (magnitude < threshold).float().mean(-1),
+            "l1": magnitude.sum(-1),
+            "l2": magnitude.square().sum(-1).sqrt(),
+            "gini": gini(magnitude)}
+
+
+def prompt_statistics(a: torch.Tensor, g: torch.Tensor, mask: torch.Tensor,
+                      threshold: float) -> dict[str, torch.Tensor]:
+    """Per-prompt means over the masked tokens of ``a``, ``g`` [B, T, d] (mask [B, T]).
+
+    Token statistics are averaged over the prompt's masked tokens; the gate
+    variance is taken per unit over those tokens (the paper's Var[z_j]) and
+    then averaged over units.
+    """
+    weights = mask.float()
+    count = weights.sum(-1)
+    out = {name: (value * weights).sum(-1) / count
+           for name, value in token_statistics(a, threshold).items()}
+    g = g.float()
+    mean = (g * weights[..., None]).sum(1) / count[:, None]
+    spread = ((g - mean[:, None]).square() * weights[..., None]).sum(1) / count[:, None]
+    out["gate_variance"] = spread.mean(-1)
+    out["n_tokens"] = count
+    return out
+
+
+class ActivationRecorder:
+    """Forward hook on one layer's act_fn: per-prompt statistics and a histogram of ``a``
+    over the tokens selected by ``mask`` (set before each forward)."""
+
+    def __init__(self, model, layer: int, threshold: float, edges: np.ndarray):
+        self.threshold, self.edges = threshold, edges
+        self.counts = np.zeros(len(edges) + 1, np.int64)  # underflow, bins, overflow
+        self.rows: list[dict[str, np.ndarray]] = []
+        self.mask: torch.Tensor | None = None
+        self._handle = _act_fn(model, layer).register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        if self.mask is None:
+            raise RuntimeError("ActivationRecorder.mask must be set before each forward")
+        mask = self.mask.to(output.device)
+        stats = prompt_statistics(output, args[0], mask, self.threshold)
+        self.rows.append({k: v.cpu().numpy() for k, v in stats.items()})
+        values = output.float()[mask].flatten()
+        edges = torch.as_tensor(self.edges, device=values.device, dtype=values.dtype)
+        # bucketize: 0 below the first edge, len(edges) at/above the last
+        index = torch.bucketize(values, edges, right=True)
+        self.counts += torch.bincount(index, minlength=len(self.edges) + 1).cpu().numpy()
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame({k: np.concatenate([r[k] for r in self.rows]) for k in self.rows[0]})
+
+    def histogram(self) -> pd.DataFrame:
+        """Counts per bin; the first and last rows count values outside the edges."""
+        low = np.r_[-np.inf, self.edges]
+        high = np.r_[self.edges, np.inf]
+        return pd.DataFrame({"low": low, "high": high, "count": self.counts})

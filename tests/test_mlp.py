@@ -1,0 +1,183 @@
+"""ARM and the MLP activation statistics, on hand-made tensors and tiny models."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+from attnlab.mlp import (ActivationRecorder, ArmSettings, arm_applied, gini, prompt_statistics,
+                         redistribute)
+from attnlab.sources import HeadRangeError
+
+
+def _activations(rows=6, d=200, seed=0):
+    """Distinct magnitudes (no ties), both signs, a SiLU-like skew."""
+    rng = np.random.default_rng(seed)
+    values = rng.normal(0.1, 0.6, size=(rows, d))
+    values += np.sign(values) * rng.permutation(rows * d).reshape(rows, d) * 1e-7
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _expected_count(row: np.ndarray, s: ArmSettings) -> int:
+    """The ARM recipe written out with numpy, for one token vector."""
+    def median(v):  # the lower median, as torch.median
+        return np.sort(v)[(len(v) - 1) // 2]
+    magnitude = np.abs(row)
+    mad = median(np.abs(magnitude - median(magnitude)))
+    eps = 1.4826 * mad * s.c
+    share = np.mean(magnitude < eps)
+    return int(round(np.clip(share, s.pmin, s.pmax) * len(row)))
+
+
+def _run(a, settings, seed=0):
+    return redistribute(a, settings, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("settings", [ArmSettings(), ArmSettings(c=1.0, p=99.5),
+                                      ArmSettings(c=0.01, pmin=0.1), ArmSettings(mode="add")])
+def test_arm_changes_exactly_the_smallest_entries(settings):
+    a = _activations()
+    out = _run(a, settings)
+    for row, new in zip(a.numpy(), out.numpy()):
+        n = _expected_count(row, settings)
+        smallest = set(np.argsort(np.abs(row))[:n])
+        changed = set(np.nonzero(new != row)[0])
+        assert changed == smallest  # exactly n entries, and only those
+        untouched = np.setdiff1d(np.arange(len(row)), list(smallest))
+        np.testing.assert_array_equal(new[untouched], row[untouched])
+
+
+def test_arm_preserves_signs_and_draws_in_range():
+    a = _activations()
+    settings = ArmSettings(c=0.5)
+    out = _run(a, settings).numpy()
+    for row, new in zip(a.numpy(), out):
+        changed = new != row
+        assert np.all(np.sign(new[changed]) == np.sign(row[changed]))
+        upper = np.sort(row)[int(np.ceil(settings.p / 100 * len(row))) - 1]
+        positive, negative = changed & (row > 0), changed & (row < 0)
+        assert np.all((new[positive] >= 0) & (new[positive] <= upper))
+        assert np.all((new[negative] >= row.min()) & (new[negative] <= 0))
+
+
+def test_arm_add_moves_entries_away_from_zero():
+    a = _activations()
+    out = _run(a, ArmSettings(mode="add")).numpy()
+    changed = out != a.numpy()
+    assert np.all(np.abs(out[changed]) >= np.abs(a.numpy()[changed]))
+
+
+def test_arm_is_reproducible_by_seed_and_batch_invariant():
+    a = _activations(rows=8).reshape(2, 4, -1)
+    settings = ArmSettings()
+    assert torch.equal(_run(a, settings, seed=3), _run(a, settings, seed=3))
+    assert not torch.equal(_run(a, settings, seed=3), _run(a, settings, seed=4))
+    # Which entries are chosen depends on each token alone, not on its batch.
+    alone = _run(a[1:], settings) != a[1:]
+    together = _run(a, settings)[1:] != a[1:]
+    assert torch.equal(alone, together)
+
+
+def test_arm_settings_are_checked():
+    with pytest.raises(ValueError, match="mode"):
+        ArmSettings(mode="swap")
+    with pytest.raises(ValueError, match="pmin"):
+        ArmSettings(pmin=0.5, pmax=0.2)
+
+
+def test_statistics_of_a_hand_made_tensor():
+    # two prompts x three tokens x four units; the second prompt's last token is masked out
+    a = torch.tensor([[[0.0, 0.005, 1.0, -2.0], [0.5, 0.5, 0.5, 0.5], [3.0, 0.0, 0.0, 0.0]],
+                      [[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 4.0], [9.0, 9.0, 9.0, 9.0]]])
+    g = torch.tensor([[[1.0, 2.0, 0.0, 0.0], [3.0, 2.0, 0.0, 0.0], [5.0, 2.0, 0.0, 3.0]],
+                      [[0.0, 1.0, 1.0, 1.0], [2.0, 1.0, -1.0, 1.0], [7.0, 7.0, 7.0, 7.0]]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    stats = {k: v.numpy() for k, v in prompt_statistics(a, g, mask, threshold=0.01).items()}
+
+    np.testing.assert_allclose(stats["near_zero"], [(2 / 4 + 0 + 3 / 4) / 3, (2 / 4 + 3 / 4) / 2])
+    np.testing.assert_allclose(stats["l1"], [(3.005 + 2 + 3) / 3, (2 + 4) / 2], rtol=1e-6)
+    np.testing.assert_allclose(stats["l2"], [(np.sqrt(5.000025) + 1 + 3) / 3, (np.sqrt(2) + 4) / 2],
+                               rtol=1e-6)
+    # Gini: sum |x_i - x_j| over all ordered pairs / (2 n^2 mean)
+    def by_pairs(x):
+        x = np.abs(np.asarray(x))
+        return np.abs(x[:, None] - x[None, :]).sum() / (2 * len(x) ** 2 * x.mean())
+    first = [by_pairs(a[0, t]) for t in range(3)]
+    second = [by_pairs(a[1, t]) for t in range(2)]
+    np.testing.assert_allclose(stats["gini"], [np.mean(first), np.mean(second)], rtol=1e-6)
+    np.testing.assert_allclose(by_pairs([0, 0.005, 1, 2]), 6.995 / 12.02, rtol=1e-6)
+    # gate variance: per unit over the prompt's masked tokens (population), then mean over units
+    np.testing.assert_allclose(stats["gate_variance"], [(8 / 3 + 0 + 0 + 2) / 4, (1 + 0 + 1 + 0) / 4],
+                               rtol=1e-6)
+    np.testing.assert_array_equal(stats["n_tokens"], [3, 2])
+
+
+def test_gini_extremes():
+    assert gini(torch.ones(10)).item() == pytest.approx(0.0)
+    assert gini(torch.tensor([0.0] * 9 + [1.0])).item() == pytest.approx(0.9)
+    assert gini(torch.zeros(5)).item() == 0.0
+
+
+def _tiny(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    else:
+        config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                  max_position_embeddings=64, sliding_window=4)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_recorder_sees_act_fn_of_gate_proj(kind):
+    model = _tiny(kind)
+    mlp = model.get_decoder().layers[1].mlp
+    ids = torch.randint(3, 64, (2, 7))
+    mask = torch.zeros(2, 7, dtype=torch.bool)
+    mask[0, 2:6], mask[1, 1:7] = True, True
+    captured = {}
+    handle = mlp.gate_proj.register_forward_hook(lambda m, args, out: captured.update(g=out))
+    edges = np.linspace(-0.5, 0.5, 11)
+    recorder = ActivationRecorder(model, 1, 0.01, edges)
+    recorder.mask = mask
+    with torch.no_grad():
+        model(ids)
+    recorder.remove()
+    handle.remove()
+    g = captured["g"]
+    expected = prompt_statistics(mlp.act_fn(g), g, mask, 0.01)
+    table = recorder.table()
+    for name in ("near_zero", "l1", "gini", "gate_variance"):
+        np.testing.assert_allclose(table[name], expected[name].numpy(), rtol=1e-5)
+    histogram = recorder.histogram()
+    assert histogram["count"].sum() == mask.sum().item() * 48
+    values = mlp.act_fn(g)[mask].flatten().numpy()
+    assert histogram["count"].iloc[0] == (values < -0.5).sum()
+    assert histogram["count"].iloc[-1] == (values >= 0.5).sum()
+
+
+def test_arm_runs_on_prefill_and_every_decoding_step():
+    model = _tiny("llama")
+    calls = []
+    act = model.get_decoder().layers[0].mlp.act_fn
+    counter = act.register_forward_hook(lambda m, args, out: calls.append(out.shape[1]))
+    ids = torch.randint(3, 64, (1, 5))
+    with torch.no_grad():
+        plain = model(ids).logits
+        with arm_applied(model, ArmSettings(layer=0, seed=1)):
+            changed = model(ids).logits
+            calls.clear()
+            model.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+            decoding = list(calls)
+        after = model(ids).logits
+    counter.remove()
+    assert not torch.allclose(plain, changed)
+    assert torch.equal(plain, after)  # the hook is gone after the block
+    assert decoding == [5, 1, 1, 1]  # prefill, then one token per decoding step
+
+
+def test_mlp_layer_out_of_range():
+    with pytest.raises(HeadRangeError, match="2 layers"):
+        ActivationRecorder(_tiny("llama"), 5, 0.01, np.linspace(0, 1, 3))
