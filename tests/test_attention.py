@@ -17,7 +17,8 @@ def _prompts(lengths, inserted, vocab, seed=0):
         rows.append({"id": f"p{i}", "input_ids": rng.integers(3, vocab, size=length).tolist(),
                      "n_prompt_tokens": length, "system_start": 0, "system_end": start,
                      "inserted_start": start, "inserted_end": end,
-                     "question_start": end, "question_end": length})
+                     "question_start": end, "question_end": length,
+                     "cut_start": start, "cut_end": end})
     return pd.DataFrame(rows)
 
 

@@ -12,7 +12,7 @@ from test_attention import TINY, _prompts
 def written(tmp_path):
     model = TINY["llama-gqa"]()
     prompts = _prompts([12, 8, 15], inserted=(2, 6), vocab=101)
-    for region, (start, end) in {"system": (0, 2), "question": (6, None)}.items():
+    for region, (start, end) in {"system": (0, 2), "question": (6, None), "cut": (2, 6)}.items():
         prompts[f"{region}_start"], prompts[f"{region}_end"] = start, end or prompts["n_prompt_tokens"]
     path = tmp_path / "cell.h5"
     write_attention(path, extract(model, prompts, 2, []), prompts, {"model": "tiny", "condition": "c"})
@@ -57,7 +57,7 @@ def test_killed_write_leaves_no_file(tmp_path, written, monkeypatch):
 
 def test_align_removes_the_inserted_run():
     values = np.arange(20, dtype=np.float32).reshape(2, 10)
-    spans = np.array([[[0, 2], [2, 5], [5, 10]], [[0, 2], [2, 5], [5, 8]]])
+    spans = np.array([[[0, 2], [2, 4], [5, 10], [2, 5]], [[0, 2], [2, 4], [5, 8], [2, 5]]])
     aligned = align(values, spans, np.array([10, 8]), remove_inserted=True)
     assert aligned[0].tolist() == [0, 1, 5, 6, 7, 8, 9]
     assert aligned[1, :5].tolist() == [10, 11, 15, 16, 17] and np.isnan(aligned[1, 5:]).all()
@@ -73,7 +73,7 @@ def test_full_map_layer_out_of_range_is_named():
 
 def test_removing_the_insertion_recovers_the_plain_prompt(smollm2_tokenizer):
     """Cutting the inserted run (and its separator) leaves exactly the tokens of `none`."""
-    from attnlab.prompts import make_prompts
+    from attnlab.prompts import SPANS, make_prompts
     import pandas as pd
 
     questions = pd.DataFrame({"id": ["a"], "question": ["What is 7 + 5?"], "answer": ["12"]})
@@ -83,7 +83,6 @@ def test_removing_the_insertion_recovers_the_plain_prompt(smollm2_tokenizer):
         mless = make_prompts(smollm2_tokenizer, questions, "mless",
                              {"kind": "repeat", "unit": "/", "length": 9}, cfg, fmt, 999)
         ids = np.asarray(mless["input_ids"][0], dtype=np.float32)[None]
-        spans = mless[[f"{r}_{e}" for r in ("system", "inserted", "question")
-                       for e in ("start", "end")]].to_numpy().reshape(1, 3, 2)
+        spans = mless[[f"{r}_{e}" for r in SPANS for e in ("start", "end")]].to_numpy().reshape(1, 4, 2)
         kept = align(ids, spans, np.array([len(ids[0])]), remove_inserted=True)[0]
         assert kept.tolist() == list(plain["input_ids"][0]), fmt

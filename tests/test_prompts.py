@@ -1,8 +1,8 @@
 import pandas as pd
 import pytest
 
-from attnlab.prompts import (DEFAULT_UNRELATED_TEXT, PromptError, build_prompt, insertion_text,
-                             make_prompts, token_span)
+from attnlab.prompts import (DEFAULT_UNRELATED_TEXT, PLACEMENTS, PromptError, build_prompt,
+                             insertion_text, make_prompts, random_position, token_span)
 
 SYSTEM = r"You are an expert mathematician. Put your final answer within \boxed{}"
 RAW = "{system}\n{user}\nSolution:"
@@ -32,12 +32,55 @@ def test_spans_decode_back_to_their_text(smollm2_tokenizer, fmt, condition):
     for question in QUESTIONS:
         built = build_prompt(tok, fmt, RAW, SYSTEM, inserted, question)
         parts = {"system": SYSTEM, "inserted": inserted, "question": question}
-        for name, (start, end) in built.spans.items():
+        for name in parts:
+            start, end = built.spans[name]
             assert _decode(tok, built.input_ids[start:end]).strip() == parts[name].strip(), name
         assert built.span_exact
         # Regions are in order and do not overlap.
         (s0, s1), (i0, i1), (q0, q1) = (built.spans[r] for r in ("system", "inserted", "question"))
         assert s0 < s1 <= i0 <= i1 <= q0 < q1 <= len(built.input_ids)
+
+
+@pytest.mark.parametrize("fmt", ["chat", "raw"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_removing_the_cut_gives_the_prompt_without_insertion(smollm2_tokenizer, fmt, placement):
+    """Wherever the insertion goes, cutting [cut_start, cut_end) leaves exactly the tokens of
+    the plain prompt: that is what aligns attention across conditions."""
+    tok = smollm2_tokenizer
+    inserted = insertion_text(tok, CONDITIONS["mless"])
+    for k, question in enumerate(QUESTIONS[:2]):
+        position = random_position(question, f"q{k}", seed=0) if placement == "question_random" else None
+        built = build_prompt(tok, fmt, RAW, SYSTEM, inserted, question, placement, position)
+        plain = build_prompt(tok, fmt, RAW, SYSTEM, "", question)
+        cut_start, cut_end = built.spans["cut"]
+        assert built.input_ids[:cut_start] + built.input_ids[cut_end:] == plain.input_ids
+        start, end = built.spans["inserted"]
+        assert _decode(tok, built.input_ids[start:end]).strip() == inserted
+        assert cut_start <= start < end <= cut_end
+        q0, q1 = built.spans["question"]
+        inside = q0 < start < q1
+        assert inside == (placement == "question_random" and position < len(question.split(" ")))
+        assert built.span_exact
+
+
+def test_placements_put_the_insertion_where_they_say(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    question = "What is the sum of 3 and 4 ?"
+    spans = {}
+    for placement in PLACEMENTS:
+        position = 3 if placement == "question_random" else None
+        spans[placement] = build_prompt(tok, "raw", RAW, SYSTEM, "/ / /", question, placement,
+                                        position).spans
+    assert spans["system_start"]["inserted"][1] <= spans["system_start"]["system"][0]
+    assert spans["between"]["system"][1] <= spans["between"]["inserted"][0]
+    assert spans["between"]["inserted"][1] <= spans["between"]["question"][0]
+    q0, q1 = spans["question_random"]["question"]
+    assert q0 < spans["question_random"]["inserted"][0] < q1
+    assert spans["end"]["question"][1] <= spans["end"]["inserted"][0]
+    # the random position is seeded per item, and covers the question's word boundaries
+    positions = {random_position(question, f"item{i}", seed=0) for i in range(200)}
+    assert positions == set(range(1, 10))  # after word 1 .. after word 9 (the end)
+    assert random_position(question, "item1", 0) == random_position(question, "item1", 0)
 
 
 def test_inserted_length_is_counted_in_tokens(smollm2_tokenizer, smollm2_dir):

@@ -15,7 +15,16 @@ import pandas as pd
 from attnlab.extraction import open_attention
 from attnlab.sources import check_heads
 
-INSERTED, QUESTION = 1, 2  # indices of the regions in /spans
+INSERTED, QUESTION, CUT = 1, 2, 3  # indices in /spans (attnlab.prompts.SPANS)
+
+
+def question_mask(spans: np.ndarray, width: int) -> np.ndarray:
+    """[prompts, width]: the question's own tokens (an insertion inside it excluded)."""
+    mask = np.zeros((len(spans), width), bool)
+    for row, span in enumerate(spans):
+        mask[row, slice(*span[QUESTION])] = True
+        mask[row, slice(*span[INSERTED])] = False
+    return mask
 
 
 def read_head(path, layer: int, head: int, name: str = "received") -> dict:
@@ -28,13 +37,13 @@ def read_head(path, layer: int, head: int, name: str = "received") -> dict:
 
 
 def align(values: np.ndarray, spans: np.ndarray, lengths: np.ndarray, remove_inserted: bool) -> np.ndarray:
-    """[prompts, positions], NaN padded; with ``remove_inserted`` the inserted run and the
-    separator after it (everything up to the question) are cut out, so the remaining
-    tokens are exactly those of the prompt without insertion."""
+    """[prompts, positions], NaN padded; with ``remove_inserted`` the inserted run and its
+    separator are cut out, so the remaining tokens are those of the prompt without
+    insertion (wherever the insertion was placed)."""
     rows = []
     for row, (length, span) in enumerate(zip(lengths, spans)):
-        start, question_start = span[INSERTED][0], span[QUESTION][0]
-        kept = np.r_[0:start, question_start:length] if remove_inserted else np.arange(length)
+        start, end = span[CUT]
+        kept = np.r_[0:start, end:length] if remove_inserted else np.arange(length)
         rows.append(values[row, kept])
     width = max(len(r) for r in rows)
     out = np.full((len(rows), width), np.nan, np.float32)
@@ -81,9 +90,7 @@ def lambda_table(paths: dict[str, str]) -> pd.DataFrame:
     for condition, path in paths.items():
         with open_attention(path) as h5:
             spans, lengths = h5["spans"][:], h5["lengths"][:]
-            question = np.zeros((len(lengths), int(lengths.max())), bool)
-            for row, (start, end) in enumerate(spans[:, QUESTION]):
-                question[row, start:end] = True
+            question = question_mask(spans, int(lengths.max()))
             for layer in range(int(h5.attrs["n_layers"])):
                 lam = h5[f"lam/layer_{layer:02d}"][:]  # [H, N, T]
                 for head in range(lam.shape[0]):

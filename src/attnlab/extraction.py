@@ -8,7 +8,8 @@ token indices of each prompt, left-aligned; padding is NaN or -1):
     /maps/layer_{l:02d}      float16 [H, N, T, T]  full attention maps (only configured layers)
     /token_ids               int32   [N, T]     -1 on padding
     /lengths                 int32   [N]
-    /spans                   int32   [N, 3, 2]  [start, end) of system, inserted, question
+    /spans                   int32   [N, 4, 2]  [start, end) of system, inserted, question, and
+                                                cut (the insertion with its separator)
     /ids                     str     [N]        item ids
 
 Per-layer arrays are chunked ``[1, N, T]``: one head across all prompts is
@@ -33,7 +34,7 @@ from tqdm import tqdm
 
 from attnlab import attention
 from attnlab.io import atomic_path
-from attnlab.prompts import REGIONS
+from attnlab.prompts import SPANS
 from attnlab.sources import HeadRangeError
 
 log = logging.getLogger(__name__)
@@ -125,12 +126,12 @@ def write_attention(path: str | Path, extraction: Extraction, prompts: pd.DataFr
             token_ids[row, : len(ids)] = ids
         h5.create_dataset("token_ids", data=token_ids, **compression)
         h5.create_dataset("lengths", data=prompts["n_prompt_tokens"].to_numpy(np.int32))
-        spans = np.stack([prompts[[f"{r}_start", f"{r}_end"]].to_numpy(np.int32) for r in REGIONS], 1)
+        spans = np.stack([prompts[[f"{r}_start", f"{r}_end"]].to_numpy(np.int32) for r in SPANS], 1)
         h5.create_dataset("spans", data=spans)
         h5.create_dataset("ids", data=prompts["id"].astype(str).tolist(), dtype=h5py.string_dtype())
         h5.attrs.update({key: json.dumps(value) if isinstance(value, (dict, list)) else value
                          for key, value in attrs.items()})
-        h5.attrs["regions"] = json.dumps(list(REGIONS))
+        h5.attrs["regions"] = json.dumps(list(SPANS))
         h5.attrs["metric_definition"] = attention.METRIC_DEFINITION
         h5.attrs["versions"] = json.dumps(_versions())
         h5.attrs["n_layers"], h5.attrs["n_heads"] = len(extraction.received), extraction.received[0].shape[0]

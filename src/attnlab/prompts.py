@@ -1,15 +1,20 @@
 """Prompt variants per condition, with token spans for every prompt region.
 
-A prompt is ``system`` + ``inserted`` + ``question``. The inserted text sits
-between the system prompt and the question (the paper's best position). Its
-length is counted in tokens under each model's own tokenizer. For every
-prompt we record the half-open token span ``[start, end)`` of each region so
-that attention plots can align prompts and shade the inserted run.
+A prompt is a system prompt, an inserted text and a question. The insertion
+goes, by the condition's ``placement``: between the system prompt and the
+question (``between``, the paper's best position and the default), at the
+start of the system prompt (``system_start``), after a seeded random word of
+the question (``question_random``) or after the question (``end``). Its length
+is counted in tokens under each model's own tokenizer. For every prompt we
+record the half-open token span ``[start, end)`` of each region, and of
+``cut`` (the insertion with its separator), so that attention plots can align
+prompts and shade the inserted run.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 
 import pandas as pd
@@ -17,6 +22,9 @@ import pandas as pd
 log = logging.getLogger(__name__)
 
 REGIONS = ("system", "inserted", "question")
+# Stored spans: the regions, then the tokens alignment removes (insertion + separator).
+SPANS = (*REGIONS, "cut")
+PLACEMENTS = ("system_start", "between", "question_random", "end")
 
 # Used by `kind: text` conditions without their own text ("random" in the
 # paper, which gives no text). Fixed so that runs are comparable; unrelated to
@@ -64,10 +72,8 @@ def insertion_text(tokenizer, condition: dict) -> str:
     raise PromptError(f"unknown condition kind {kind!r}")
 
 
-def format_prompt(tokenizer, prompt_format: str, raw_template: str,
-                  system: str, inserted: str, question: str) -> str:
+def format_prompt(tokenizer, prompt_format: str, raw_template: str, system: str, user: str) -> str:
     """The full prompt text in the model's chat template or the raw template."""
-    user = f"{inserted}\n{question}" if inserted else question
     if prompt_format == "chat":
         if not tokenizer.chat_template:
             raise PromptError(
@@ -79,19 +85,71 @@ def format_prompt(tokenizer, prompt_format: str, raw_template: str,
     return raw_template.format(system=system, user=user)
 
 
-def char_ranges(text: str, parts: dict[str, str]) -> dict[str, tuple[int, int]]:
-    """Character range of each region, searched in order so regions cannot overlap."""
-    ranges, cursor = {}, 0
-    for name in REGIONS:
-        part = parts[name]
-        if not part:
-            ranges[name] = (cursor, cursor)
+def compose(system: str, inserted: str, question: str, placement: str = "between",
+            position: int | None = None) -> tuple[str, str, list[tuple[str, str]]]:
+    """System and user message texts, and the pieces they are made of, in text order.
+
+    Pieces are ``(region, text)`` with region one of system, inserted,
+    separator (the whitespace that joins the insertion to its neighbour) or
+    question (twice when the insertion splits it). ``position`` is the number
+    of question words before the insertion for ``question_random``.
+    """
+    if not inserted:
+        # an empty insertion sits where the default placement would put it
+        return system, question, [("system", system), ("inserted", ""), ("question", question)]
+    if placement == "between":
+        return system, f"{inserted}\n{question}", [
+            ("system", system), ("inserted", inserted), ("separator", "\n"), ("question", question)]
+    if placement == "system_start":
+        return f"{inserted}\n{system}", question, [
+            ("inserted", inserted), ("separator", "\n"), ("system", system), ("question", question)]
+    if placement == "end":
+        return system, f"{question}\n{inserted}", [
+            ("system", system), ("question", question), ("separator", "\n"), ("inserted", inserted)]
+    if placement == "question_random":
+        words = question.split(" ")
+        if position is None or not 1 <= position <= len(words):
+            raise PromptError(f"question_random needs a position in 1..{len(words)}, got {position}")
+        head, tail = " ".join(words[:position]), " ".join(words[position:])
+        pieces = [("system", system), ("question", head), ("separator", " "), ("inserted", inserted)]
+        if tail:
+            pieces.append(("question", f" {tail}"))
+        return system, "".join(text for _, text in pieces[1:]), pieces
+    raise PromptError(f"unknown placement {placement!r}; expected one of {PLACEMENTS}")
+
+
+def random_position(question: str, item_id: str, seed: int) -> int:
+    """A word boundary inside the question (after 1..all words), fixed per item and seed."""
+    words = question.split(" ")
+    return random.Random(f"{seed}:{item_id}").randint(1, len(words))
+
+
+def char_ranges(text: str, pieces: list[tuple[str, str]]) -> dict[str, tuple[int, int]]:
+    """Character range of every region in ``text``, and of ``cut``: the insertion with its
+    separator, i.e. what to remove to get the prompt without insertion.
+
+    Pieces are searched in order, so regions cannot overlap; a separator must
+    follow its neighbour directly (a template that trims it leaves it empty).
+    """
+    found: dict[str, list[tuple[int, int]]] = {name: [] for name in (*REGIONS, "separator")}
+    cursor = 0
+    for name, piece in pieces:
+        if name == "separator":
+            end = cursor + len(piece) if text.startswith(piece, cursor) else cursor
+            found[name].append((cursor, end))
+            cursor = end
             continue
-        start = text.find(part, cursor)
+        start = text.find(piece, cursor) if piece else cursor
         if start < 0:
             raise PromptError(f"the prompt template changed the {name} text; cannot locate it")
-        ranges[name] = (start, start + len(part))
-        cursor = start + len(part)
+        found[name].append((start, start + len(piece)))
+        cursor = start + len(piece)
+    ranges = {}
+    for name in REGIONS:
+        parts = found[name] or [(cursor, cursor)]
+        ranges[name] = (min(s for s, _ in parts), max(e for _, e in parts))
+    joined = found["inserted"] + found["separator"] if found["inserted"] else [ranges["inserted"]]
+    ranges["cut"] = (min(s for s, _ in joined), max(e for _, e in joined))
     return ranges
 
 
@@ -110,21 +168,21 @@ def token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[in
 class BuiltPrompt:
     text: str
     input_ids: list[int]
-    spans: dict[str, tuple[int, int]]
+    spans: dict[str, tuple[int, int]]  # SPANS -> [start, end) token indices
     span_exact: bool
 
 
-def build_prompt(tokenizer, prompt_format: str, raw_template: str,
-                 system: str, inserted: str, question: str) -> BuiltPrompt:
-    text = format_prompt(tokenizer, prompt_format, raw_template, system, inserted, question)
-    parts = {"system": system, "inserted": inserted, "question": question}
-    ranges = char_ranges(text, parts)
+def build_prompt(tokenizer, prompt_format: str, raw_template: str, system: str, inserted: str,
+                 question: str, placement: str = "between", position: int | None = None) -> BuiltPrompt:
+    system_text, user_text, pieces = compose(system, inserted, question, placement, position)
+    text = format_prompt(tokenizer, prompt_format, raw_template, system_text, user_text)
+    ranges = char_ranges(text, pieces)
     # Chat templates carry their own BOS; a raw prompt gets the tokenizer's.
     encoded = tokenizer(text, add_special_tokens=prompt_format == "raw", return_offsets_mapping=True)
-    spans = {name: token_span(encoded.offset_mapping, *ranges[name]) for name in REGIONS}
+    spans = {name: token_span(encoded.offset_mapping, *ranges[name]) for name in SPANS}
     exact = all(
         tokenizer.decode(encoded.input_ids[s:e], clean_up_tokenization_spaces=False).strip()
-        == parts[name].strip()
+        == text[slice(*ranges[name])].strip()
         for name, (s, e) in spans.items()
     )
     return BuiltPrompt(text, list(encoded.input_ids), spans, exact)
@@ -134,10 +192,13 @@ def make_prompts(tokenizer, questions: pd.DataFrame, condition_name: str, condit
                  prompt_cfg: dict, prompt_format: str, max_context: int) -> pd.DataFrame:
     """One row per question: prompt text, token ids and region spans."""
     inserted = insertion_text(tokenizer, condition)
+    placement = condition.get("placement", "between")
     rows = []
     for item in questions.itertuples(index=False):
+        position = (random_position(item.question, str(item.id), condition.get("seed", 0))
+                    if placement == "question_random" else None)
         built = build_prompt(tokenizer, prompt_format, prompt_cfg["raw_template"],
-                             prompt_cfg["system"], inserted, item.question)
+                             prompt_cfg["system"], inserted, item.question, placement, position)
         if len(built.input_ids) > max_context:
             raise PromptError(
                 f"item '{item.id}': prompt is {len(built.input_ids)} tokens, longer than the "
@@ -147,7 +208,8 @@ def make_prompts(tokenizer, questions: pd.DataFrame, condition_name: str, condit
                "condition": condition_name, "prompt_format": prompt_format,
                "prompt": built.text, "input_ids": built.input_ids,
                "n_prompt_tokens": len(built.input_ids), "inserted_text": inserted,
-               "inserted_chars": len(inserted), "span_exact": built.span_exact}
+               "inserted_chars": len(inserted), "placement": placement if inserted else "none",
+               "arm": bool(condition.get("arm", False)), "span_exact": built.span_exact}
         for name, (start, end) in built.spans.items():
             row[f"{name}_start"], row[f"{name}_end"] = start, end
         row["inserted_tokens"] = row["inserted_end"] - row["inserted_start"]
