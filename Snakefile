@@ -20,6 +20,7 @@ include: "workflow/rules/models.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/inference.smk"
 include: "workflow/rules/attention.smk"
+include: "workflow/rules/mlp.smk"
 include: "workflow/rules/pruning.smk"
 include: "workflow/rules/plots.smk"
 
@@ -27,6 +28,7 @@ include: "workflow/rules/plots.smk"
 localrules:
     all,
     accuracy_table,
+    placement_table,
 
 
 rule all:

@@ -19,12 +19,15 @@ def test_tiny_config_dry_run_counts_jobs(tmp_path):
     result = _dry_run(tmp_path, _tiny())
     assert result.returncode == 0, result.stdout
     counts = job_counts(result.stdout)
-    # 1 model x 2 datasets x 2 conditions; attention on 1 dataset, 1 configured head;
-    # pruning on 1 task.
-    assert counts == {"prepare_model": 1, "prepare_dataset": 2, "make_prompts": 4, "generate": 4,
-                      "grade": 4, "accuracy_table": 1, "plot_accuracy": 2, "extract_attention": 2,
+    # 1 model x 2 datasets x 4 conditions (one placed at the end, one ARM); attention and
+    # the MLP analysis on 1 dataset, 1 configured head; pruning on 1 task; a placement
+    # table and one placement figure per dataset.
+    assert counts == {"prepare_model": 1, "prepare_dataset": 2, "make_prompts": 8, "generate": 8,
+                      "grade": 8, "accuracy_table": 1, "plot_accuracy": 2, "extract_attention": 4,
                       "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
-                      "score_heads": 1, "sweep_heads": 1, "plot_pruning": 1, "all": 1, "total": 27}
+                      "mlp_activations": 4, "mlp_summary": 1, "placement_table": 1,
+                      "plot_placement": 2, "score_heads": 1, "sweep_heads": 1, "plot_pruning": 1,
+                      "all": 1, "total": 49}
 
 
 def test_length_sweep_adds_one_figure_per_model_and_dataset(tmp_path):
@@ -34,6 +37,35 @@ def test_length_sweep_adds_one_figure_per_model_and_dataset(tmp_path):
     assert result.returncode == 0, result.stdout
     assert job_counts(result.stdout)["plot_length_sweep"] == 2
     assert job_counts(_dry_run(tmp_path, _tiny()).stdout).get("plot_length_sweep") is None
+
+
+def test_placement_sweep_only_when_a_condition_moves_the_insertion(tmp_path):
+    config = _tiny()
+    del config["conditions"]["mless_end"]
+    counts = job_counts(_dry_run(tmp_path, config).stdout)
+    assert "placement_table" not in counts and "plot_placement" not in counts
+    # ARM and other placements stay out of the length sweep's lines
+    config["conditions"]["mless_25"] = {"kind": "repeat", "unit": "/", "length": 25}
+    assert job_counts(_dry_run(tmp_path, config).stdout)["plot_length_sweep"] == 2
+
+
+def test_mlp_and_arm_settings_are_checked(tmp_path):
+    config = _tiny()
+    config["mlp"]["baseline"] = "plain"
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and "mlp.baseline is 'plain', not in conditions" in result.stdout
+    config = _tiny()
+    config["models"]["smollm2-135m"]["arm"] = {"pmin": 0.3, "pmax": 0.1}
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and "pmin (0.3) is above pmax (0.1)" in result.stdout
+    config = _tiny()
+    config["models"]["smollm2-135m"]["arm"] = {"mode": "swap"}
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and "swap" in result.stdout
+    config = _tiny()
+    config["conditions"]["mless"]["placement"] = "middle"
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and "middle" in result.stdout
 
 
 def test_configfile_replaces_the_default_config(tmp_path):

@@ -11,7 +11,7 @@ from conftest import copy_config, snakemake
 
 pytestmark = pytest.mark.slow
 
-MODEL, DATASETS, CONDITIONS = "smollm2-135m", ["svamp", "gsm8k"], ["none", "mless"]
+MODEL, DATASETS, CONDITIONS = "smollm2-135m", ["svamp", "gsm8k"], ["none", "mless", "mless_end", "arm"]
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,8 @@ def test_attention_figures_and_tables(tiny_run):
     assert [p.name for p in (figures / "top_changed").glob("*.png")] == [
         f"rank1_layer{top['layer']}_head{top['head']}.png"]
     lam = pd.read_csv(workdir / f"results/tables/attention/{MODEL}/svamp/lambda.csv")
-    assert len(lam) == 2 * 30 * 9
-    assert (lam[lam["condition"] == "none"]["lambda_mean"] == 1.0).all()
+    assert len(lam) == len(CONDITIONS) * 30 * 9
+    assert (lam[lam["condition"].isin(["none", "arm"])]["lambda_mean"] == 1.0).all()
     assert (lam[lam["condition"] == "mless"]["lambda_mean"] < 1.0).any()
 
 
@@ -125,6 +125,61 @@ def test_head_out_of_range_names_the_real_shape(tiny_run):
     result = snakemake("-n", "--cores", "1", "--configfile", str(bad), workdir=workdir)
     assert result.returncode != 0
     assert "model 'smollm2-135m' has 30 layers x 9 heads" in result.stdout
+    bad.write_text(config.read_text().replace("max_prompts: 3", "max_prompts: 3\n  layer: 30"))
+    result = snakemake("-n", "--cores", "1", "--configfile", str(bad), workdir=workdir)
+    assert result.returncode != 0
+    assert "model 'smollm2-135m' has 30 layers (0-based: 0..29); mlp.layer is 30" in result.stdout
+
+
+def test_placement_end_puts_the_insertion_after_the_question(tiny_run):
+    workdir, _ = tiny_run
+    end = pd.read_parquet(workdir / f"results/prompts/{MODEL}/svamp/mless_end.parquet")
+    plain = pd.read_parquet(workdir / f"results/prompts/{MODEL}/svamp/none.parquet")
+    assert (end["inserted_start"] >= end["question_end"]).all() and (end["inserted_tokens"] == 10).all()
+    for row, ids in zip(end.itertuples(), plain["input_ids"]):
+        kept = list(row.input_ids[: row.cut_start]) + list(row.input_ids[row.cut_end:])
+        assert kept == list(ids)
+    table = pd.read_csv(workdir / "results/tables/placement.csv")
+    assert set(table["placement"]) == {"none", "between", "end"}  # ARM stays out
+    assert len(table) == len(DATASETS) * 3
+    assert (workdir / "results/figures/placement/svamp.png").stat().st_size > 10_000
+
+
+def test_arm_condition_changes_only_what_follows_its_layer(tiny_run):
+    """ARM on layer 0's MLP: same prompt as `none`, same layer-0 attention, different after."""
+    import h5py
+
+    workdir, _ = tiny_run
+    arm = pd.read_parquet(workdir / f"results/prompts/{MODEL}/svamp/arm.parquet")
+    plain = pd.read_parquet(workdir / f"results/prompts/{MODEL}/svamp/none.parquet")
+    assert [list(x) for x in arm["input_ids"]] == [list(x) for x in plain["input_ids"]]
+    assert arm["arm"].all() and not plain["arm"].any()
+    with h5py.File(workdir / f"results/attention/{MODEL}/svamp/arm.h5") as a, \
+            h5py.File(workdir / f"results/attention/{MODEL}/svamp/none.h5") as b:
+        assert json.loads(a.attrs["arm"])["c"] == 0.2 and json.loads(b.attrs["arm"]) == {}
+        np.testing.assert_allclose(a["received/layer_00"][:], b["received/layer_00"][:], equal_nan=True)
+        assert not np.allclose(a["received/layer_01"][:], b["received/layer_01"][:], equal_nan=True)
+
+
+def test_mlp_outputs(tiny_run):
+    workdir, _ = tiny_run
+    stats = {c: pd.read_csv(workdir / f"results/mlp/{MODEL}/svamp/{c}.csv") for c in CONDITIONS}
+    for condition, frame in stats.items():
+        assert len(frame) == 3 and frame["id"].tolist() == stats["none"]["id"].tolist()
+        histogram = pd.read_csv(workdir / f"results/mlp/{MODEL}/svamp/{condition}.hist.csv")
+        assert histogram["count"].sum() == frame["n_tokens"].sum() * 1536  # SmolLM2's intermediate size
+        assert frame["gini"].between(0, 1).all() and frame["near_zero"].between(0, 1).all()
+    # Causal attention: a question before the insertion cannot see it.
+    columns = ["near_zero", "l1", "l2", "gini", "gate_variance"]
+    pd.testing.assert_frame_equal(stats["mless_end"][columns], stats["none"][columns])
+    assert not np.allclose(stats["mless"]["l1"], stats["none"]["l1"])
+    # ARM redraws the entries nearest zero, so few stay below the threshold.
+    assert (stats["arm"]["near_zero"] < stats["none"]["near_zero"]).all()
+    summary = pd.read_csv(workdir / f"results/tables/mlp/{MODEL}/svamp.csv").set_index("condition")
+    assert list(summary.index) == CONDITIONS
+    assert summary.loc["none", "near_zero_delta"] == 0.0
+    assert summary.loc["arm", "near_zero_delta_ci_high"] < 0
+    assert (workdir / f"results/figures/mlp/{MODEL}/svamp.png").stat().st_size > 10_000
 
 
 def test_pruning_outputs(tiny_run):

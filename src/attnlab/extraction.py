@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from attnlab import attention
 from attnlab.io import atomic_path
+from attnlab.models import left_pad, padded_span_mask
 from attnlab.prompts import SPANS
 from attnlab.sources import HeadRangeError
 
@@ -49,17 +50,6 @@ class Extraction:
     received: list[np.ndarray]  # per layer [H, N, T]
     lam: list[np.ndarray]
     maps: dict[int, np.ndarray]  # layer -> [H, N, T, T]
-
-
-def _batch_masks(lengths: list[int], spans: np.ndarray, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Real-token and inserted-key masks in left-padded batch positions."""
-    real = torch.zeros(len(lengths), width, dtype=torch.bool)
-    inserted = torch.zeros_like(real)
-    for row, (length, (start, end)) in enumerate(zip(lengths, spans)):
-        pad = width - length
-        real[row, pad:] = True
-        inserted[row, pad + start: pad + end] = True
-    return real, inserted
 
 
 def extract(model, prompts: pd.DataFrame, batch_size: int, map_layers: list[int]) -> Extraction:
@@ -81,15 +71,11 @@ def extract(model, prompts: pd.DataFrame, batch_size: int, map_layers: list[int]
         ids = [np.asarray(prompts["input_ids"].iloc[r]).tolist() for r in rows]
         lengths = [len(x) for x in ids]
         batch_width = max(lengths)
-        padded = torch.zeros(len(rows), batch_width, dtype=torch.long)
-        for i, x in enumerate(ids):
-            padded[i, batch_width - len(x):] = torch.tensor(x)
-        real, inserted = _batch_masks(lengths, spans[rows], batch_width)
-        with attention.reducing(model, real.to(device), inserted.to(device), map_layers) as out, \
+        padded, real, positions = left_pad(ids)
+        inserted = padded_span_mask(lengths, spans[rows], batch_width)
+        with attention.reducing(model, real.bool().to(device), inserted.to(device), map_layers) as out, \
                 torch.inference_mode():
-            # Positions count real tokens only, as in generation with left padding.
-            positions = (real.long().cumsum(-1) - 1).clamp(min=0)
-            base(input_ids=padded.to(device), attention_mask=real.long().to(device),
+            base(input_ids=padded.to(device), attention_mask=real.to(device),
                  position_ids=positions.to(device), use_cache=False)
         for i, (row, length) in enumerate(zip(rows, lengths)):
             pad = batch_width - length

@@ -109,3 +109,28 @@ def context_length(path: str | Path) -> int:
     config = AutoConfig.from_pretrained(path)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text_config.max_position_embeddings)
+
+
+def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input ids, attention mask and position ids of a left-padded batch.
+
+    Positions count real tokens only, as in generation with left padding, so a
+    prompt's result does not depend on the batch it is in.
+    """
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.as_tensor(row)
+        mask[i, width - len(row):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+def padded_span_mask(lengths: list[int], spans, width: int) -> torch.Tensor:
+    """[rows, width] True on each row's token span ``[start, end)``, in left-padded positions."""
+    mask = torch.zeros(len(lengths), width, dtype=torch.bool)
+    for row, (length, (start, end)) in enumerate(zip(lengths, spans)):
+        pad = width - length
+        mask[row, pad + start: pad + end] = True
+    return mask

@@ -169,3 +169,88 @@ def plot_length_sweep(table: pd.DataFrame, families: dict[str, str | None], mode
     fig.suptitle(f"{model} on {dataset}: accuracy vs inserted length (n = {n} per point)")
     fig.tight_layout()
     _save(fig, out_path, dpi)
+
+
+def plot_mlp_histograms(histograms: dict[str, pd.DataFrame], table: pd.DataFrame, baseline: str,
+                        model: str, dataset: str, layer: int, near_zero: float, out_path,
+                        dpi: int = 150) -> None:
+    """One panel per condition: its histogram of a = act_fn(gate_proj(x)) over the question
+    tokens overlaid on the baseline's, log-scale counts, near-zero band shaded."""
+    others = [c for c in histograms if c != baseline] or [baseline]
+    columns = min(3, len(others))
+    rows = -(-len(others) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False,
+                             sharex=True, sharey=True)
+    stats = table.set_index("condition")
+
+    def draw(ax, condition, colour, style):
+        hist = histograms[condition]
+        inner = hist.iloc[1:-1]  # the first and last rows count values outside the range
+        share = stats.at[condition, "near_zero"]
+        ax.stairs(inner["count"].to_numpy(), np.r_[inner["low"].to_numpy(), inner["high"].iloc[-1]],
+                  color=colour, ls=style, lw=1.2, label=f"{condition} (near zero {100 * share:.1f}%)")
+
+    for ax, condition in zip(axes.flat, others):
+        draw(ax, baseline, "0.35", "--")
+        if condition != baseline:
+            draw(ax, condition, "tab:red", "-")
+        ax.axvspan(-near_zero, near_zero, color="tab:blue", alpha=0.15, lw=0)
+        ax.set_yscale("log")
+        ax.set_title(f"{condition} vs {baseline}", fontsize=9)
+        ax.legend(fontsize=7, loc="upper right")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(others):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("a = act_fn(gate_proj(x))")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("count (question tokens x units)")
+    fig.suptitle(f"{model} on {dataset}: layer {layer} (0-based) MLP activations; "
+                 f"shaded |a| < {near_zero:g}")
+    fig.tight_layout()
+    _save(fig, out_path, dpi)
+
+
+PLACEMENT_ORDER = ("none", "system_start", "between", "question_random", "end")
+
+
+def plot_placement(table: pd.DataFrame, dataset: str, models: list[str], out_path,
+                   dpi: int = 150) -> None:
+    """Accuracy by placement of the insertion: a row of panels per inserted kind and length
+    that is configured away from the default placement, one column per grader, one bar per
+    model; the plain prompt ("none") is the first group."""
+    inserted = table[table["placement"] != "none"]
+    moved = inserted.groupby(["family", "length"])["placement"].apply(lambda p: (p != "between").any())
+    groups = [key for key, flag in moved.items() if flag]
+    plain = table[table["placement"] == "none"].drop_duplicates("model").set_index("model")
+    fig, axes = plt.subplots(max(1, len(groups)), 2, figsize=(11, 3.8 * max(1, len(groups))),
+                             squeeze=False, sharey=True)
+    colours = plt.get_cmap("tab10")
+    width = 0.8 / len(models)
+    for axes_row, (family, length) in zip(axes, groups):
+        cells = inserted[(inserted["family"] == family) & (inserted["length"] == length)]
+        cells = cells.drop_duplicates(["model", "placement"]).set_index(["model", "placement"])
+        present = [p for p in PLACEMENT_ORDER if p == "none" or p in cells.index.get_level_values(1)]
+        x = np.arange(len(present))
+        for ax, grader in zip(axes_row, GRADER_TITLES):
+            for k, model in enumerate(models):
+                acc, low, high = [], [], []
+                for placement in present:
+                    cell = (plain.loc[model] if placement == "none" and model in plain.index
+                            else cells.loc[(model, placement)] if (model, placement) in cells.index else None)
+                    values = [np.nan] * 3 if cell is None else [cell[f"{grader}_{s}"] for s in ("acc", "ci_low", "ci_high")]
+                    acc.append(values[0]), low.append(values[1]), high.append(values[2])
+                acc, low, high = map(np.asarray, (acc, low, high))
+                bars = ax.bar(x + (k - (len(models) - 1) / 2) * width, acc, width, color=colours(k % 10),
+                              yerr=np.vstack([acc - low, high - acc]), capsize=3, label=model)
+                ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+            ax.set_xticks(x, [p.replace("_", " ") for p in present])
+            ax.set_title(f"{family}, {length} tokens: {GRADER_TITLES[grader]}", fontsize=9)
+            ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
+            ax.set_ylim(0, 105)
+            ax.grid(axis="y", alpha=0.3)
+    axes[0, 0].legend(title="model", fontsize=8)
+    n = int(table["n"].max()) if len(table) else 0
+    fig.suptitle(f"{dataset}: accuracy by placement of the insertion (n = {n} per bar)")
+    fig.tight_layout()
+    _save(fig, out_path, dpi)

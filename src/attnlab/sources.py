@@ -65,6 +65,12 @@ def check_heads(heads: list[dict], n_layers: int, n_heads: int, model: str) -> N
         )
 
 
+def check_layer(layer: int, n_layers: int, model: str, key: str) -> None:
+    if not 0 <= layer < n_layers:
+        raise HeadRangeError(f"model '{model}' has {n_layers} layers (0-based: 0..{n_layers - 1}); "
+                             f"{key} is {layer}. Fix {key} in the config.")
+
+
 def prepared_model_shape(folder: str | Path) -> tuple[int, int] | None:
     """(layers, attention heads) of a prepared model folder, None before it exists."""
     import json

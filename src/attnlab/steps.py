@@ -62,11 +62,18 @@ def make_prompts(model_dir: str, dataset_path: str, out_path: str, condition_nam
     io.write_parquet(prompts, out_path)
 
 
+def _arm(arm: dict | None):
+    from attnlab.mlp import ArmSettings
+
+    return ArmSettings(**arm) if arm else None
+
+
 def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
-             threads: int) -> None:
+             threads: int, arm: dict | None = None) -> None:
     import torch
 
     from attnlab.generation import check_context, generate_all
+    from attnlab.mlp import arm_applied
     from attnlab.models import context_length, load_model, load_tokenizer, pick_device, pick_dtype
 
     torch.set_num_threads(threads)
@@ -80,8 +87,9 @@ def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
     model = load_model(model_dir, device, dtype)
     tokenizer = load_tokenizer(model_dir)
     started = time.perf_counter()
-    out = generate_all(model, tokenizer, prompts, generation["batch_size"],
-                       generation["max_new_tokens"], generation["stop_strings"])
+    with arm_applied(model, _arm(arm)):
+        out = generate_all(model, tokenizer, prompts, generation["batch_size"],
+                           generation["max_new_tokens"], generation["stop_strings"])
     elapsed = time.perf_counter() - started
     log.info("%d new tokens in %.1f s (%.1f tokens/s)", out["n_new_tokens"].sum(), elapsed,
              out["n_new_tokens"].sum() / max(elapsed, 1e-9))
@@ -123,10 +131,11 @@ def plot_accuracy(summary_paths: list[str], out_path: str, dataset: str, models:
 
 
 def extract_attention(model_dir: str, prompts_path: str, out_path: str, settings: dict,
-                      attrs: dict, threads: int) -> None:
+                      attrs: dict, threads: int, arm: dict | None = None) -> None:
     import torch
 
     from attnlab.extraction import extract, write_attention
+    from attnlab.mlp import arm_applied
     from attnlab.models import load_model, pick_device, pick_dtype
 
     torch.set_num_threads(threads)
@@ -139,13 +148,14 @@ def extract_attention(model_dir: str, prompts_path: str, out_path: str, settings
     log.info("extracting %d prompts on %s (%s), batch size %d", len(prompts), device, dtype,
              settings["batch_size"])
     started = time.perf_counter()
-    extraction = extract(model, prompts, settings["batch_size"], settings["full_map_layers"])
+    with arm_applied(model, _arm(arm)):
+        extraction = extract(model, prompts, settings["batch_size"], settings["full_map_layers"])
     elapsed = time.perf_counter() - started
     log.info("%d tokens in %.1f s (%.0f tokens/s)", prompts["n_prompt_tokens"].sum(), elapsed,
              prompts["n_prompt_tokens"].sum() / max(elapsed, 1e-9))
     tokenizer_config = io.read_json(f"{model_dir}/tokenizer_config.json")
     write_attention(out_path, extraction, prompts, {
-        **attrs, "tokenizer": tokenizer_config.get("tokenizer_class", "unknown"),
+        **attrs, "arm": arm or {}, "tokenizer": tokenizer_config.get("tokenizer_class", "unknown"),
         "dtype": str(dtype), "device": str(device)})
 
 
@@ -268,3 +278,68 @@ def plot_length_sweep(summary_paths: list[str], out_path: str, model: str, datas
 
     table = _read_summaries(summary_paths)
     plot(table, families, model, dataset, out_path, dpi)
+
+
+def mlp_activations(model_dir: str, prompts_path: str, stats_path: str, histogram_path: str,
+                    settings: dict, threads: int, arm: dict | None = None) -> None:
+    """Statistics and a histogram of one layer's MLP activation over the question tokens."""
+    import torch
+
+    from attnlab.mlp import arm_applied, record_activations
+    from attnlab.models import load_model, pick_device, pick_dtype
+
+    torch.set_num_threads(threads)
+    prompts = pd.read_parquet(prompts_path)
+    if settings["max_prompts"]:
+        prompts = prompts.head(settings["max_prompts"])
+    device = pick_device(settings["device"])
+    dtype = pick_dtype(settings["dtype"], device)
+    model = load_model(model_dir, device, dtype)
+    bins = settings["histogram"]
+    edges = np.linspace(bins["low"], bins["high"], bins["bins"] + 1)
+    log.info("layer %d MLP activations of %d prompts on %s (%s)", settings["layer"], len(prompts),
+             device, dtype)
+    with arm_applied(model, _arm(arm)):
+        stats, histogram = record_activations(model, prompts, settings["layer"],
+                                              settings["near_zero"], edges, settings["batch_size"])
+    stats.insert(0, "id", prompts["id"].values)
+    outside = histogram["count"].iloc[[0, -1]].sum() / histogram["count"].sum()
+    log.info("near-zero share %.4f, L1 %.2f, Gini %.3f; %.2f%% of values outside the histogram range",
+             stats["near_zero"].mean(), stats["l1"].mean(), stats["gini"].mean(), 100 * outside)
+    io.write_csv(stats, stats_path)
+    io.write_csv(histogram, histogram_path)
+
+
+def mlp_summary(stats_paths: dict[str, str], histogram_paths: dict[str, str], table_path: str,
+                figure_path: str, keys: dict, baseline: str, layer: int, near_zero: float,
+                dpi: int) -> None:
+    from attnlab.mlp import summarise_statistics
+    from attnlab.plots import plot_mlp_histograms
+
+    stats = {c: pd.read_csv(path) for c, path in stats_paths.items()}
+    histograms = {c: pd.read_csv(path) for c, path in histogram_paths.items()}
+    table = summarise_statistics(stats, baseline)
+    for key, value in reversed(list({**keys, "layer": layer, "near_zero_threshold": near_zero}.items())):
+        table.insert(0, key, value)
+    io.write_csv(table, table_path)
+    plot_mlp_histograms(histograms, table, baseline, keys["model"], keys["dataset"], layer,
+                        near_zero, figure_path, dpi)
+
+
+def placement_table(summary_paths: list[str], placements: dict, out_path: str) -> None:
+    """Accuracy of every non-ARM condition with its inserted kind, length and placement."""
+    table = _read_summaries(summary_paths)
+    table = table[table["condition"].isin(list(placements))]
+    info = pd.DataFrame([{"condition": c, **p} for c, p in placements.items()])
+    info["family"] = info["family"].fillna("none")
+    table = info.merge(table, on="condition", validate="1:m")
+    keys = ["dataset", "model", "family", "length", "placement", "condition"]
+    table = table[keys + [c for c in table.columns if c not in keys]]
+    io.write_csv(table.sort_values(keys[:4], kind="stable"), out_path)
+
+
+def plot_placement(table_path: str, out_path: str, dataset: str, models: list[str], dpi: int) -> None:
+    from attnlab.plots import plot_placement as plot
+
+    table = pd.read_csv(table_path)
+    plot(table[table["dataset"] == dataset], dataset, models, out_path, dpi)

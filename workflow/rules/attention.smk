@@ -8,6 +8,7 @@ rule extract_attention:
     params:
         settings=extraction_settings,
         attrs=grade_keys,
+        arm=arm_settings,
     threads: 8
     log:
         "results/logs/extract_attention/{model}/{dataset}/{condition}.log",

@@ -7,7 +7,8 @@ from snakemake.utils import validate
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
-from attnlab.sources import SourceError, check_heads, check_model_source, prepared_model_shape
+from attnlab.sources import (SourceError, check_heads, check_layer, check_model_source,
+                             prepared_model_shape)
 
 
 validate(config, "../../config/schema.yaml")
@@ -18,15 +19,27 @@ CONDITIONS = list(config["conditions"])
 EXT = config["plots"]["format"]
 
 def _family(spec):
-    """What a condition inserts, regardless of length; None when it inserts nothing."""
+    """What a condition inserts, regardless of length and placement; None when nothing."""
     if spec["kind"] == "none" or spec.get("length", 0) == 0:
         return None
     return f"repeat '{spec['unit']}'" if spec["kind"] == "repeat" else f"text: {spec.get('text', 'default')[:24]}"
 
 
-FAMILIES = {name: _family(spec) for name, spec in config["conditions"].items()}
-# A length sweep: some inserted kind configured at two or more lengths.
+def _plain(spec):
+    """Nothing inserted and no ARM: the reference every sweep starts from."""
+    return _family(spec) is None and not spec["arm"]
+
+
+# Length sweep: conditions at the default placement without ARM; the plain ones are length 0.
+FAMILIES = {name: _family(spec) for name, spec in config["conditions"].items()
+            if spec["placement"] == "between" and not spec["arm"] or _plain(spec)}
 LENGTH_SWEEP = any(list(FAMILIES.values()).count(f) > 1 for f in set(FAMILIES.values()) - {None})
+# Placement sweep: any insertion away from the default placement, compared with the
+# same kind at the default placement and with the plain prompt.
+PLACEMENTS = {name: {"family": _family(spec), "length": spec.get("length", 0),
+                     "placement": spec["placement"] if _family(spec) else "none"}
+              for name, spec in config["conditions"].items() if not spec["arm"]}
+PLACEMENT_SWEEP = any(p["placement"] not in ("between", "none") for p in PLACEMENTS.values())
 
 ATTENTION = config["attention"]
 ATTENTION_DATASETS = (ATTENTION["datasets"] or DATASETS) if ATTENTION["enabled"] else []
@@ -34,18 +47,34 @@ HEADS = ATTENTION["heads"]
 PRUNING = config["pruning"]
 PRUNING_MODELS = (PRUNING["models"] or MODELS) if PRUNING["enabled"] else []
 TASKS = list(PRUNING["tasks"]) if PRUNING["enabled"] else []
+MLP = config["mlp"]
+MLP_DATASETS = (MLP["datasets"] or ATTENTION["datasets"] or DATASETS) if MLP["enabled"] else []
 
 
 def _check_config():
     """Cross-references the schema cannot express; fails before any job runs."""
+    arm_used = any(spec["arm"] for spec in config["conditions"].values())
     for name, model in config["models"].items():
         check_model_source(name, model["source"])
         shape = prepared_model_shape(f"resources/models/{name}")
         if shape and ATTENTION_DATASETS:
             check_heads(HEADS, *shape, name)
+        if shape and arm_used:
+            check_layer(model["arm"]["layer"], shape[0], name, f"models.{name}.arm.layer")
+        if shape and MLP_DATASETS:
+            check_layer(MLP["layer"], shape[0], name, "mlp.layer")
+        if model["arm"]["pmin"] > model["arm"]["pmax"]:
+            raise SourceError(f"models.{name}.arm: pmin ({model['arm']['pmin']}) is above pmax "
+                              f"({model['arm']['pmax']})")
     unknown = [d for d in ATTENTION_DATASETS if d not in DATASETS]
     if unknown:
         raise SourceError(f"attention.datasets names {unknown}, not in datasets: {DATASETS}")
+    unknown = [d for d in MLP_DATASETS if d not in DATASETS]
+    if unknown:
+        raise SourceError(f"mlp.datasets names {unknown}, not in datasets: {DATASETS}")
+    if MLP_DATASETS and MLP["baseline"] not in CONDITIONS:
+        raise SourceError(f"mlp.baseline is '{MLP['baseline']}', not in conditions: {CONDITIONS}; "
+                          "set it to the condition to compare against")
     unknown = [m for m in PRUNING_MODELS + (PRUNING["compare"] or []) if m not in MODELS]
     if unknown:
         raise SourceError(f"pruning names models {unknown}, not in models: {MODELS}")
@@ -112,6 +141,26 @@ def grade_keys(wildcards):
             "condition": wildcards.condition}
 
 
+def arm_settings(wildcards):
+    """The model's ARM settings for an ARM condition, else None (so ARM edits rerun only ARM jobs)."""
+    if not config["conditions"][wildcards.condition]["arm"]:
+        return None
+    return config["models"][wildcards.model]["arm"]
+
+
+def mlp_settings(wildcards):
+    keys = ("layer", "near_zero", "histogram", "max_prompts", "batch_size", "device", "dtype")
+    return {key: MLP[key] for key in keys}
+
+
+def mlp_files(wildcards):
+    """Per-condition statistics and histograms for one model x dataset."""
+    return {
+        **{f"stats_{c}": f"results/mlp/{wildcards.model}/{wildcards.dataset}/{c}.csv" for c in CONDITIONS},
+        **{f"hist_{c}": f"results/mlp/{wildcards.model}/{wildcards.dataset}/{c}.hist.csv" for c in CONDITIONS},
+    }
+
+
 def extraction_settings(wildcards):
     keys = ("max_prompts", "batch_size", "device", "dtype", "full_map_layers")
     return {key: ATTENTION[key] for key in keys}
@@ -175,6 +224,20 @@ def pruning_targets():
     ]
 
 
+def mlp_targets():
+    return [
+        *expand("results/tables/mlp/{model}/{dataset}.csv", model=MODELS, dataset=MLP_DATASETS),
+        *expand("results/figures/mlp/{model}/{dataset}.{ext}", model=MODELS, dataset=MLP_DATASETS, ext=EXT),
+    ]
+
+
+def placement_targets():
+    if not PLACEMENT_SWEEP:
+        return []
+    return ["results/tables/placement.csv",
+            *expand("results/figures/placement/{dataset}.{ext}", dataset=DATASETS, ext=EXT)]
+
+
 def length_sweep_targets():
     if not LENGTH_SWEEP:
         return []
@@ -190,4 +253,6 @@ def all_targets():
         *expand("results/figures/accuracy/{dataset}.{ext}",
                 dataset=DATASETS, ext=config["plots"]["format"]),
         *attention_targets(),
+        *mlp_targets(),
+        *placement_targets(),
     ]

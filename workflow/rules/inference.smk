@@ -7,6 +7,7 @@ rule generate:
         "results/generations/{model}/{dataset}/{condition}.parquet",
     params:
         generation=generation_settings,
+        arm=arm_settings,
     threads: 8
     log:
         "results/logs/generate/{model}/{dataset}/{condition}.log",

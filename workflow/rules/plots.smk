@@ -41,3 +41,46 @@ rule plot_length_sweep:
         "../../envs/attnlab.yaml"
     script:
         "../scripts/plot_length_sweep.py"
+
+
+rule placement_table:
+    """Accuracy by where the insertion goes, next to the plain prompt."""
+    input:
+        all_summaries(),
+    output:
+        report(
+            "results/tables/placement.csv",
+            caption="../report/placement_table.rst",
+            category="Accuracy",
+            subcategory="placement",
+        ),
+    params:
+        placements=PLACEMENTS,
+    log:
+        "results/logs/placement_table.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/placement_table.py"
+
+
+rule plot_placement:
+    """Accuracy by placement of the insertion, one panel per inserted kind and grader."""
+    input:
+        "results/tables/placement.csv",
+    output:
+        report(
+            "results/figures/placement/{dataset}.{ext}",
+            caption="../report/placement.rst",
+            category="Accuracy",
+            subcategory="placement",
+        ),
+    params:
+        models=MODELS,
+        dpi=config["plots"]["dpi"],
+    log:
+        "results/logs/plot_placement/{dataset}.{ext}.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/plot_placement.py"

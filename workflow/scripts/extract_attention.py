@@ -10,5 +10,6 @@ steps.extract_attention(
     out_path=snakemake.output[0],
     settings=snakemake.params.settings,
     attrs=snakemake.params.attrs,
+    arm=snakemake.params.arm,
     threads=snakemake.threads,
 )

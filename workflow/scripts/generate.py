@@ -9,5 +9,6 @@ steps.generate(
     prompts_path=snakemake.input.prompts,
     out_path=snakemake.output[0],
     generation=snakemake.params.generation,
+    arm=snakemake.params.arm,
     threads=snakemake.threads,
 )

@@ -1,0 +1,15 @@
+import sys
+
+sys.path.insert(0, f"{snakemake.scriptdir}/../../src")  # attnlab, installed or not
+from attnlab import steps  # noqa: E402
+
+steps.setup_logging(snakemake.log[0])
+steps.mlp_activations(
+    model_dir=snakemake.input.model,
+    prompts_path=snakemake.input.prompts,
+    stats_path=snakemake.output.stats,
+    histogram_path=snakemake.output.histogram,
+    settings=snakemake.params.settings,
+    arm=snakemake.params.arm,
+    threads=snakemake.threads,
+)

@@ -1,0 +1,18 @@
+import sys
+
+sys.path.insert(0, f"{snakemake.scriptdir}/../../src")  # attnlab, installed or not
+from attnlab import steps  # noqa: E402
+
+steps.setup_logging(snakemake.log[0])
+conditions = snakemake.params.conditions
+steps.mlp_summary(
+    stats_paths={c: snakemake.input[f"stats_{c}"] for c in conditions},
+    histogram_paths={c: snakemake.input[f"hist_{c}"] for c in conditions},
+    table_path=snakemake.output.table,
+    figure_path=snakemake.output.figure,
+    keys={"model": snakemake.wildcards.model, "dataset": snakemake.wildcards.dataset},
+    baseline=snakemake.params.baseline,
+    layer=snakemake.params.layer,
+    near_zero=snakemake.params.near_zero,
+    dpi=snakemake.params.dpi,
+)
