@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.attnlab-installed
 
-.PHONY: install run test test-fast lint dry-run report clean
+.PHONY: install run mechanism test test-fast lint dry-run report clean
 
 install: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): requirements.txt requirements-nodeps.txt constraints.txt pyproject.tom
 
 run: install
 	$(BIN)/snakemake --cores all
+
+mechanism: install
+	$(BIN)/snakemake --cores all --configfile config/mechanism.yaml
 
 test: install
 	$(BIN)/python -m pytest -ra

@@ -116,7 +116,8 @@ def model_source(wildcards):
 
 
 def dataset_spec(wildcards):
-    return config["datasets"][wildcards.dataset]
+    """What prepare_dataset reads (not the dataset's generation overrides)."""
+    return {k: v for k, v in config["datasets"][wildcards.dataset].items() if k != "generation"}
 
 
 def condition_spec(wildcards):
