@@ -25,10 +25,13 @@ include: "workflow/rules/pruning.smk"
 include: "workflow/rules/plots.smk"
 
 
+# Run where Snakemake runs, never as cluster jobs: gathering steps, and prepare_model,
+# which downloads hub models (a login node has internet, compute nodes may not).
 localrules:
     all,
     accuracy_table,
     placement_table,
+    prepare_model,
 
 
 rule all:

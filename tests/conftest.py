@@ -41,13 +41,14 @@ def smollm2_tokenizer(smollm2_dir):
     return load_tokenizer(smollm2_dir)
 
 
-def snakemake(*args, workdir: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+def snakemake(*args, workdir: Path, timeout: int = 900,
+              snakefile: Path = REPO / "Snakefile") -> subprocess.CompletedProcess:
     """Run the workflow through its command line, as a user would.
 
     Snakemake prints errors and job stats on either stream, so both are
     merged into ``stdout``.
     """
-    command = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"),
+    command = [sys.executable, "-m", "snakemake", "-s", str(snakefile),
                "--directory", str(workdir), *args]
     return subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
@@ -63,6 +64,16 @@ def job_counts(output: str) -> dict[str, int]:
             break
         counts[parts[0]] = int(parts[1])
     return counts
+
+
+def copy_workflow(target: Path) -> Path:
+    """A private copy of the workflow and its library (so a test may edit a script);
+    returns its Snakefile."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for folder in ("workflow", "config", "src", "profiles", "envs"):
+        shutil.copytree(REPO / folder, target / folder, ignore=ignore)
+    shutil.copy(REPO / "Snakefile", target / "Snakefile")
+    return target / "Snakefile"
 
 
 def copy_config(name: str, workdir: Path) -> Path:

@@ -1,5 +1,7 @@
 """Bad configs fail before any job runs, with messages that say what and where."""
 
+import time
+
 import yaml
 
 from conftest import REPO, job_counts, snakemake
@@ -25,9 +27,9 @@ def test_tiny_config_dry_run_counts_jobs(tmp_path):
     assert counts == {"prepare_model": 1, "prepare_dataset": 2, "make_prompts": 8, "generate": 8,
                       "grade": 8, "accuracy_table": 1, "plot_accuracy": 2, "extract_attention": 4,
                       "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
-                      "mlp_activations": 4, "mlp_summary": 1, "placement_table": 1,
+                      "mlp_activations": 4, "mlp_summary": 1, "placement_table": 2,
                       "plot_placement": 2, "score_heads": 1, "sweep_heads": 1, "plot_pruning": 1,
-                      "all": 1, "total": 49}
+                      "all": 1, "total": 50}
 
 
 def test_length_sweep_adds_one_figure_per_model_and_dataset(tmp_path):
@@ -135,11 +137,23 @@ def test_attention_cross_references_are_checked(tmp_path):
     assert result.returncode != 0 and "attention.datasets names ['math500']" in result.stdout
 
 
-def test_paper_config_dry_run(tmp_path):
+def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
+    """4 hub models (no weights here), 2 datasets, 13 conditions (length and placement sweeps,
+    ARM), 5 plotted heads, 4 pruning tasks: one job per model x dataset x condition at most."""
+    started = time.perf_counter()
     result = snakemake("-n", "--cores", "1", "--configfile", str(REPO / "config/paper.yaml"),
                        workdir=tmp_path)
+    elapsed = time.perf_counter() - started
     assert result.returncode == 0, result.stdout
-    assert "generate" in result.stdout
+    cells = 4 * 2 * 13  # models x datasets x conditions
+    assert job_counts(result.stdout) == {
+        "prepare_model": 4, "prepare_dataset": 2, "make_prompts": cells, "generate": cells,
+        "grade": cells, "accuracy_table": 1, "plot_accuracy": 2, "plot_length_sweep": 4 * 2,
+        "placement_table": 2, "plot_placement": 2,
+        "extract_attention": 4 * 13, "plot_attention_head": 4 * 5, "rank_attention_heads": 4,
+        "lambda_summary": 4, "mlp_activations": 4 * 13, "mlp_summary": 4,
+        "score_heads": 4 * 4, "sweep_heads": 4 * 4, "plot_pruning": 4, "all": 1, "total": 506}
+    assert elapsed < 10, f"dry run of the paper config took {elapsed:.1f} s"
 
 
 def test_lint_passes():

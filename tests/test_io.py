@@ -23,3 +23,13 @@ def test_atomic_directory_replaces_old(tmp_path):
     with atomic_path(target, directory=True) as tmp:
         (tmp / "new").write_text("y")
     assert [p.name for p in target.iterdir()] == ["new"]
+
+
+def test_successful_write_sweeps_leftovers_of_killed_writers(tmp_path):
+    target = tmp_path / "cell.h5"
+    (tmp_path / ".cell.h5.tmp-abc.h5").write_text("partial")
+    (tmp_path / ".cell.h5.tmp-dir").mkdir()
+    (tmp_path / ".other.h5.tmp-xyz.h5").write_text("someone else's")
+    with atomic_path(target) as tmp:
+        tmp.write_text("whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.h5.tmp-xyz.h5", "cell.h5"]

@@ -2,12 +2,20 @@
 on real SmolLM2 weights and real data, and a second run that does nothing."""
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
+import h5py
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
-from conftest import copy_config, snakemake
+from conftest import copy_config, copy_workflow, job_counts, snakemake
 
 pytestmark = pytest.mark.slow
 
@@ -16,11 +24,13 @@ MODEL, DATASETS, CONDITIONS = "smollm2-135m", ["svamp", "gsm8k"], ["none", "mles
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
+    """The tiny config run once, from a private copy of the workflow that tests may edit."""
+    snakefile = copy_workflow(tmp_path_factory.mktemp("workflow"))
     workdir = tmp_path_factory.mktemp("tiny")
     config = copy_config("tiny.yaml", workdir)
-    result = snakemake("--cores", "2", "--configfile", str(config), workdir=workdir)
+    result = snakemake("--cores", "2", "--configfile", str(config), workdir=workdir, snakefile=snakefile)
     assert result.returncode == 0, result.stdout[-5000:]
-    return workdir, config
+    return workdir, config, snakefile
 
 
 def _cells():
@@ -28,7 +38,7 @@ def _cells():
 
 
 def test_every_declared_output_exists(tiny_run):
-    workdir, _ = tiny_run
+    workdir, *_ = tiny_run
     assert (workdir / f"resources/models/{MODEL}/model.safetensors").is_file()
     assert (workdir / f"resources/models/{MODEL}/tokenizer.json").is_file()
     for dataset, condition in _cells():
@@ -46,7 +56,7 @@ def test_every_declared_output_exists(tiny_run):
 
 
 def test_outputs_are_consistent(tiny_run):
-    workdir, _ = tiny_run
+    workdir, *_ = tiny_run
     table = pd.read_csv(workdir / "results/tables/accuracy.csv")
     assert len(table) == len(_cells())
     assert set(table["condition"]) == set(CONDITIONS)
@@ -67,11 +77,11 @@ def test_outputs_are_consistent(tiny_run):
 
 
 def test_second_run_schedules_nothing(tiny_run):
-    workdir, config = tiny_run
-    dry = snakemake("-n", "--cores", "2", "--configfile", str(config), workdir=workdir)
+    workdir, config, snakefile = tiny_run
+    dry = snakemake("-n", "--cores", "2", "--configfile", str(config), workdir=workdir, snakefile=snakefile)
     assert dry.returncode == 0
     assert "Nothing to be done" in dry.stdout
-    again = snakemake("--cores", "2", "--configfile", str(config), workdir=workdir)
+    again = snakemake("--cores", "2", "--configfile", str(config), workdir=workdir, snakefile=snakefile)
     assert again.returncode == 0
     assert "Finished job" not in again.stdout
 
@@ -79,7 +89,7 @@ def test_second_run_schedules_nothing(tiny_run):
 def test_attention_hdf5_layout(tiny_run):
     import h5py
 
-    workdir, _ = tiny_run
+    workdir, *_ = tiny_run
     prompts = pd.read_parquet(workdir / f"results/prompts/{MODEL}/svamp/mless.parquet")
     with h5py.File(workdir / f"results/attention/{MODEL}/svamp/mless.h5") as h5:
         assert h5.attrs["complete"] and h5.attrs["model"] == MODEL and h5.attrs["condition"] == "mless"
@@ -103,7 +113,7 @@ def test_attention_hdf5_layout(tiny_run):
 
 
 def test_attention_figures_and_tables(tiny_run):
-    workdir, _ = tiny_run
+    workdir, *_ = tiny_run
     figures = workdir / f"results/figures/attention/{MODEL}/svamp"
     assert (figures / "layer0_head0.png").stat().st_size > 10_000
     assert (figures / "lambda.png").is_file()
@@ -119,29 +129,29 @@ def test_attention_figures_and_tables(tiny_run):
 
 
 def test_head_out_of_range_names_the_real_shape(tiny_run):
-    workdir, config = tiny_run
+    workdir, config, snakefile = tiny_run
     bad = workdir / "bad_head.yaml"
     bad.write_text(config.read_text().replace("heads: [{layer: 0, head: 0}]", "heads: [{layer: 30, head: 2}]"))
-    result = snakemake("-n", "--cores", "1", "--configfile", str(bad), workdir=workdir)
+    result = snakemake("-n", "--cores", "1", "--configfile", str(bad), workdir=workdir, snakefile=snakefile)
     assert result.returncode != 0
     assert "model 'smollm2-135m' has 30 layers x 9 heads" in result.stdout
     bad.write_text(config.read_text().replace("max_prompts: 3", "max_prompts: 3\n  layer: 30"))
-    result = snakemake("-n", "--cores", "1", "--configfile", str(bad), workdir=workdir)
+    result = snakemake("-n", "--cores", "1", "--configfile", str(bad), workdir=workdir, snakefile=snakefile)
     assert result.returncode != 0
     assert "model 'smollm2-135m' has 30 layers (0-based: 0..29); mlp.layer is 30" in result.stdout
 
 
 def test_placement_end_puts_the_insertion_after_the_question(tiny_run):
-    workdir, _ = tiny_run
+    workdir, *_ = tiny_run
     end = pd.read_parquet(workdir / f"results/prompts/{MODEL}/svamp/mless_end.parquet")
     plain = pd.read_parquet(workdir / f"results/prompts/{MODEL}/svamp/none.parquet")
     assert (end["inserted_start"] >= end["question_end"]).all() and (end["inserted_tokens"] == 10).all()
     for row, ids in zip(end.itertuples(), plain["input_ids"]):
         kept = list(row.input_ids[: row.cut_start]) + list(row.input_ids[row.cut_end:])
         assert kept == list(ids)
-    table = pd.read_csv(workdir / "results/tables/placement.csv")
+    table = pd.read_csv(workdir / "results/tables/placement/svamp.csv")
     assert set(table["placement"]) == {"none", "between", "end"}  # ARM stays out
-    assert len(table) == len(DATASETS) * 3
+    assert len(table) == 3 and (table["dataset"] == "svamp").all()
     assert (workdir / "results/figures/placement/svamp.png").stat().st_size > 10_000
 
 
@@ -149,7 +159,7 @@ def test_arm_condition_changes_only_what_follows_its_layer(tiny_run):
     """ARM on layer 0's MLP: same prompt as `none`, same layer-0 attention, different after."""
     import h5py
 
-    workdir, _ = tiny_run
+    workdir, *_ = tiny_run
     arm = pd.read_parquet(workdir / f"results/prompts/{MODEL}/svamp/arm.parquet")
     plain = pd.read_parquet(workdir / f"results/prompts/{MODEL}/svamp/none.parquet")
     assert [list(x) for x in arm["input_ids"]] == [list(x) for x in plain["input_ids"]]
@@ -162,7 +172,7 @@ def test_arm_condition_changes_only_what_follows_its_layer(tiny_run):
 
 
 def test_mlp_outputs(tiny_run):
-    workdir, _ = tiny_run
+    workdir, *_ = tiny_run
     stats = {c: pd.read_csv(workdir / f"results/mlp/{MODEL}/svamp/{c}.csv") for c in CONDITIONS}
     for condition, frame in stats.items():
         assert len(frame) == 3 and frame["id"].tolist() == stats["none"]["id"].tolist()
@@ -183,7 +193,7 @@ def test_mlp_outputs(tiny_run):
 
 
 def test_pruning_outputs(tiny_run):
-    workdir, _ = tiny_run
+    workdir, *_ = tiny_run
     scores = pd.read_csv(workdir / f"results/pruning/{MODEL}/ioi/scores.csv")
     assert len(scores) == 270 and sorted(scores["rank"]) == list(range(1, 271))
     assert {"attribution", "exact"} <= set(scores.columns)
@@ -195,3 +205,157 @@ def test_pruning_outputs(tiny_run):
     assert sweep["explained_effect"].iloc[0] == 0.0 and sweep["explained_effect"].iloc[-1] == 1.0
     assert sweep["metric"].iloc[-1] == pytest.approx(summary["clean_metric"], abs=1e-4)
     assert (workdir / "results/figures/pruning/ioi.png").stat().st_size > 10_000
+
+
+# ---- reruns: only what is stale ----
+
+
+def _planned(tiny_run, tmp_path, edit=None) -> dict[str, int]:
+    """Jobs a dry run schedules on the finished tiny run after ``edit`` of its config."""
+    workdir, config, snakefile = tiny_run
+    data = yaml.safe_load(config.read_text())
+    if edit:
+        edit(data)
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    dry = snakemake("-n", "--cores", "1", "--configfile", str(changed), workdir=workdir,
+                    snakefile=snakefile)
+    assert dry.returncode == 0, dry.stdout[-3000:]
+    if "Nothing to be done" in dry.stdout:
+        return {}
+    counts = job_counts(dry.stdout)
+    del counts["total"]
+    return counts
+
+
+def test_rerun_after_a_condition_length_changes(tiny_run, tmp_path):
+    def edit(config):
+        config["conditions"]["mless"]["length"] = 12
+    # mless on 2 datasets; attention and MLP on svamp; then what shows mless
+    assert _planned(tiny_run, tmp_path, edit) == {
+        "make_prompts": 2, "generate": 2, "grade": 2, "extract_attention": 1, "mlp_activations": 1,
+        "accuracy_table": 1, "plot_accuracy": 2, "placement_table": 2, "plot_placement": 2,
+        "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1, "mlp_summary": 1,
+        "all": 1}
+
+
+def test_rerun_after_a_plot_option_changes(tiny_run, tmp_path):
+    def edit(config):
+        config["plots"] = {"dpi": 100}
+    assert _planned(tiny_run, tmp_path, edit) == {
+        "plot_accuracy": 2, "plot_placement": 2, "plot_attention_head": 1, "rank_attention_heads": 1,
+        "lambda_summary": 1, "mlp_summary": 1, "plot_pruning": 1, "all": 1}
+
+
+def test_rerun_after_a_subset_size_changes(tiny_run, tmp_path):
+    def edit(config):
+        config["datasets"]["gsm8k"]["n"] = 2
+    # gsm8k only: it has no attention or MLP analysis in the tiny config
+    assert _planned(tiny_run, tmp_path, edit) == {
+        "prepare_dataset": 1, "make_prompts": 4, "generate": 4, "grade": 4, "accuracy_table": 1,
+        "plot_accuracy": 1, "placement_table": 1, "plot_placement": 1, "all": 1}
+
+
+def test_rerun_after_arm_settings_change(tiny_run, tmp_path):
+    def edit(config):
+        config["models"]["smollm2-135m"]["arm"] = {"c": 0.3}
+    assert _planned(tiny_run, tmp_path, edit) == {
+        "generate": 2, "grade": 2, "extract_attention": 1, "mlp_activations": 1, "accuracy_table": 1,
+        "plot_accuracy": 2, "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
+        "mlp_summary": 1, "all": 1}
+
+
+def test_rerun_after_the_extraction_script_changes(tiny_run, tmp_path):
+    _, _, snakefile = tiny_run
+    script = snakefile.parent / "workflow/scripts/extract_attention.py"
+    original = script.read_text()
+    script.write_text(original + "# edited\n")
+    try:
+        planned = _planned(tiny_run, tmp_path)
+    finally:
+        script.write_text(original)
+    assert planned == {"extract_attention": 4, "plot_attention_head": 1, "rank_attention_heads": 1,
+                       "lambda_summary": 1, "all": 1}
+    assert _planned(tiny_run, tmp_path) == {}
+
+
+def test_two_runs_give_identical_csvs(tiny_run, tmp_path):
+    workdir, config, snakefile = tiny_run
+    second = tmp_path / "second"
+    shutil.copytree(workdir / "resources", second / "resources")  # same converted weights
+    result = snakemake("--cores", "2", "--configfile", str(config), workdir=second, snakefile=snakefile)
+    assert result.returncode == 0, result.stdout[-3000:]
+    first_csvs = sorted(p.relative_to(workdir) for p in (workdir / "results").rglob("*.csv"))
+    assert first_csvs == sorted(p.relative_to(second) for p in (second / "results").rglob("*.csv"))
+    different = [str(p) for p in first_csvs if (workdir / p).read_bytes() != (second / p).read_bytes()]
+    assert not different
+
+
+def test_report_holds_every_figure_and_table_with_definitions(tiny_run):
+    workdir, config, snakefile = tiny_run
+    report = workdir / "report.zip"
+    result = snakemake("--cores", "1", "--configfile", str(config), "--report", str(report),
+                       workdir=workdir, snakefile=snakefile)
+    assert result.returncode == 0, result.stdout[-3000:]
+    import zipfile
+
+    with zipfile.ZipFile(report) as archive:
+        names = archive.namelist()
+        text = "".join(archive.read(n).decode("utf-8", "ignore") for n in names
+                       if n.endswith((".html", ".js", ".json")))
+    expected = [f"results/figures/accuracy/{d}.png" for d in DATASETS]
+    expected += [f"results/figures/placement/{d}.png" for d in DATASETS]
+    expected += [f"results/figures/attention/{MODEL}/svamp/{name}.png" for name in ("layer0_head0", "lambda")]
+    expected += [f"results/figures/mlp/{MODEL}/svamp.png", "results/figures/pruning/ioi.png",
+                 "results/tables/accuracy.csv", "results/tables/placement/svamp.csv",
+                 f"results/tables/mlp/{MODEL}/svamp.csv"]
+    for path in expected:
+        assert any(n.endswith(path) for n in names), path
+    # captions state the definitions
+    for definition in ("mean over i > j of", "Explained effect = (m(k)", "verify(parse(gold), parse(pred))",
+                       "act_fn(gate_proj(x))", "Gini coefficient", "1.4826"):
+        assert definition in text, definition
+
+
+# ---- faults ----
+
+
+def test_out_of_memory_retry_halves_the_batch(tiny_run):
+    workdir, config, snakefile = tiny_run
+    target = f"results/generations/{MODEL}/svamp/none.parquet"
+    env = {**os.environ, "ATTNLAB_TEST_OOM_ABOVE_BATCH": "1"}  # batch 4 and 2 fail, 1 runs
+    command = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "--directory", str(workdir),
+               "--cores", "1", "--configfile", str(config), "--retries", "2", "-f", target]
+    result = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.stdout.count("Trying to restart job") == 2
+    log = (workdir / f"results/logs/generate/{MODEL}/svamp/none.log").read_text()
+    assert "batch size 1 (configured 4, halved for a retry after running out of memory)" in log
+    assert len(pd.read_parquet(workdir / target)) == 4
+
+
+def test_killed_extraction_is_not_taken_as_complete(tiny_run):
+    workdir, config, snakefile = tiny_run
+    target = workdir / f"results/attention/{MODEL}/svamp/mless.h5"
+    command = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "--directory", str(workdir),
+               "--cores", "1", "--configfile", str(config)]
+    job = subprocess.Popen([*command, "-f", str(target)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    # Kill snakemake and its job the moment the HDF5 is being written.
+    deadline = time.time() + 300
+    while job.poll() is None and time.time() < deadline:
+        if list(target.parent.glob(f".{target.name}.tmp-*")):
+            os.killpg(job.pid, signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    job.wait(timeout=60)
+    assert job.returncode == -signal.SIGKILL, "the extraction finished before it could be killed"
+    assert not target.exists()  # the partial file never has the final name
+    rerun = subprocess.run([*command, str(target)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=900, check=False)
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    assert "extract_attention" in rerun.stdout
+    with h5py.File(target) as h5:
+        assert h5.attrs["complete"]
+    assert not list(target.parent.glob(f".{target.name}.tmp-*"))  # leftovers are swept

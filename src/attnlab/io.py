@@ -1,7 +1,8 @@
 """Crash-safe output helpers: write to a temporary sibling, then rename.
 
 A job killed half-way leaves only a ``.tmp-*`` file or folder behind, never
-a file under the final name that looks complete.
+a file under the final name that looks complete; the next successful write of
+that output removes such leftovers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ from pathlib import Path
 from typing import Iterator
 
 import pandas as pd
+
+
+def _sweep(folder: Path, prefix: str) -> None:
+    """Remove what killed earlier writers of the same output left behind (one job writes
+    an output at a time, so nothing else is writing these)."""
+    for stale in folder.glob(f"{prefix}*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -38,6 +49,7 @@ def atomic_path(path: str | os.PathLike, directory: bool = False) -> Iterator[Pa
         if directory and final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _sweep(final.parent, prefix)
     except BaseException:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 
@@ -62,6 +63,19 @@ def make_prompts(model_dir: str, dataset_path: str, out_path: str, condition_nam
     io.write_parquet(prompts, out_path)
 
 
+def _batch_size(configured: int, given: int | None) -> int:
+    """The batch this attempt uses: Snakemake halves it for each retry (resources.batch_size)."""
+    batch = given or configured
+    if batch < configured:
+        log.warning("batch size %d (configured %d, halved for a retry after running out of memory)",
+                    batch, configured)
+    limit = os.environ.get("ATTNLAB_TEST_OOM_ABOVE_BATCH")  # fault injection for the retry test
+    if limit and batch > int(limit):
+        raise MemoryError(f"simulated out-of-memory at batch size {batch} "
+                          f"(ATTNLAB_TEST_OOM_ABOVE_BATCH={limit})")
+    return batch
+
+
 def _arm(arm: dict | None):
     from attnlab.mlp import ArmSettings
 
@@ -69,7 +83,7 @@ def _arm(arm: dict | None):
 
 
 def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
-             threads: int, arm: dict | None = None) -> None:
+             threads: int, arm: dict | None = None, batch_size: int | None = None) -> None:
     import torch
 
     from attnlab.generation import check_context, generate_all
@@ -78,17 +92,18 @@ def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
 
     torch.set_num_threads(threads)
     _seed_everything(generation["seed"])
+    batch_size = _batch_size(generation["batch_size"], batch_size)
     prompts = pd.read_parquet(prompts_path)
     check_context(prompts, generation["max_new_tokens"], context_length(model_dir))
     device = pick_device(generation["device"])
     dtype = pick_dtype(generation["dtype"], device)
     log.info("device %s, dtype %s, batch size %d, greedy, %d new tokens at most",
-             device, dtype, generation["batch_size"], generation["max_new_tokens"])
+             device, dtype, batch_size, generation["max_new_tokens"])
     model = load_model(model_dir, device, dtype)
     tokenizer = load_tokenizer(model_dir)
     started = time.perf_counter()
     with arm_applied(model, _arm(arm)):
-        out = generate_all(model, tokenizer, prompts, generation["batch_size"],
+        out = generate_all(model, tokenizer, prompts, batch_size,
                            generation["max_new_tokens"], generation["stop_strings"])
     elapsed = time.perf_counter() - started
     log.info("%d new tokens in %.1f s (%.1f tokens/s)", out["n_new_tokens"].sum(), elapsed,
@@ -130,26 +145,33 @@ def plot_accuracy(summary_paths: list[str], out_path: str, dataset: str, models:
     plot(table, dataset, models, conditions, out_path, dpi)
 
 
-def extract_attention(model_dir: str, prompts_path: str, out_path: str, settings: dict,
-                      attrs: dict, threads: int, arm: dict | None = None) -> None:
-    import torch
-
-    from attnlab.extraction import extract, write_attention
-    from attnlab.mlp import arm_applied
+def _model_and_prompts(model_dir: str, prompts_path: str, settings: dict):
+    """The first ``max_prompts`` prompts, and the model on the configured device and dtype."""
     from attnlab.models import load_model, pick_device, pick_dtype
 
-    torch.set_num_threads(threads)
     prompts = pd.read_parquet(prompts_path)
     if settings["max_prompts"]:
         prompts = prompts.head(settings["max_prompts"])
     device = pick_device(settings["device"])
     dtype = pick_dtype(settings["dtype"], device)
-    model = load_model(model_dir, device, dtype)
-    log.info("extracting %d prompts on %s (%s), batch size %d", len(prompts), device, dtype,
-             settings["batch_size"])
+    return load_model(model_dir, device, dtype), prompts, device, dtype
+
+
+def extract_attention(model_dir: str, prompts_path: str, out_path: str, settings: dict,
+                      attrs: dict, threads: int, arm: dict | None = None,
+                      batch_size: int | None = None) -> None:
+    import torch
+
+    from attnlab.extraction import extract, write_attention
+    from attnlab.mlp import arm_applied
+
+    torch.set_num_threads(threads)
+    batch_size = _batch_size(settings["batch_size"], batch_size)
+    model, prompts, device, dtype = _model_and_prompts(model_dir, prompts_path, settings)
+    log.info("extracting %d prompts on %s (%s), batch size %d", len(prompts), device, dtype, batch_size)
     started = time.perf_counter()
     with arm_applied(model, _arm(arm)):
-        extraction = extract(model, prompts, settings["batch_size"], settings["full_map_layers"])
+        extraction = extract(model, prompts, batch_size, settings["full_map_layers"])
     elapsed = time.perf_counter() - started
     log.info("%d tokens in %.1f s (%.0f tokens/s)", prompts["n_prompt_tokens"].sum(), elapsed,
              prompts["n_prompt_tokens"].sum() / max(elapsed, 1e-9))
@@ -281,27 +303,23 @@ def plot_length_sweep(summary_paths: list[str], out_path: str, model: str, datas
 
 
 def mlp_activations(model_dir: str, prompts_path: str, stats_path: str, histogram_path: str,
-                    settings: dict, threads: int, arm: dict | None = None) -> None:
+                    settings: dict, threads: int, arm: dict | None = None,
+                    batch_size: int | None = None) -> None:
     """Statistics and a histogram of one layer's MLP activation over the question tokens."""
     import torch
 
     from attnlab.mlp import arm_applied, record_activations
-    from attnlab.models import load_model, pick_device, pick_dtype
 
     torch.set_num_threads(threads)
-    prompts = pd.read_parquet(prompts_path)
-    if settings["max_prompts"]:
-        prompts = prompts.head(settings["max_prompts"])
-    device = pick_device(settings["device"])
-    dtype = pick_dtype(settings["dtype"], device)
-    model = load_model(model_dir, device, dtype)
+    batch_size = _batch_size(settings["batch_size"], batch_size)
+    model, prompts, device, dtype = _model_and_prompts(model_dir, prompts_path, settings)
     bins = settings["histogram"]
     edges = np.linspace(bins["low"], bins["high"], bins["bins"] + 1)
     log.info("layer %d MLP activations of %d prompts on %s (%s)", settings["layer"], len(prompts),
              device, dtype)
     with arm_applied(model, _arm(arm)):
         stats, histogram = record_activations(model, prompts, settings["layer"],
-                                              settings["near_zero"], edges, settings["batch_size"])
+                                              settings["near_zero"], edges, batch_size)
     stats.insert(0, "id", prompts["id"].values)
     outside = histogram["count"].iloc[[0, -1]].sum() / histogram["count"].sum()
     log.info("near-zero share %.4f, L1 %.2f, Gini %.3f; %.2f%% of values outside the histogram range",

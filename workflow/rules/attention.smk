@@ -16,6 +16,7 @@ rule extract_attention:
         "results/benchmarks/extract_attention/{model}/{dataset}/{condition}.tsv"
     resources:
         gpu=1,
+        batch_size=extraction_batch,
         mem_mb=lambda wildcards, attempt: 16000 * attempt,
         runtime=lambda wildcards, attempt: 60 * attempt,
     conda:

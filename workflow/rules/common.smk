@@ -162,6 +162,23 @@ def mlp_files(wildcards):
     }
 
 
+def _halved(batch_size, attempt):
+    """A retry after running out of memory gets half the batch of the attempt before."""
+    return max(1, batch_size // 2 ** (attempt - 1))
+
+
+def generation_batch(wildcards, attempt):
+    return _halved(generation_settings(wildcards)["batch_size"], attempt)
+
+
+def extraction_batch(wildcards, attempt):
+    return _halved(ATTENTION["batch_size"], attempt)
+
+
+def mlp_batch(wildcards, attempt):
+    return _halved(MLP["batch_size"], attempt)
+
+
 def extraction_settings(wildcards):
     keys = ("max_prompts", "batch_size", "device", "dtype", "full_map_layers")
     return {key: ATTENTION[key] for key in keys}
@@ -197,6 +214,12 @@ def accuracy_summaries(wildcards):
     """Per-cell summaries for one dataset (all models x conditions)."""
     return expand("results/grades/{model}/{dataset}/{condition}.json",
                   model=MODELS, dataset=wildcards.dataset, condition=CONDITIONS)
+
+
+def placement_summaries(wildcards):
+    """Summaries of the conditions the placement table compares (ARM left out), one dataset."""
+    return expand("results/grades/{model}/{dataset}/{condition}.json",
+                  model=MODELS, dataset=wildcards.dataset, condition=list(PLACEMENTS))
 
 
 def all_summaries():
@@ -235,7 +258,7 @@ def mlp_targets():
 def placement_targets():
     if not PLACEMENT_SWEEP:
         return []
-    return ["results/tables/placement.csv",
+    return [*expand("results/tables/placement/{dataset}.csv", dataset=DATASETS),
             *expand("results/figures/placement/{dataset}.{ext}", dataset=DATASETS, ext=EXT)]
 
 

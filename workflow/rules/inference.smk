@@ -15,6 +15,7 @@ rule generate:
         "results/benchmarks/generate/{model}/{dataset}/{condition}.tsv"
     resources:
         gpu=1,
+        batch_size=generation_batch,
         mem_mb=lambda wildcards, attempt: 16000 * attempt,
         runtime=lambda wildcards, attempt: 120 * attempt,
     conda:

@@ -16,6 +16,7 @@ rule mlp_activations:
         "results/benchmarks/mlp_activations/{model}/{dataset}/{condition}.tsv"
     resources:
         gpu=1,
+        batch_size=mlp_batch,
         mem_mb=lambda wildcards, attempt: 8000 * attempt,
         runtime=lambda wildcards, attempt: 30 * attempt,
     conda:

@@ -46,10 +46,10 @@ rule plot_length_sweep:
 rule placement_table:
     """Accuracy by where the insertion goes, next to the plain prompt."""
     input:
-        all_summaries(),
+        placement_summaries,
     output:
         report(
-            "results/tables/placement.csv",
+            "results/tables/placement/{dataset}.csv",
             caption="../report/placement_table.rst",
             category="Accuracy",
             subcategory="placement",
@@ -57,7 +57,7 @@ rule placement_table:
     params:
         placements=PLACEMENTS,
     log:
-        "results/logs/placement_table.log",
+        "results/logs/placement_table/{dataset}.log",
     conda:
         "../../envs/attnlab.yaml"
     script:
@@ -67,7 +67,7 @@ rule placement_table:
 rule plot_placement:
     """Accuracy by placement of the insertion, one panel per inserted kind and grader."""
     input:
-        "results/tables/placement.csv",
+        "results/tables/placement/{dataset}.csv",
     output:
         report(
             "results/figures/placement/{dataset}.{ext}",

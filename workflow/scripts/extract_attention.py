@@ -12,4 +12,5 @@ steps.extract_attention(
     attrs=snakemake.params.attrs,
     arm=snakemake.params.arm,
     threads=snakemake.threads,
+    batch_size=snakemake.resources.batch_size,
 )

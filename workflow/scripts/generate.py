@@ -11,4 +11,5 @@ steps.generate(
     generation=snakemake.params.generation,
     arm=snakemake.params.arm,
     threads=snakemake.threads,
+    batch_size=snakemake.resources.batch_size,
 )

@@ -12,4 +12,5 @@ steps.mlp_activations(
     settings=snakemake.params.settings,
     arm=snakemake.params.arm,
     threads=snakemake.threads,
+    batch_size=snakemake.resources.batch_size,
 )
