@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
 from attnlab.mlp import (ActivationRecorder, ArmSettings, arm_applied, gini, prompt_statistics,
                          redistribute)
@@ -123,6 +123,9 @@ def _tiny(kind: str):
     if kind == "llama":
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    elif kind == "qwen2":
+        config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     else:
         config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=1, head_dim=8,
@@ -130,7 +133,7 @@ def _tiny(kind: str):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
 def test_recorder_sees_act_fn_of_gate_proj(kind):
     model = _tiny(kind)
     mlp = model.get_decoder().layers[1].mlp

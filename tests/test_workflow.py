@@ -28,7 +28,8 @@ def tiny_run(tmp_path_factory):
     snakefile = copy_workflow(tmp_path_factory.mktemp("workflow"))
     workdir = tmp_path_factory.mktemp("tiny")
     config = copy_config("tiny.yaml", workdir)
-    result = snakemake("--cores", "2", "--configfile", str(config), workdir=workdir, snakefile=snakefile)
+    result = snakemake("--cores", "2", "--configfile", str(config), workdir=workdir, snakefile=snakefile,
+                       timeout=1800)
     assert result.returncode == 0, result.stdout[-5000:]
     return workdir, config, snakefile
 
@@ -217,7 +218,7 @@ def _planned(tiny_run, tmp_path, edit=None) -> dict[str, int]:
     if edit:
         edit(data)
     changed = tmp_path / "changed.yaml"
-    changed.write_text(yaml.safe_dump(data))
+    changed.write_text(yaml.safe_dump(data, sort_keys=False))  # key order is bar order
     dry = snakemake("-n", "--cores", "1", "--configfile", str(changed), workdir=workdir,
                     snakefile=snakefile)
     assert dry.returncode == 0, dry.stdout[-3000:]
@@ -268,12 +269,14 @@ def test_rerun_after_arm_settings_change(tiny_run, tmp_path):
 def test_rerun_after_the_extraction_script_changes(tiny_run, tmp_path):
     _, _, snakefile = tiny_run
     script = snakefile.parent / "workflow/scripts/extract_attention.py"
-    original = script.read_text()
+    original, stat = script.read_text(), script.stat()
     script.write_text(original + "# edited\n")
     try:
         planned = _planned(tiny_run, tmp_path)
     finally:
+        # Snakemake sees script edits by their modification time: restore both
         script.write_text(original)
+        os.utime(script, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert planned == {"extract_attention": 4, "plot_attention_head": 1, "rank_attention_heads": 1,
                        "lambda_summary": 1, "all": 1}
     assert _planned(tiny_run, tmp_path) == {}
@@ -283,7 +286,8 @@ def test_two_runs_give_identical_csvs(tiny_run, tmp_path):
     workdir, config, snakefile = tiny_run
     second = tmp_path / "second"
     shutil.copytree(workdir / "resources", second / "resources")  # same converted weights
-    result = snakemake("--cores", "2", "--configfile", str(config), workdir=second, snakefile=snakefile)
+    result = snakemake("--cores", "2", "--configfile", str(config), workdir=second, snakefile=snakefile,
+                       timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:]
     first_csvs = sorted(p.relative_to(workdir) for p in (workdir / "results").rglob("*.csv"))
     assert first_csvs == sorted(p.relative_to(second) for p in (second / "results").rglob("*.csv"))

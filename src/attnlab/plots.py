@@ -244,7 +244,7 @@ def plot_placement(table: pd.DataFrame, dataset: str, models: list[str], out_pat
                 bars = ax.bar(x + (k - (len(models) - 1) / 2) * width, acc, width, color=colours(k % 10),
                               yerr=np.vstack([acc - low, high - acc]), capsize=3, label=model)
                 ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
-            ax.set_xticks(x, [p.replace("_", " ") for p in present])
+            ax.set_xticks(x, [p.replace("_", "\n") for p in present])
             ax.set_title(f"{family}, {length} tokens: {GRADER_TITLES[grader]}", fontsize=9)
             ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
             ax.set_ylim(0, 105)

@@ -166,6 +166,9 @@ EOF
 
 stop() {
     local state=$1 pid name
+    if [[ -f $state/pids ]] && grep -q " slurmctld$" "$state/pids"; then
+        scancel --full --signal=KILL --user="$(id -un)" 2>/dev/null || true  # all jobs are ours
+    fi
     if [[ -f $state/pids ]]; then
         # reverse order of starting: slurmd, slurmctld, slurmdbd, mariadbd, munged
         tac "$state/pids" | while read -r pid name; do
