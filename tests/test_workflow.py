@@ -301,24 +301,25 @@ def test_report_holds_every_figure_and_table_with_definitions(tiny_run):
     result = snakemake("--cores", "1", "--configfile", str(config), "--report", str(report),
                        workdir=workdir, snakefile=snakefile)
     assert result.returncode == 0, result.stdout[-3000:]
+    import html
     import zipfile
 
     with zipfile.ZipFile(report) as archive:
-        names = archive.namelist()
-        text = "".join(archive.read(n).decode("utf-8", "ignore") for n in names
-                       if n.endswith((".html", ".js", ".json")))
+        raw = [n for n in archive.namelist() if n.startswith("report/data/raw/")]
+        page = html.unescape(archive.read("report/report.html").decode())
     expected = [f"results/figures/accuracy/{d}.png" for d in DATASETS]
     expected += [f"results/figures/placement/{d}.png" for d in DATASETS]
     expected += [f"results/figures/attention/{MODEL}/svamp/{name}.png" for name in ("layer0_head0", "lambda")]
     expected += [f"results/figures/mlp/{MODEL}/svamp.png", "results/figures/pruning/ioi.png",
-                 "results/tables/accuracy.csv", "results/tables/placement/svamp.csv",
-                 f"results/tables/mlp/{MODEL}/svamp.csv"]
+                 "results/tables/accuracy.csv", f"results/tables/mlp/{MODEL}/svamp.csv"]
+    expected += [f"results/tables/placement/{d}.csv" for d in DATASETS]
     for path in expected:
-        assert any(n.endswith(path) for n in names), path
+        assert path in page, path
+    assert len(raw) == len(expected) + 1  # and the top-changed head's figure
     # captions state the definitions
-    for definition in ("mean over i > j of", "Explained effect = (m(k)", "verify(parse(gold), parse(pred))",
+    for definition in ("mean over i > j", "Explained effect = (m(k)", "verify(parse(gold), parse(pred))",
                        "act_fn(gate_proj(x))", "Gini coefficient", "1.4826"):
-        assert definition in text, definition
+        assert definition in page, definition
 
 
 # ---- faults ----
@@ -342,24 +343,30 @@ def test_out_of_memory_retry_halves_the_batch(tiny_run):
 def test_killed_extraction_is_not_taken_as_complete(tiny_run):
     workdir, config, snakefile = tiny_run
     target = workdir / f"results/attention/{MODEL}/svamp/mless.h5"
-    command = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "--directory", str(workdir),
-               "--cores", "1", "--configfile", str(config)]
-    job = subprocess.Popen([*command, "-f", str(target)], stdout=subprocess.DEVNULL,
+    command = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "--directory", str(workdir)]
+    options = ["--cores", "1", "--configfile", str(config)]
+    log = workdir / f"results/logs/extract_attention/{MODEL}/svamp/mless.log"
+    log.unlink(missing_ok=True)  # its content from the first run must not trigger the kill
+    relative = str(target.relative_to(workdir))  # targets are paths in the working directory
+    job = subprocess.Popen([*command, "-f", relative, *options], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
-    # Kill snakemake and its job the moment the HDF5 is being written.
+    # Kill Snakemake and its job while the model runs over the prompts.
     deadline = time.time() + 300
     while job.poll() is None and time.time() < deadline:
-        if list(target.parent.glob(f".{target.name}.tmp-*")):
+        if log.exists() and "extracting" in log.read_text():
             os.killpg(job.pid, signal.SIGKILL)
             break
         time.sleep(0.01)
     job.wait(timeout=60)
     assert job.returncode == -signal.SIGKILL, "the extraction finished before it could be killed"
     assert not target.exists()  # the partial file never has the final name
-    rerun = subprocess.run([*command, str(target)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    # A killed Snakemake leaves its directory lock behind: --unlock, as its message says.
+    unlock = subprocess.run([*command, "--unlock", *options], capture_output=True, text=True, timeout=120, check=False)
+    assert unlock.returncode == 0, unlock.stdout + unlock.stderr
+    rerun = subprocess.run([*command, relative, *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, timeout=900, check=False)
     assert rerun.returncode == 0, rerun.stdout[-3000:]
     assert "extract_attention" in rerun.stdout
     with h5py.File(target) as h5:
         assert h5.attrs["complete"]
-    assert not list(target.parent.glob(f".{target.name}.tmp-*"))  # leftovers are swept
+    assert not list(target.parent.glob(f".{target.name}.tmp-*"))  # no leftovers
