@@ -222,28 +222,26 @@ def plot_placement(table: pd.DataFrame, dataset: str, models: list[str], out_pat
     inserted = table[table["placement"] != "none"]
     moved = inserted.groupby(["family", "length"])["placement"].apply(lambda p: (p != "between").any())
     groups = [key for key, flag in moved.items() if flag]
-    plain = table[table["placement"] == "none"].drop_duplicates("model").set_index("model")
+    plain = table[table["placement"] == "none"]
     fig, axes = plt.subplots(max(1, len(groups)), 2, figsize=(11, 3.8 * max(1, len(groups))),
                              squeeze=False, sharey=True)
     colours = plt.get_cmap("tab10")
     width = 0.8 / len(models)
     for axes_row, (family, length) in zip(axes, groups):
-        cells = inserted[(inserted["family"] == family) & (inserted["length"] == length)]
-        cells = cells.drop_duplicates(["model", "placement"]).set_index(["model", "placement"])
-        present = [p for p in PLACEMENT_ORDER if p == "none" or p in cells.index.get_level_values(1)]
+        members = inserted[(inserted["family"] == family) & (inserted["length"] == length)]
+        cells = pd.concat([plain, members]).drop_duplicates(["model", "placement"])
+        cells = cells.set_index(["model", "placement"])
+        present = [p for p in PLACEMENT_ORDER if p in cells.index.get_level_values(1)]
         x = np.arange(len(present))
         for ax, grader in zip(axes_row, GRADER_TITLES):
             for k, model in enumerate(models):
-                acc, low, high = [], [], []
-                for placement in present:
-                    cell = (plain.loc[model] if placement == "none" and model in plain.index
-                            else cells.loc[(model, placement)] if (model, placement) in cells.index else None)
-                    values = [np.nan] * 3 if cell is None else [cell[f"{grader}_{s}"] for s in ("acc", "ci_low", "ci_high")]
-                    acc.append(values[0]), low.append(values[1]), high.append(values[2])
-                acc, low, high = map(np.asarray, (acc, low, high))
-                bars = ax.bar(x + (k - (len(models) - 1) / 2) * width, acc, width, color=colours(k % 10),
-                              yerr=np.vstack([acc - low, high - acc]), capsize=3, label=model)
-                ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+                bars = cells.reindex([(model, p) for p in present])
+                acc = bars[f"{grader}_acc"].to_numpy()
+                err = np.vstack([acc - bars[f"{grader}_ci_low"].to_numpy(),
+                                 bars[f"{grader}_ci_high"].to_numpy() - acc])
+                drawn = ax.bar(x + (k - (len(models) - 1) / 2) * width, acc, width, yerr=err,
+                               capsize=3, color=colours(k % 10), label=model)
+                ax.bar_label(drawn, fmt="%.0f", fontsize=7, padding=2)
             ax.set_xticks(x, [p.replace("_", "\n") for p in present])
             ax.set_title(f"{family}, {length} tokens: {GRADER_TITLES[grader]}", fontsize=9)
             ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")

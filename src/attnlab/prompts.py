@@ -144,13 +144,10 @@ def char_ranges(text: str, pieces: list[tuple[str, str]]) -> dict[str, tuple[int
             raise PromptError(f"the prompt template changed the {name} text; cannot locate it")
         found[name].append((start, start + len(piece)))
         cursor = start + len(piece)
-    ranges = {}
-    for name in REGIONS:
-        parts = found[name] or [(cursor, cursor)]
-        ranges[name] = (min(s for s, _ in parts), max(e for _, e in parts))
-    joined = found["inserted"] + found["separator"] if found["inserted"] else [ranges["inserted"]]
-    ranges["cut"] = (min(s for s, _ in joined), max(e for _, e in joined))
-    return ranges
+    # compose() gives every region a piece; the insertion and its separator are adjacent
+    found["cut"] = found["inserted"] + found["separator"]
+    return {name: (min(s for s, _ in parts), max(e for _, e in parts)) for name, parts in found.items()
+            if name != "separator"}
 
 
 def token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
