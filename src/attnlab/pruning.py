@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from attnlab.tasks import TaskError, TaskPrompts
+from attnlab.tasks import TaskError, TaskPrompts, year_continuations
 
 log = logging.getLogger(__name__)
 ABLATIONS = ("corrupted", "mean", "zero")
@@ -77,7 +77,6 @@ class TaskBatch:
     templates: list[int]
     # (logits at the last 2 positions, the prompts they belong to) -> metric per prompt
     metric: Callable[[torch.Tensor, slice], torch.Tensor]
-    info: dict
     rows_per_prompt: int = 1  # Greater-Than on digit tokenizers: 10 (one per first digit)
 
     @property
@@ -99,7 +98,6 @@ def build_batch(prompts: TaskPrompts, tokenizer) -> TaskBatch:
     clean = [tokenizer(p).input_ids for p in prompts.clean]
     corrupted = [tokenizer(p).input_ids for p in prompts.corrupted]
     templates = list(prompts.templates)
-    info = dict(prompts.info)
     if prompts.task == "greater_than":
         metric, clean, corrupted, templates = _greater_than_metric(prompts, tokenizer, clean, corrupted, templates)
     else:
@@ -117,16 +115,22 @@ def build_batch(prompts: TaskPrompts, tokenizer) -> TaskBatch:
     if not torch.equal(mask, corrupted_mask):
         raise TaskError(f"{prompts.task}: clean and corrupted prompts differ in token length")
     rows_per_prompt = len(clean) // len(prompts.clean)
-    return TaskBatch(clean_ids, corrupted_ids, mask, templates, metric, info, rows_per_prompt)
+    return TaskBatch(clean_ids, corrupted_ids, mask, templates, metric, rows_per_prompt)
 
 
 def _greater_than_metric(prompts, tokenizer, clean, corrupted, templates):
     """Σ p(y > YY) − Σ p(y ≤ YY) over the 100 two-digit continuations."""
+    # The ids each continuation "YY" is made of after "... the year XX", as checked
+    # for every century: the metric sums exactly the splits the model sees.
+    formulation, pieces = year_continuations(tokenizer)
+    if formulation != prompts.info["formulation"]:
+        raise TaskError(f"greater_than prompts were made for the {prompts.info['formulation']} formulation, "
+                        f"but tokenizer {tokenizer.name_or_path} needs {formulation}")
     years = torch.tensor(prompts.years)
     later = torch.arange(100)[None, :] > years[:, None]  # [n, 100]
     sign = later.float() * 2 - 1
-    if prompts.info["formulation"] == "two_digit":
-        year_ids = torch.tensor([_single_id(tokenizer, f"{y:02d}") for y in range(100)])
+    if formulation == "two_digit":
+        year_ids = torch.tensor([ids[0] for ids in pieces])
 
         def metric(logits, prompts):
             probs = logits[:, -1].float().softmax(-1)[:, year_ids.to(logits.device)]
@@ -134,7 +138,7 @@ def _greater_than_metric(prompts, tokenizer, clean, corrupted, templates):
         return metric, clean, corrupted, templates
     # Digit-level tokenizers: p(d1 d2) = p(d1) * p(d2 | d1). Each prompt is
     # extended by each first digit, so one forward gives both factors.
-    digit_ids = [_single_id(tokenizer, str(d)) for d in range(10)]
+    digit_ids = [pieces[10 * d][0] for d in range(10)]
     digits = torch.tensor(digit_ids)
 
     def metric(logits, prompts):
@@ -146,13 +150,6 @@ def _greater_than_metric(prompts, tokenizer, clean, corrupted, templates):
 
     extend = lambda rows: [row + [d] for row in rows for d in digit_ids]  # noqa: E731
     return metric, extend(clean), extend(corrupted), [t for t in templates for _ in range(10)]
-
-
-def _single_id(tokenizer, text: str) -> int:
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    if len(ids) != 1:
-        raise TaskError(f"'{text}' is not a single token under {tokenizer.name_or_path}")
-    return ids[0]
 
 
 class Patcher:

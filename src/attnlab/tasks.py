@@ -147,18 +147,67 @@ def ioi_long(tokenizer, n: int, seed: int) -> TaskPrompts:
     return _ioi(tokenizer, n, seed, IOI_LONG_TEMPLATES, IOI_LONG_PREFIX, "ioi_long")
 
 
+CENTURIES = range(11, 18)  # the prompts' XX
+# The end of every Greater-Than prompt; the pieces of "YY" after it are checked in this context.
+YEAR_CONTEXT = "The war lasted from the year {xx}01 to the year {xx}"
+
+
+def year_continuations(tokenizer) -> tuple[str, list[list[int]]]:
+    """The Greater-Than formulation and, for YY = 00..99, the token ids of "YY" after "... the year XX".
+
+    Decided from the pieces the tokenizer actually produces for every century
+    used, so the metric reads only splits the model sees: 'two_digit' when
+    "XXYY" is the pieces of "XX" followed by the one token "YY" (GPT-2 style),
+    'digits' when it is "XX" followed by one token per digit, with the same
+    token for a digit wherever it stands. Token counts alone cannot tell: under
+    Llama-3 (up to three digits per token) " 1732" is " ", "173", "2", which
+    also has one token after " ", "17". No exact formulation: TaskError.
+    """
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    failures = {}
+    for formulation in ("two_digit", "digits"):
+        pieces, failure = _year_pieces(tokenizer, formulation)
+        if failure is None:
+            return formulation, pieces
+        failures[formulation] = failure
+    raise TaskError(f"Greater-Than is not supported under tokenizer {name}: no formulation reads the year "
+                    f"as the model sees it (two-digit: {failures['two_digit']}; "
+                    f"digit by digit: {failures['digits']})")
+
+
+def _year_pieces(tokenizer, formulation: str) -> tuple[list[list[int]], str | None]:
+    """Per YY, the continuation ids of ``formulation``, or a description of the first year that breaks it."""
+    def encode(text):
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    size = {"two_digit": 1, "digits": 2}[formulation]
+    expected: list[list[int]] = []
+    for xx in CENTURIES:
+        prompt = YEAR_CONTEXT.format(xx=xx)
+        head = encode(prompt)
+        for yy in range(100):
+            full, year = encode(prompt + f"{yy:02d}"), f"{xx}{yy:02d}"
+            tail = full[len(head):]
+            if full[:len(head)] != head:
+                return [], f'the prompt\'s "{xx}" is not its own tokens in the year {year}'
+            if len(tail) != size:
+                return [], f'"{yy:02d}" is {len(tail)} token(s) after "{xx}" in the year {year}'
+            if len(expected) < 100:
+                expected.append(tail)
+            elif tail != expected[yy]:
+                return [], f'"{yy:02d}" is other tokens after "{xx}" than after "{CENTURIES[0]}" (year {year})'
+    if formulation == "digits":
+        # p(d1 d2) = p(d1) p(d2 | d1) reads one id per digit, the same in either place.
+        digit = [expected[10 * d][0] for d in range(10)]
+        for yy in range(100):
+            if expected[yy] != [digit[yy // 10], digit[yy % 10]] or len(set(digit)) != 10:
+                return [], f'the digits of "{yy:02d}" are not the same tokens in both places'
+    return expected, None
+
+
 def year_formulation(tokenizer) -> str:
-    """'two_digit' if " 17YY" splits as " 17" + "YY" (GPT-2 style), 'digits' if digit by digit."""
-    pieces = [tokenizer.convert_ids_to_tokens(tokenizer(f" 17{yy:02d}", add_special_tokens=False).input_ids)
-              for yy in range(2, 99)]
-    two = tokenizer(" 17", add_special_tokens=False).input_ids
-    if all(len(p) == len(two) + 1 for p in pieces):
-        return "two_digit"
-    digit_ids = [tokenizer(f"1{d}", add_special_tokens=False).input_ids for d in range(10)]
-    if all(len(ids) == 2 for ids in digit_ids):
-        return "digits"
-    raise TaskError(f"tokenizer {tokenizer.name_or_path}: years split neither as two-digit tokens "
-                    "nor digit by digit; Greater-Than is not supported for it")
+    """'two_digit' if "XXYY" splits as "XX" + "YY" (GPT-2 style), 'digits' if digit by digit."""
+    return year_continuations(tokenizer)[0]
 
 
 def greater_than(tokenizer, n: int, seed: int) -> TaskPrompts:
@@ -168,7 +217,7 @@ def greater_than(tokenizer, n: int, seed: int) -> TaskPrompts:
     out = TaskPrompts("greater_than", [], [], [], [], [])
     template = "The {noun} lasted from the year {xx}{yy:02d} to the year {xx}"
     for _ in range(n):
-        noun, xx, yy = rng.choice(sorted(nouns)), rng.randint(11, 17), rng.randint(2, 98)
+        noun, xx, yy = rng.choice(sorted(nouns)), rng.randint(CENTURIES[0], CENTURIES[-1]), rng.randint(2, 98)
         out.clean.append(template.format(noun=noun, xx=xx, yy=yy))
         out.corrupted.append(template.format(noun=noun, xx=xx, yy=1))
         out.templates.append(0)
