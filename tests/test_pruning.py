@@ -127,3 +127,44 @@ def test_gemma3_does_ioi(gemma3_dir):
     n_heads = 18 * 4
     sweep = patcher.sweep([(l, h) for l in range(18) for h in range(4)], [0, n_heads])
     assert sweep["explained_effect"].tolist() == [0.0, 1.0]
+
+
+def test_sweep_is_refined_around_the_first_crossing():
+    """The crossing of 0.9 lies between grid points 20 and 40: every k in between is measured,
+    so the heads needed are exact (27), not the grid's 40; a later dip is reported."""
+    from attnlab.pruning import crossing, refined_sweep
+
+    def effect(k):  # explained effect of keeping k of 100 heads; dips below 0.9 at k = 70
+        return 0.8 if k == 70 else min(1.0, k / 30)
+    calls = []
+
+    def metric_at(k):
+        calls.append(k)
+        return 2.0 + 3.0 * effect(k)  # m(0) = 2, m(all) = 5
+    grid = [0, 10, 20, 40, 70, 100]
+    sweep = refined_sweep(metric_at, 100, grid, threshold=0.9)
+    assert sweep["heads_kept"].tolist() == sorted(grid + list(range(21, 40)))
+    assert sorted(calls) == sweep["heads_kept"].tolist()  # each k measured once
+    assert sweep.loc[sweep["refined"], "heads_kept"].tolist() == list(range(21, 40))
+    np.testing.assert_allclose(sweep["explained_effect"], [effect(k) for k in sweep["heads_kept"]])
+    assert crossing(sweep, 0.9) == {"heads_to_reach_threshold": 27, "heads_to_reach_exact": True,
+                                    "crosses_back_below": True}
+    # Without refinement the grid overestimates the number and says so.
+    coarse = refined_sweep(metric_at, 100, grid)
+    assert crossing(coarse, 0.9) == {"heads_to_reach_threshold": 40, "heads_to_reach_exact": False,
+                                     "crosses_back_below": True}
+    assert crossing(refined_sweep(metric_at, 100, [0, 20, 40, 100], 0.9), 0.9)["crosses_back_below"] is False
+    assert crossing(sweep, 1.5)["heads_to_reach_threshold"] is None
+
+
+def test_patcher_sweep_refines_between_grid_points():
+    model = TINY["qwen2"]()
+    patcher = Patcher(model, _toy_batch(), "corrupted", batch_size=4)
+    heads = [(l, h) for l in range(3) for h in range(4)]
+    full = patcher.sweep(heads, k_grid(len(heads)))
+    threshold = float(full["explained_effect"].iloc[5:8].mean())  # a crossing inside (0, 12)
+    refined = patcher.sweep(heads, [0, 12], threshold)
+    needed = heads_to_reach(full, threshold)
+    assert heads_to_reach(refined, threshold) == needed
+    assert refined["heads_kept"].tolist() == list(range(13))
+    np.testing.assert_allclose(refined["explained_effect"], full["explained_effect"], atol=1e-6)

@@ -249,21 +249,69 @@ class Patcher:
             scores[layer, head] = full - self.metric(gates)
         return scores
 
-    def sweep(self, order: list[tuple[int, int]], ks: list[int]) -> pd.DataFrame:
-        """Metric with only the first k heads of ``order`` kept, for each k."""
-        rows = []
-        for k in tqdm(ks, desc="sweep", unit="k", mininterval=10):
+    def sweep(self, order: list[tuple[int, int]], ks: list[int],
+              threshold: float | None = None) -> pd.DataFrame:
+        """Metric with only the first k heads of ``order`` kept, for each k (refined around
+        the first crossing of ``threshold`` when one is given; see ``refined_sweep``)."""
+        def metric_at(k: int) -> float:
             gates = torch.zeros(self.gates.n_layers, self.gates.n_heads)
             for layer, head in order[:k]:
                 gates[layer, head] = 1
-            rows.append({"heads_kept": k, "metric": self.metric(gates)})
-        frame = pd.DataFrame(rows)
-        none_kept = frame.loc[frame["heads_kept"] == 0, "metric"].iloc[0]
-        all_kept = frame.loc[frame["heads_kept"] == len(order), "metric"].iloc[0]
-        if all_kept == none_kept:
-            raise ValueError("the metric is the same with all heads and with none: explained effect is undefined")
-        frame["explained_effect"] = (frame["metric"] - none_kept) / (all_kept - none_kept)
-        return frame
+            return self.metric(gates)
+        return refined_sweep(metric_at, len(order), ks, threshold)
+
+
+def refined_sweep(metric_at: Callable[[int], float], n_heads: int, ks: list[int],
+                  threshold: float | None = None) -> pd.DataFrame:
+    """``metric_at(k)`` for every k of the grid, then for every k strictly between the
+    last grid point below ``threshold`` and the first at or above it, so that the
+    first crossing (``heads_to_reach``) is exact rather than as coarse as the grid.
+    Columns: heads_kept, metric, explained_effect, refined (k added by the refinement).
+    """
+    if 0 not in ks or n_heads not in ks:
+        raise ValueError(f"the sweep grid must hold 0 and all {n_heads} heads (the effect's end points)")
+    grid = sorted(set(ks))
+    metrics = {k: metric_at(k) for k in tqdm(grid, desc="sweep", unit="k", mininterval=10)}
+    none_kept, all_kept = metrics[0], metrics[n_heads]
+    if all_kept == none_kept:
+        raise ValueError("the metric is the same with all heads and with none: explained effect is undefined")
+
+    def effect(k: int) -> float:
+        return (metrics[k] - none_kept) / (all_kept - none_kept)
+    added: list[int] = []
+    if threshold is not None:
+        first = next((i for i, k in enumerate(grid) if effect(k) >= threshold), None)
+        if first:  # index 0 (k = 0) reaching it leaves nothing to refine
+            added = list(range(grid[first - 1] + 1, grid[first]))
+            for k in tqdm(added, desc="refine", unit="k", mininterval=10):
+                metrics[k] = metric_at(k)
+    frame = pd.DataFrame({"heads_kept": sorted(metrics)})
+    frame["metric"] = [metrics[k] for k in frame["heads_kept"]]
+    frame["explained_effect"] = (frame["metric"] - none_kept) / (all_kept - none_kept)
+    frame["refined"] = frame["heads_kept"].isin(added)
+    return frame
+
+
+def crossing(sweep: pd.DataFrame, threshold: float) -> dict:
+    """What a sweep says about reaching the threshold.
+
+    heads_to_reach_threshold: fewest heads whose explained effect reaches it
+    (None: never); heads_to_reach_exact: every k just below that number was
+    measured too (a refined or complete sweep), so it is not a grid point's
+    overestimate; crosses_back_below: a measured k above it falls below the
+    threshold again (a non-monotonic curve; dips between grid points are not seen).
+    """
+    needed = heads_to_reach(sweep, threshold)
+    measured = set(sweep["heads_kept"])
+    if needed is None:
+        exact = measured == set(range(max(measured) + 1))
+        back = False
+    else:
+        exact = needed == 0 or needed - 1 in measured
+        later = sweep[sweep["heads_kept"] > needed]
+        back = bool((later["explained_effect"] < threshold).any())
+    return {"heads_to_reach_threshold": needed, "heads_to_reach_exact": bool(exact),
+            "crosses_back_below": back}
 
 
 def k_grid(n_heads: int, max_all: int = 300, points: int = 40) -> list[int]:

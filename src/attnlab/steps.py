@@ -261,11 +261,12 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
 
 def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
                 sweep_path: str, summary_path: str, threads: int) -> None:
-    """Keep the top-k heads, ablate the rest, for every k of the grid."""
+    """Keep the top-k heads, ablate the rest, for every k of the grid and every k around
+    the first crossing of the threshold (so the heads needed to reach it are exact)."""
     import torch
 
     from attnlab.models import load_model, load_tokenizer, pick_device
-    from attnlab.pruning import Patcher, build_batch, heads_to_reach, k_grid
+    from attnlab.pruning import Patcher, build_batch, crossing, k_grid
     from attnlab.tasks import TaskPrompts
 
     torch.set_num_threads(threads)
@@ -277,12 +278,13 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     scores = pd.read_csv(scores_path).sort_values("rank")
     order = list(zip(scores["layer"], scores["head"]))
     started = time.perf_counter()
-    sweep = patcher.sweep(order, k_grid(len(order), settings["all_k_up_to"], settings["log_points"]))
+    sweep = patcher.sweep(order, k_grid(len(order), settings["all_k_up_to"], settings["log_points"]),
+                          settings["threshold"])
     elapsed = time.perf_counter() - started
     io.write_csv(sweep, sweep_path)
     io.write_json({"task": task, "heads": len(order), "sweep_s": elapsed, "points": len(sweep),
-                   "threshold": settings["threshold"],
-                   "heads_to_reach_threshold": heads_to_reach(sweep, settings["threshold"]),
+                   "refined_points": int(sweep["refined"].sum()), "threshold": settings["threshold"],
+                   **crossing(sweep, settings["threshold"]),
                    "ablation": settings["ablation"], "ranking": settings["ranking"]}, summary_path)
 
 
