@@ -9,8 +9,8 @@ than one layer's attention matrix:
   the mean is over all later positions, so a key outside a query's window
   contributes a zero). Undefined (NaN) at the last position.
 - ``lam[i]`` (λ): the attention mass query ``i`` puts on the original,
-  non-inserted keys, ``1 - sum over inserted j of A[i, j]``; exactly 1 when
-  nothing is inserted.
+  non-inserted keys (``1 - sum over inserted j of A[i, j]`` for a dense model);
+  exactly 1 when nothing is inserted into a dense model.
 
 The reduction runs in an attention function registered through transformers'
 attention interface, so it works for every architecture that dispatches
@@ -28,11 +28,15 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from attnlab.sparse import deterministic_gate, gate_bias
+
 IMPLEMENTATION = "attnlab_reduce"
 METRIC_DEFINITION = (
     "received[layer][head, prompt, j] = mean over i > j of A[i, j], A = post-softmax attention "
     "(causal and sliding-window masks applied), NaN at the last position and on padding; "
-    "lam[layer][head, prompt, i] = 1 - sum over inserted keys j of A[i, j]"
+    "lam[layer][head, prompt, i] = sum over original (non-inserted) keys j of A[i, j] "
+    "(= 1 - inserted mass for dense models); for a sparse model A is its gated weights "
+    "softmax(s)_ij * 1[s_ij + b > 0], not renormalised"
 )
 
 
@@ -72,7 +76,13 @@ def reducing_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     the masked upper triangle and stays small enough to remain in cache while
     it is softmaxed, multiplied with the values and reduced. The result equals
     eager attention; with ``_active`` set, this layer's statistics are kept.
+    A sparse model's edge gates (``attnlab.sparse``) are applied to the
+    weights, so its statistics come from the gated maps.
     """
+    if query.shape[-2] != key.shape[-2]:
+        raise RuntimeError(f"{IMPLEMENTATION} needs the whole sequence at once (queries "
+                           f"{query.shape[-2]}, keys {key.shape[-2]}): call it with use_cache=False")
+    bias = gate_bias(module)
     if scaling is None:
         scaling = module.head_dim ** -0.5
     key = _repeat_kv(key, module.num_key_value_groups)
@@ -87,9 +97,12 @@ def reducing_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         scores = torch.matmul(query[:, :, q0:q1], key[:, :, :q1].transpose(2, 3)) * scaling
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
+        gate = None if bias is None else deterministic_gate(scores, bias)
         if attention_mask is not None:
             scores += attention_mask[:, :, q0:q1, :q1]
         weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        if gate is not None:
+            weights *= gate
         output[:, :, q0:q1] = torch.matmul(weights, value[:, :, :q1])
         if stats is not None:
             stats.add_block(weights, q0, q1)
@@ -117,7 +130,9 @@ class _LayerStats:
         # the diagonal plus everything strictly below it. Padding rows are left out.
         self.column_sums[..., :q1] += torch.matmul(self.real_rows[..., q0:q1], weights)[:, :, 0]
         self.diagonal[..., q0:q1] = weights.diagonal(offset=q0, dim1=-2, dim2=-1)
-        self.lam[..., q0:q1] = 1.0 - torch.matmul(weights, self.inserted[:, :, :q1])[..., 0]
+        # Mass on the original keys: 1 − inserted mass for a dense model; a sparse
+        # model's gated rows need not sum to 1, so take the row sum.
+        self.lam[..., q0:q1] = weights.sum(-1) - torch.matmul(weights, self.inserted[:, :, :q1])[..., 0]
         if self.map is not None:
             self.map[:, :, q0:q1, :q1] = weights
 

@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from attnlab import attention
+from attnlab import attention, sparse
 from attnlab.io import atomic_path
 from attnlab.models import left_pad, padded_span_mask
 from attnlab.prompts import SPANS
@@ -50,6 +50,7 @@ class Extraction:
     received: list[np.ndarray]  # per layer [H, N, T]
     lam: list[np.ndarray]
     maps: dict[int, np.ndarray]  # layer -> [H, N, T, T]
+    sparse: dict | None = None  # a sparse model's gate settings: its maps are gated
 
 
 def extract(model, prompts: pd.DataFrame, batch_size: int, map_layers: list[int]) -> Extraction:
@@ -84,7 +85,7 @@ def extract(model, prompts: pd.DataFrame, batch_size: int, map_layers: list[int]
                 lam[layer][:, row, :length] = out.lam[layer][i, :, pad:].numpy()
             for layer in map_layers:
                 maps[layer][:, row, :length, :length] = out.maps[layer][i, :, pad:, pad:].numpy()
-    return Extraction(received, lam, maps)
+    return Extraction(received, lam, maps, getattr(config, sparse.CONFIG_KEY, None))
 
 
 def _versions() -> dict:
@@ -119,6 +120,7 @@ def write_attention(path: str | Path, extraction: Extraction, prompts: pd.DataFr
                          for key, value in attrs.items()})
         h5.attrs["regions"] = json.dumps(list(SPANS))
         h5.attrs["metric_definition"] = attention.METRIC_DEFINITION
+        h5.attrs["sparse_attention"] = json.dumps(extraction.sparse)  # null for a dense model
         h5.attrs["versions"] = json.dumps(_versions())
         h5.attrs["n_layers"], h5.attrs["n_heads"] = len(extraction.received), extraction.received[0].shape[0]
         h5.attrs["complete"] = True

