@@ -61,8 +61,8 @@ def main() -> None:
         times["arm"].append(_timed(with_arm))
     shape = (args.batch, args.length, model.config.intermediate_size)
     activation = torch.randn(shape, device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    alone = [_timed(lambda: redistribute(activation, settings, generator)) for _ in range(args.repeats)]
+    positions = torch.arange(args.length, device=device).expand(args.batch, -1)
+    alone = [_timed(lambda: redistribute(activation, settings, positions, ids)) for _ in range(args.repeats)]
     result = {
         "device": str(device), "threads": torch.get_num_threads(), "batch": args.batch,
         "length": args.length, "plain_s": statistics.median(times["plain"]),

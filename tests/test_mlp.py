@@ -1,5 +1,7 @@
 """ARM and the MLP activation statistics, on hand-made tensors and tiny models."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -29,8 +31,12 @@ def _expected_count(row: np.ndarray, s: ArmSettings) -> int:
     return int(round(np.clip(share, s.pmin, s.pmax) * len(row)))
 
 
-def _run(a, settings, seed=0):
-    return redistribute(a, settings, torch.Generator().manual_seed(seed))
+def _run(a, settings, seed=0, positions=None, tokens=None):
+    """ARM on hand-made activations; by default token t of each row is at position t with id 11."""
+    shape = a.shape[:-1]
+    positions = torch.arange(shape[-1]).expand(shape) if positions is None else positions
+    tokens = torch.full(shape, 11) if tokens is None else tokens
+    return redistribute(a, dataclasses.replace(settings, seed=seed), positions, tokens)
 
 
 @pytest.mark.parametrize("settings", [ArmSettings(), ArmSettings(c=1.0, p=99.5),
@@ -76,6 +82,30 @@ def test_arm_is_reproducible_by_seed_and_batch_invariant():
     alone = _run(a[1:], settings) != a[1:]
     together = _run(a, settings)[1:] != a[1:]
     assert torch.equal(alone, together)
+    # So are the drawn values: keyed by each token's position and id, not by its batch ...
+    positions = torch.arange(4).expand(2, 4)
+    tokens = torch.tensor([[5, 9, 2, 7], [3, 3, 8, 1]])
+    second = _run(a[1:], settings, positions=positions[1:], tokens=tokens[1:])
+    assert torch.equal(second, _run(a, settings, positions=positions, tokens=tokens)[1:])
+    # ... nor by the left padding in front of it,
+    padded = torch.cat([torch.randn(1, 3, a.shape[-1]), a[1:]], dim=1)
+    padded_positions = torch.tensor([[0, 0, 0, 0, 1, 2, 3]])
+    padded_tokens = torch.cat([torch.zeros(1, 3, dtype=torch.long), tokens[1:]], dim=1)
+    assert torch.equal(_run(padded, settings, positions=padded_positions, tokens=padded_tokens)[:, 3:], second)
+    # ... and another position or token draws other values.
+    assert not torch.equal(_run(a[1:], settings, positions=positions[1:] + 1, tokens=tokens[1:]), second)
+    assert not torch.equal(_run(a[1:], settings, positions=positions[1:], tokens=tokens[1:] + 1), second)
+
+
+def test_arm_draws_are_uniform():
+    from attnlab.mlp import token_keys, uniform_draws
+
+    keys = token_keys(0, torch.arange(64)[:, None], torch.full((64, 1), 5))
+    u = uniform_draws(keys, torch.arange(4096).expand(64, -1)).flatten().numpy()
+    assert u.min() >= 0 and u.max() < 1 and len(np.unique(u)) > 0.99 * len(u)
+    counts = np.histogram(u, bins=16, range=(0, 1))[0]
+    assert np.all(np.abs(counts / len(u) * 16 - 1) < 0.05)
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.02
 
 
 def test_arm_settings_are_checked():
@@ -184,3 +214,64 @@ def test_arm_runs_on_prefill_and_every_decoding_step():
 def test_mlp_layer_out_of_range():
     with pytest.raises(HeadRangeError, match="2 layers"):
         ActivationRecorder(_tiny("llama"), 5, 0.01, np.linspace(0, 1, 3))
+
+
+def _arm_outputs(model, ids_rows, settings):
+    """Layer-0 activations after ARM for left-padded rows, as the pipeline runs them."""
+    from attnlab.models import left_pad
+
+    ids, mask, positions = left_pad(ids_rows)
+    seen = []
+    with arm_applied(model, settings), torch.no_grad():
+        handle = model.get_decoder().layers[0].mlp.act_fn.register_forward_hook(
+            lambda m, args, out: seen.append(out))
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        handle.remove()
+    return seen[0], logits
+
+
+def test_arm_in_a_model_does_not_depend_on_the_batch():
+    """A prompt alone and left padded beside a longer one: the same ARM activations and logits."""
+    model = _tiny("llama")
+    settings = ArmSettings(layer=0, seed=5, c=0.5)
+    short, long = [5, 17, 9, 33, 2], [8, 8, 41, 12, 7, 19, 3, 25]
+    alone, alone_logits = _arm_outputs(model, [short], settings)
+    batched, batched_logits = _arm_outputs(model, [long, short], settings)
+    plain, _ = _arm_outputs(model, [short], None)
+    assert not torch.allclose(alone, plain)  # ARM did redraw entries
+    torch.testing.assert_close(batched[1, -5:], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched_logits[1, -5:], alone_logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_arm_draws_in_decoding_match_the_prefill():
+    """A token drawn for in a decoding step gets the draws it gets when the same text is prefilled,
+    and greedy generations do not depend on the batch."""
+    model = _tiny("llama")
+    settings = ArmSettings(layer=0, seed=2, c=0.5)
+    prompt = torch.tensor([[5, 17, 9, 33, 2]])
+    seen = []
+    with arm_applied(model, settings), torch.no_grad():
+        handle = model.get_decoder().layers[0].mlp.act_fn.register_forward_hook(
+            lambda m, args, out: seen.append(out))
+        generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                                   min_new_tokens=4, do_sample=False)
+        handle.remove()
+    decoded = torch.cat(seen[1:], dim=1)  # the three decoding steps' activations
+    prefilled, _ = _arm_outputs(model, [generated[0, :-1].tolist()], settings)
+    torch.testing.assert_close(decoded[0], prefilled[0, -3:], atol=1e-5, rtol=1e-5)
+    other = torch.tensor([[8, 8, 41, 12, 7, 19, 3, 25]])
+    ids = torch.cat([other, torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], dim=1)])
+    mask = torch.cat([torch.ones_like(other), torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])])
+    with arm_applied(model, settings), torch.no_grad():
+        together = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                                  do_sample=False, pad_token_id=0)
+    assert together[1, -4:].tolist() == generated[0, -4:].tolist()
+
+
+def test_arm_without_token_ids_is_refused():
+    model = _tiny("llama")
+    embeds = model.get_input_embeddings()(torch.tensor([[5, 17, 9]]))
+    with arm_applied(model, ArmSettings(layer=0)), torch.no_grad():
+        with pytest.raises(RuntimeError, match="input_ids"):
+            model(inputs_embeds=embeds)
+        model(torch.tensor([[5, 17, 9]]))  # the refused call left nothing behind

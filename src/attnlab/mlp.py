@@ -17,6 +17,11 @@ each token's activation vector ``a`` of the intermediate size ``d``:
    ``mode: replace`` (the paper's code) puts the draw in place of the entry;
    ``mode: add`` (the paper's text) adds it to the entry.
 
+The uniform draws come from a counter-based hash of (seed, position among the
+prompt's real tokens, token id, unit), not from a generator stream over the
+batch tensor, so they too are the same whatever the batch, its padding, or an
+out-of-memory retry with a smaller batch.
+
 Statistics are taken per token, not over the whole batch tensor, so that a
 token's result does not depend on which prompts share its batch, on padding,
 or on whether it is processed in the prefill or in a decoding step. All of it
@@ -68,9 +73,55 @@ def _kth(values: torch.Tensor, k: int) -> torch.Tensor:
     return values.kthvalue(k, dim=-1, keepdim=True).values
 
 
-def redistribute(a: torch.Tensor, settings: ArmSettings, generator: torch.Generator) -> torch.Tensor:
-    """ARM applied to every token vector (last dimension) of ``a``; a new tensor."""
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A well-mixing bijection of 32-bit integers held in int64 (lowbias32 with the
+    multipliers of Wellons' hash-prospector search, both below 2**31): each product stays
+    below 2**63, as signed int64 overflow is not defined. In place on ``x``."""
+    x ^= x >> 16
+    x.mul_(0x21F0AAAD).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(0x735A2D97).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    return x
+
+
+def _mix(key: torch.Tensor, value: torch.Tensor, salt: int) -> torch.Tensor:
+    """Fold one field into a key. The salt keeps fields apart (without it, position 0 and
+    unit 11 of token 11 would cancel, as _hash32(0) = 0), so draws repeat only by chance."""
+    return _hash32(key ^ _hash32((value.long() + salt) & _MASK32))
+
+
+def token_keys(seed: int, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per token from (seed, position, token id): what its draws depend on."""
+    key = _hash32(torch.full_like(positions, (seed + 0x243F6A88) & _MASK32, dtype=torch.long))
+    key = _mix(key, positions, 0x85A308D3)
+    return _mix(key, tokens.to(positions.device), 0x13198A2E)
+
+
+def uniform_draws(keys: torch.Tensor, units: torch.Tensor, d: int | None = None) -> torch.Tensor:
+    """U[0, 1) for each (token key [..., 1], unit index [..., m] below ``d``), in float32
+    (24 bits), identical on every device."""
+    d = int(units.max()) + 1 if d is None else d
+    # Hashing the d unit indices once and gathering keeps the per-entry work to one hash.
+    unit_hashes = _hash32((torch.arange(d, device=units.device) + 0x03707344) & _MASK32)
+    bits = _hash32(unit_hashes[units] ^ keys)
+    return (bits >> 8).float().mul_(2.0 ** -24)
+
+
+def redistribute(a: torch.Tensor, settings: ArmSettings, positions: torch.Tensor,
+                 tokens: torch.Tensor) -> torch.Tensor:
+    """ARM applied to every token vector (last dimension) of ``a``; a new tensor.
+
+    ``positions`` and ``tokens`` ([...], ``a.shape[:-1]``) are each token's position among
+    its prompt's real tokens and its id: with ``settings.seed`` they fix its draws.
+    """
     d = a.shape[-1]
+    if positions.shape != a.shape[:-1] or tokens.shape != a.shape[:-1]:
+        raise ValueError(f"ARM: positions {tuple(positions.shape)} and tokens {tuple(tokens.shape)} "
+                         f"must match the activation's token shape {tuple(a.shape[:-1])}")
     rows = a.reshape(-1, d)
     work = rows.float()
     magnitude = work.abs()
@@ -83,14 +134,16 @@ def redistribute(a: torch.Tensor, settings: ArmSettings, generator: torch.Genera
     most = max(1, math.ceil(settings.pmax * d))
     smallest = magnitude.topk(most, dim=-1, largest=False, sorted=True).indices
     take = torch.arange(most, device=a.device).expand_as(smallest) < count
-    chosen = torch.zeros_like(magnitude, dtype=torch.bool).scatter_(-1, smallest, take)
     upper = _kth(work, max(1, math.ceil(settings.p / 100 * d))).clamp(min=0)
     lower = work.min(-1, keepdim=True).values.clamp(max=0)
-    uniform = torch.rand(work.shape, generator=generator, device=a.device, dtype=work.dtype)
-    draws = torch.where(work >= 0, uniform * upper, uniform * lower)
+    # Draws only for the candidates (at most pmax of the units), keyed by unit index.
+    keys = token_keys(settings.seed, positions.reshape(-1, 1).to(a.device), tokens.reshape(-1, 1))
+    uniform = uniform_draws(keys, smallest, d)
+    candidates = work.gather(-1, smallest)
+    draws = torch.where(candidates >= 0, uniform * upper, uniform * lower)
     if settings.mode == "add":
-        draws = work + draws
-    return torch.where(chosen, draws, work).to(a.dtype).reshape(a.shape)
+        draws = candidates + draws
+    return work.scatter(-1, smallest, torch.where(take, draws, candidates)).to(a.dtype).reshape(a.shape)
 
 
 def _act_fn(model, layer: int) -> torch.nn.Module:
@@ -114,18 +167,59 @@ def arm_applied(model, settings: ArmSettings | None):
     if settings is None:
         yield
         return
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(settings.seed)
+    # (token ids, positions) of the forwards under way, innermost last: the causal-LM wrapper
+    # sees input_ids even where it hands its decoder only embeddings (Gemma-3 multimodal).
+    stack: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+
+    def enter(module, args, kwargs):
+        stack.append(_tokens_and_positions(args, kwargs))
+
+    def leave(module, args, kwargs, output):
+        stack.pop()
 
     def hook(module, args, output):
-        return redistribute(output, settings, generator)
+        known = [entry for entry in stack if entry is not None]
+        if not known:
+            raise RuntimeError("ARM keys its random draws by token id and position: call the model "
+                               "with input_ids, not inputs_embeds")
+        tokens, positions = known[-1]
+        return redistribute(output, settings, positions, tokens)
 
-    handle = _act_fn(model, settings.layer).register_forward_hook(hook)
+    handles = []
+    for module in dict.fromkeys([model, model.get_decoder()]):
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    handles.append(_act_fn(model, settings.layer).register_forward_hook(hook))
     log.info("ARM on layer %d's MLP activation: %s", settings.layer, settings)
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+
+
+def _tokens_and_positions(args, kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Token ids [B, T] and their positions among each prompt's real tokens, for a model
+    call in prefill or a decoding step, with or without left padding (None: no input_ids)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, torch.Tensor):
+        return None
+    batch, length = ids.shape
+    positions = kwargs.get("position_ids")
+    mask = kwargs.get("attention_mask")
+    if positions is not None:
+        positions = positions[0] if positions.dim() == 3 else positions  # multimodal RoPE: [3, B, T]
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        # the mask covers the cache too; its running count is the real-token position
+        positions = (mask.long().cumsum(-1) - 1)[:, -length:]
+    else:
+        cache = kwargs.get("cache_position")
+        if cache is None:
+            past = kwargs.get("past_key_values")
+            start = past.get_seq_length() if past is not None else 0
+            cache = torch.arange(start, start + length, device=ids.device)
+        positions = cache
+    return ids, positions.to(ids.device).expand(batch, length)
 
 
 # ---- statistics ----
