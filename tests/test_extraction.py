@@ -86,3 +86,40 @@ def test_removing_the_insertion_recovers_the_plain_prompt(smollm2_tokenizer):
         spans = mless[[f"{r}_{e}" for r in SPANS for e in ("start", "end")]].to_numpy().reshape(1, 4, 2)
         kept = align(ids, spans, np.array([len(ids[0])]), remove_inserted=True)[0]
         assert kept.tolist() == list(plain["input_ids"][0]), fmt
+
+
+def test_band_uses_students_t_per_position():
+    """Positions held by 4, 3 and 1 prompts: t with 3 and 2 degrees of freedom, no band for one."""
+    from scipy import stats
+
+    aligned = np.array([[1.0, 2.0, 5.0], [2.0, 4.0, np.nan], [4.0, 3.0, np.nan], [3.0, np.nan, np.nan]])
+    mean, band = mean_and_band(aligned, min_share=0.0)
+    np.testing.assert_allclose(mean, [2.5, 3.0, 5.0])
+    np.testing.assert_allclose(band[:2], [stats.t.ppf(0.975, 3) * stats.sem([1, 2, 4, 3]),
+                                          stats.t.ppf(0.975, 2) * stats.sem([2, 4, 3])])
+    assert band[2] == 0.0
+
+
+def test_hdf5_names_the_tokenizer_and_its_hash(tmp_path):
+    """Not the class name (the same for every model): where it came from and a hash of tokenizer.json."""
+    import hashlib
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from attnlab import steps
+
+    model_dir = tmp_path / "tiny-model"
+    TINY["llama-gqa"]().save_pretrained(model_dir)
+    vocab = {f"w{i}": i for i in range(101)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0"))).save_pretrained(model_dir)
+    prompts = _prompts([6, 9], inserted=(1, 3), vocab=101)
+    prompts.to_parquet(tmp_path / "prompts.parquet")
+    settings = {"max_prompts": None, "device": "cpu", "dtype": "float32", "batch_size": 2, "full_map_layers": []}
+    out = tmp_path / "cell.h5"
+    steps.extract_attention(str(model_dir), str(tmp_path / "prompts.parquet"), str(out), settings,
+                            {"model": "tiny", "condition": "c"}, threads=1)
+    with h5py.File(out) as h5:
+        assert h5.attrs["tokenizer"] == str(model_dir)
+        assert h5.attrs["tokenizer_sha256"] == hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest()
+        assert h5.attrs["tokenizer_class"] != ""

@@ -3,6 +3,7 @@
 import dataclasses
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
@@ -275,3 +276,23 @@ def test_arm_without_token_ids_is_refused():
         with pytest.raises(RuntimeError, match="input_ids"):
             model(inputs_embeds=embeds)
         model(torch.tensor([[5, 17, 9]]))  # the refused call left nothing behind
+
+
+def test_mean_intervals_use_students_t():
+    """Three prompts: the half-width is t(0.975, 2) = 4.30 standard errors, not the normal 1.96."""
+    from scipy import stats
+
+    from attnlab.mlp import summarise_statistics
+
+    values = np.array([0.1, 0.4, 0.3])
+    frame = lambda shift: pd.DataFrame({"id": ["a", "b", "c"], "n_tokens": [5, 5, 5],  # noqa: E731
+                                        **{name: values + shift for name in
+                                           ("near_zero", "l1", "l2", "gini", "gate_variance")}})
+    table = summarise_statistics({"plain": frame(0.0), "more": frame(np.array([0.1, 0.3, 0.2]))}, "plain")
+    low, high = stats.t.interval(0.95, 2, loc=values.mean(), scale=stats.sem(values))
+    row = table.set_index("condition").loc["plain"]
+    assert row["l1_ci_low"] == pytest.approx(low) and row["l1_ci_high"] == pytest.approx(high)
+    delta = np.array([0.1, 0.3, 0.2])
+    low, high = stats.t.interval(0.95, 2, loc=delta.mean(), scale=stats.sem(delta))
+    more = table.set_index("condition").loc["more"]
+    assert more["gini_delta_ci_low"] == pytest.approx(low) and more["gini_delta_ci_high"] == pytest.approx(high)

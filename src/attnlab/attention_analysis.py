@@ -53,7 +53,10 @@ def align(values: np.ndarray, spans: np.ndarray, lengths: np.ndarray, remove_ins
 
 
 def mean_and_band(aligned: np.ndarray, min_share: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
-    """Mean over prompts and the half-width of its normal 95% interval."""
+    """Mean over prompts and the half-width of its 95% interval (Student's t with the
+    number of prompts at that position less one degrees of freedom; 0 where one prompt)."""
+    from scipy.stats import t
+
     present = np.isfinite(aligned)
     count = present.sum(0)
     keep = count >= max(1, min_share * len(aligned))
@@ -62,7 +65,10 @@ def mean_and_band(aligned: np.ndarray, min_share: float = 0.5) -> tuple[np.ndarr
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = np.nanmean(data, axis=0)
         sem = np.nanstd(data, axis=0, ddof=1) / np.sqrt(count[:width])
-    return mean, 1.96 * np.nan_to_num(sem)
+    # Few prompts: the normal 1.96 would understate the interval (t = 4.3 for 3 prompts).
+    count = count[:width]
+    factor = np.where(count > 1, t.ppf(0.975, np.maximum(count - 1, 1)), 0.0)
+    return mean, factor * np.nan_to_num(sem)
 
 
 def head_change_scores(path_a, path_b, drop_first: bool = True) -> pd.DataFrame:

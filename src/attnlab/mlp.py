@@ -335,16 +335,20 @@ def record_activations(model, prompts: pd.DataFrame, layer: int, threshold: floa
 
 
 def _mean_ci(values: np.ndarray) -> tuple[float, float, float]:
-    """Mean and its normal 95% interval over prompts."""
+    """Mean over prompts and its 95% interval, from Student's t (n − 1 degrees of freedom):
+    with few prompts the normal 1.96 is too narrow."""
+    from scipy.stats import t
+
     values = np.asarray(values, float)
     mean = float(values.mean())
-    half = 1.96 * float(values.std(ddof=1)) / np.sqrt(len(values)) if len(values) > 1 else float("nan")
+    n = len(values)
+    half = float(t.ppf(0.975, n - 1)) * float(values.std(ddof=1)) / np.sqrt(n) if n > 1 else float("nan")
     return mean, mean - half, mean + half
 
 
 def summarise_statistics(stats: dict[str, pd.DataFrame], baseline: str) -> pd.DataFrame:
-    """Per condition: each statistic's mean over prompts with a 95% CI, and its paired
-    difference from the baseline condition (same prompts) with a 95% CI."""
+    """Per condition: each statistic's mean over prompts with a 95% t interval, and its paired
+    difference from the baseline condition (same prompts) with a 95% t interval."""
     reference = stats[baseline].set_index("id")
     rows = []
     for condition, frame in stats.items():

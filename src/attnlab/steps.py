@@ -175,9 +175,19 @@ def extract_attention(model_dir: str, prompts_path: str, out_path: str, settings
     elapsed = time.perf_counter() - started
     log.info("%d tokens in %.1f s (%.0f tokens/s)", prompts["n_prompt_tokens"].sum(), elapsed,
              prompts["n_prompt_tokens"].sum() / max(elapsed, 1e-9))
+    import hashlib
+
+    # The class ("TokenizersBackend" for every model under transformers 5) cannot tell two
+    # tokenizers apart: record where it was loaded from and a hash of its vocabulary and rules.
     tokenizer_config = io.read_json(f"{model_dir}/tokenizer_config.json")
+    tokenizer_json = os.path.join(model_dir, "tokenizer.json")
+    digest = "no tokenizer.json"
+    if os.path.exists(tokenizer_json):
+        with open(tokenizer_json, "rb") as handle:
+            digest = hashlib.sha256(handle.read()).hexdigest()
     write_attention(out_path, extraction, prompts, {
-        **attrs, "arm": arm or {}, "tokenizer": tokenizer_config.get("tokenizer_class", "unknown"),
+        **attrs, "arm": arm or {}, "tokenizer": str(model_dir), "tokenizer_sha256": digest,
+        "tokenizer_class": tokenizer_config.get("tokenizer_class", "unknown"),
         "dtype": str(dtype), "device": str(device)})
 
 
