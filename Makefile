@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.attnlab-installed
 
-.PHONY: install run mechanism test test-fast lint dry-run report clean
+.PHONY: install run mechanism sparse test test-fast lint dry-run report clean
 
 install: $(STAMP)
 
@@ -22,6 +22,9 @@ run: install
 
 mechanism: install
 	$(BIN)/snakemake --cores all --configfile config/mechanism.yaml
+
+sparse: install
+	$(BIN)/snakemake --cores all --configfile config/sparse.yaml
 
 test: install
 	$(BIN)/python -m pytest -ra

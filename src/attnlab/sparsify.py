@@ -258,18 +258,18 @@ class Trainer:
         ce, kl = _loss_terms(logits, ids, reference)
         density = tracker.expected_density()
         if target is None:
-            measured, constraint = kl, float(kl) - settings["constraint"]["slack"]
+            measured, constraint = kl, kl.item() - settings["constraint"]["slack"]
         else:
-            measured, constraint = ce, float(ce) - (target + settings["constraint"]["slack"])
+            measured, constraint = ce, ce.item() - (target + settings["constraint"]["slack"])
         loss = (density + state.lam * measured) / (1 + state.lam)
         row = {"step": state.step + 1, "tokens": (state.position + len(ids)) * ids.shape[1],
-               "loss": float(loss), "ce": float(ce), "kl": float(kl), "expected_density": float(density),
+               "loss": loss.item(), "ce": ce.item(), "kl": kl.item(), "expected_density": density.item(),
                "training_density": tracker.training_density(), "constraint": constraint,
                "multiplier": state.lam, "lr": self.learning_rate(state.step)}
         if target is not None:
             row["control_ce"] = target
-        if not all(math.isfinite(v) for v in (row["loss"], row["ce"], row["kl"], row["expected_density"])):
-            return row
+        if not _finite(row):
+            return row  # no update: post_train stops with the last finite values
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in self.student.parameters() if p.requires_grad],
@@ -429,7 +429,7 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
     while state.step < steps:
         rows = [order[(state.position + i) % len(order)] for i in range(settings["batch_size"])]
         row = trainer.step(corpus.train[rows], state)
-        if not math.isfinite(row["loss"]):
+        if not _finite(row):
             _stop_on_nan(row, state, checkpoint)
         state.steps.append(row)
         state.step += 1
@@ -456,6 +456,10 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
     io.write_json(summary, outputs.summary)
     _write_model(trainer.merged_student(), tokenizer, name, settings, summary, outputs.model_dir)
     return summary
+
+
+def _finite(row: dict) -> bool:
+    return all(math.isfinite(row[key]) for key in ("loss", "ce", "kl", "expected_density"))
 
 
 def _describe(evaluation: dict) -> str:

@@ -373,3 +373,34 @@ def plot_placement(table_path: str, out_path: str, dataset: str, models: list[st
 
     table = pd.read_csv(table_path)
     plot(table[table["dataset"] == dataset], dataset, models, out_path, dpi)
+
+
+def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, checkpoint: str,
+                   threads: int) -> None:
+    """Post-train the sparse copy of ``base_dir``; resumes from ``checkpoint`` when one is there."""
+    from pathlib import Path
+
+    import torch
+
+    from attnlab.models import pick_device
+    from attnlab.sparsify import Outputs, post_train
+
+    torch.set_num_threads(threads)
+    device = pick_device(settings["device"])
+    log.info("post-training the sparse copy %s of %s on %s", name, base_dir, device)
+    paths = Outputs(model_dir=outputs["model"], steps=outputs["steps"], evals=outputs["evals"],
+                    density=outputs["density"], summary=outputs["summary"], checkpoint=checkpoint)
+    summary = post_train(base_dir, name, settings, paths, device)
+    log.info("held-out: density %.4f, KL %.4f nats/token, CE dense %.4f, sparse %.4f; %.0f tokens/s",
+             summary["heldout_density"], summary["heldout_kl"], summary["heldout_ce_dense"],
+             summary["heldout_ce_sparse"], summary["tokens_per_s"])
+    Path(checkpoint).unlink(missing_ok=True)  # the finished model supersedes it
+
+
+def plot_sparsify(inputs: dict, training_path: str, density_path: str, model: str, dpi: int) -> None:
+    from attnlab.plots import plot_sparse_density, plot_sparse_training
+
+    summary = io.read_json(inputs["summary"])
+    plot_sparse_training(pd.read_csv(inputs["steps"]), pd.read_csv(inputs["evals"]), summary, model,
+                         training_path, dpi)
+    plot_sparse_density(pd.read_csv(inputs["density"]), summary, model, density_path, dpi)

@@ -8,12 +8,14 @@ from snakemake.utils import validate
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 from attnlab.sources import (SourceError, check_heads, check_layer, check_model_source,
-                             prepared_model_shape)
+                             check_sparse_models, prepared_model_shape, sparse_bases)
 
 
 validate(config, "../../config/schema.yaml")
 
 MODELS = list(config["models"])
+SPARSE_BASES = sparse_bases(config["models"])  # sparse copy -> its dense base
+DENSE_MODELS = [m for m in MODELS if m not in SPARSE_BASES]
 DATASETS = list(config["datasets"])
 CONDITIONS = list(config["conditions"])
 EXT = config["plots"]["format"]
@@ -54,6 +56,7 @@ MLP_DATASETS = (MLP["datasets"] or ATTENTION["datasets"] or DATASETS) if MLP["en
 def _check_config():
     """Cross-references the schema cannot express; fails before any job runs."""
     arm_used = any(spec["arm"] for spec in config["conditions"].values())
+    check_sparse_models(config["models"])
     for name, model in config["models"].items():
         check_model_source(name, model["source"])
         shape = prepared_model_shape(f"resources/models/{name}")
@@ -113,6 +116,19 @@ wildcard_constraints:
 
 def model_source(wildcards):
     return config["models"][wildcards.model]["source"]
+
+
+def sparse_base_dir(wildcards):
+    return f"resources/models/{SPARSE_BASES[wildcards.model]}"
+
+
+def sparsify_settings(wildcards):
+    return config["models"][wildcards.model]["source"]["sparsify"]
+
+
+def sparsify_figures():
+    return expand("results/figures/sparsify/{model}/{figure}.{ext}", model=list(SPARSE_BASES),
+                  figure=["training", "density"], ext=EXT)
 
 
 def dataset_spec(wildcards):
@@ -271,6 +287,7 @@ def length_sweep_targets():
 
 def all_targets():
     return [
+        *sparsify_figures(),
         *length_sweep_targets(),
         *pruning_targets(),
         "results/tables/accuracy.csv",

