@@ -138,21 +138,25 @@ def test_attention_cross_references_are_checked(tmp_path):
 
 
 def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
-    """4 hub models (no weights here), 2 datasets, 13 conditions (length and placement sweeps,
-    ARM), 5 plotted heads, 4 pruning tasks: one job per model x dataset x condition at most."""
+    """5 hub models (no weights here) and 2 sparse copies of them, 2 datasets, 13 conditions
+    (length and placement sweeps, ARM), 5 plotted heads, 4 pruning tasks: one job per
+    model x dataset x condition at most."""
     started = time.perf_counter()
     result = snakemake("-n", "--cores", "1", "--configfile", str(REPO / "config/paper.yaml"),
                        workdir=tmp_path)
     elapsed = time.perf_counter() - started
     assert result.returncode == 0, result.stdout
-    cells = 4 * 2 * 13  # models x datasets x conditions
+    models = 7
+    cells = models * 2 * 13  # models x datasets x conditions
     assert job_counts(result.stdout) == {
-        "prepare_model": 4, "prepare_dataset": 2, "make_prompts": cells, "generate": cells,
-        "grade": cells, "accuracy_table": 1, "plot_accuracy": 2, "plot_length_sweep": 4 * 2,
+        "prepare_model": 5, "sparsify_model": 2, "plot_sparsify": 2, "prepare_dataset": 2,
+        "make_prompts": cells, "generate": cells,
+        "grade": cells, "accuracy_table": 1, "plot_accuracy": 2, "plot_length_sweep": models * 2,
         "placement_table": 2, "plot_placement": 2,
-        "extract_attention": 4 * 13, "plot_attention_head": 4 * 5, "rank_attention_heads": 4,
-        "lambda_summary": 4, "mlp_activations": 4 * 13, "mlp_summary": 4,
-        "score_heads": 4 * 4, "sweep_heads": 4 * 4, "plot_pruning": 4, "all": 1, "total": 506}
+        "extract_attention": models * 13, "plot_attention_head": models * 5,
+        "rank_attention_heads": models, "lambda_summary": models, "mlp_activations": models * 13,
+        "mlp_summary": models, "score_heads": models * 4, "sweep_heads": models * 4, "plot_pruning": 4,
+        "all": 1, "total": 877}
     assert elapsed < 10, f"dry run of the paper config took {elapsed:.1f} s"
 
 

@@ -110,6 +110,7 @@ def plot_lambda_heatmap(table: pd.DataFrame, model: str, dataset: str, out_path,
 def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] | None,
                  threshold: float, ablation: str, ranking: str, out_path, dpi: int = 150) -> None:
     """Explained effect vs number of heads kept, one curve per model, with an "N×" label."""
+    from attnlab.plan import comparison_pairs
     from attnlab.pruning import heads_to_reach
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -122,11 +123,13 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
         if needed[model] is not None:
             ax.plot([needed[model]], [threshold], "o", color=colours(k % 10))
     ax.axhline(threshold, ls="--", color="grey", lw=1)
-    first, second = (compare or list(sweeps))[:2] if len(sweeps) > 1 else (None, None)
-    if first and needed.get(first) and needed.get(second):
-        ratio = needed[first] / needed[second]
-        ax.text(0.02, 0.96, f"{ratio:.1f}× fewer heads for {second} than {first} at {threshold:g}",
-                ha="left", va="top", transform=ax.transAxes, fontsize=10)
+    labels = []
+    for first, second in comparison_pairs(compare, list(sweeps)):
+        if needed.get(first) and needed.get(second):
+            ratio = needed[first] / needed[second]
+            labels.append(f"{ratio:.1f}× fewer heads for {second} than {first} at {threshold:g}")
+    if labels:
+        ax.text(0.02, 0.96, "\n".join(labels), ha="left", va="top", transform=ax.transAxes, fontsize=10)
     ax.set_xscale("symlog", linthresh=10)
     ax.set_xlim(left=0)
     ax.set_xlabel("Number of Heads Kept")

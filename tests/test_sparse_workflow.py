@@ -1,0 +1,90 @@
+"""A sparse copy is one more model of the workflow: every stage runs on it, gated."""
+
+import json
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import REPO, copy_config, job_counts, snakemake
+
+pytestmark = pytest.mark.slow
+DENSE, SPARSE = "smollm2-135m", "smollm2-135m-sparse"
+
+
+def _dry_run(tmp_path, config: dict):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return snakemake("-n", "--cores", "1", "--configfile", str(path), workdir=tmp_path)
+
+
+def _config():
+    return yaml.safe_load((REPO / "tests/configs/sparse_tiny.yaml").read_text())
+
+
+def test_dry_run_plans_one_post_training_and_treats_the_copy_as_a_model(tmp_path):
+    result = _dry_run(tmp_path, _config())
+    assert result.returncode == 0, result.stdout
+    counts = job_counts(result.stdout)
+    assert counts["prepare_model"] == 1 and counts["sparsify_model"] == 1 and counts["plot_sparsify"] == 1
+    assert counts["generate"] == 2 * 2 and counts["extract_attention"] == 2 * 2
+    assert counts["score_heads"] == 2 and counts["sweep_heads"] == 2
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["models"][SPARSE]["source"]["sparsify"].update(base="nope"),
+     "models.smollm2-135m-sparse.source.sparsify.base is 'nope', which is not a configured model"),
+    (lambda c: c["models"].update({"twice": {"source": {"sparsify": {"base": SPARSE}}}}),
+     "sparse copy of a sparse copy"),
+    (lambda c: c["models"][SPARSE]["source"]["sparsify"].update(corpus={"paths": ["/no/such.txt"]}),
+     "corpus.paths: '/no/such.txt' does not exist"),
+    (lambda c: c["models"][SPARSE]["source"]["sparsify"].update(gate_bias=100),
+     "gate_bias"),
+    (lambda c: c["models"][SPARSE]["source"]["sparsify"].update(constraint={"slack": -1}),
+     "slack"),
+])
+def test_bad_sparsify_settings_fail_before_any_job(tmp_path, edit, message):
+    config = _config()
+    edit(config)
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0
+    assert message in result.stdout, result.stdout[-3000:]
+
+
+@pytest.fixture(scope="module")
+def sparse_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("sparse")
+    config = copy_config("sparse_tiny.yaml", workdir)
+    result = snakemake("--cores", "2", "--configfile", str(config), workdir=workdir, timeout=1800)
+    assert result.returncode == 0, result.stdout[-5000:]
+    return workdir
+
+
+def test_every_stage_runs_on_the_sparse_copy(sparse_run):
+    workdir = sparse_run
+    model = workdir / f"resources/models/{SPARSE}"
+    config = json.loads((model / "config.json").read_text())
+    assert config["attnlab_sparse"]["gate_bias"] == 6.0 and config["attnlab_sparse"]["base"] == DENSE
+    summary = json.loads((workdir / f"results/sparsify/{SPARSE}/summary.json").read_text())
+    assert summary["steps"] == 2 and 0 < summary["heldout_density"] < 1
+    assert not (workdir / f"resources/sparsify/{SPARSE}/checkpoint.pt").exists()
+    for figure in ("training", "density"):
+        assert (workdir / f"results/figures/sparsify/{SPARSE}/{figure}.png").stat().st_size > 10_000
+    for name in (DENSE, SPARSE):
+        for condition in ("none", "mless"):
+            assert (workdir / f"results/grades/{name}/svamp/{condition}.json").is_file()
+        assert (workdir / f"results/tables/mlp/{name}/svamp.csv").is_file()
+        assert (workdir / f"results/pruning/{name}/ioi/sweep.csv").is_file()
+    assert (workdir / "results/figures/pruning/ioi.png").is_file()
+    # Extraction of the copy is gated: it says so, and its received attention differs from the base's.
+    with h5py.File(workdir / f"results/attention/{SPARSE}/svamp/none.h5") as sparse_h5, \
+            h5py.File(workdir / f"results/attention/{DENSE}/svamp/none.h5") as dense_h5:
+        assert json.loads(sparse_h5.attrs["sparse_attention"])["gate_bias"] == 6.0
+        assert json.loads(dense_h5.attrs["sparse_attention"]) is None
+        last = "layer_29"
+        difference = np.nanmax(np.abs(sparse_h5["received"][last][:] - dense_h5["received"][last][:]))
+        assert difference > 1e-3
+    accuracy = pd.read_csv(workdir / "results/tables/accuracy.csv")
+    assert set(accuracy["model"]) == {DENSE, SPARSE}
