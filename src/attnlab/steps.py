@@ -231,7 +231,7 @@ def lambda_summary(paths: dict[str, str], table_path: str, figure_path: str, key
 
 
 def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
-                summary_path: str, threads: int) -> None:
+                summary_path: str, threads: int, batch_size: int | None = None) -> None:
     """Generate the task for this tokenizer, then score every head."""
     import torch
     from scipy.stats import spearmanr
@@ -246,7 +246,8 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     prompts = generate_task(task, tokenizer, settings["n"], settings["seed"])
     io.write_json(dataclasses.asdict(prompts), prompts_path)
     model = load_model(model_dir, pick_device(settings["device"]), torch.float32)
-    patcher = Patcher(model, build_batch(prompts, tokenizer), settings["ablation"], settings["batch_size"])
+    patcher = Patcher(model, build_batch(prompts, tokenizer), settings["ablation"],
+                      _batch_size(settings["batch_size"], batch_size))
     clean, corrupted = patcher.metric(), patcher.corrupted_metric()
     log.info("%s: clean metric %.3f, corrupted %.3f (%d prompts)", task, clean, corrupted, len(prompts.clean))
     started = time.perf_counter()
@@ -270,7 +271,7 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
 
 
 def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
-                sweep_path: str, summary_path: str, threads: int) -> None:
+                sweep_path: str, summary_path: str, threads: int, batch_size: int | None = None) -> None:
     """Keep the top-k heads, ablate the rest, for every k of the grid and every k around
     the first crossing of the threshold (so the heads needed to reach it are exact)."""
     import torch
@@ -284,7 +285,8 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     tokenizer = load_tokenizer(model_dir)
     prompts = TaskPrompts(**io.read_json(prompts_path))
     model = load_model(model_dir, pick_device(settings["device"]), torch.float32)
-    patcher = Patcher(model, build_batch(prompts, tokenizer), settings["ablation"], settings["batch_size"])
+    patcher = Patcher(model, build_batch(prompts, tokenizer), settings["ablation"],
+                      _batch_size(settings["batch_size"], batch_size))
     scores = pd.read_csv(scores_path).sort_values("rank")
     order = list(zip(scores["layer"], scores["head"]))
     started = time.perf_counter()

@@ -7,7 +7,8 @@ from snakemake.utils import validate
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
-from attnlab.plan import comparison_pairs
+from attnlab.plan import (comparison_pairs, has_length_sweep, has_placement_sweep, length_families,
+                          placements)
 from attnlab.sources import (SourceError, check_heads, check_layer, check_model_source,
                              check_sparse_models, prepared_model_shape, sparse_bases)
 
@@ -21,28 +22,13 @@ DATASETS = list(config["datasets"])
 CONDITIONS = list(config["conditions"])
 EXT = config["plots"]["format"]
 
-def _family(spec):
-    """What a condition inserts, regardless of length and placement; None when nothing."""
-    if spec["kind"] == "none" or spec.get("length", 0) == 0:
-        return None
-    return f"repeat '{spec['unit']}'" if spec["kind"] == "repeat" else f"text: {spec.get('text', 'default')[:24]}"
-
-
-def _plain(spec):
-    """Nothing inserted and no ARM: the reference every sweep starts from."""
-    return _family(spec) is None and not spec["arm"]
-
-
 # Length sweep: conditions at the default placement without ARM; the plain ones are length 0.
-FAMILIES = {name: _family(spec) for name, spec in config["conditions"].items()
-            if spec["placement"] == "between" and not spec["arm"] or _plain(spec)}
-LENGTH_SWEEP = any(list(FAMILIES.values()).count(f) > 1 for f in set(FAMILIES.values()) - {None})
+FAMILIES = length_families(config["conditions"])
+LENGTH_SWEEP = has_length_sweep(FAMILIES)
 # Placement sweep: any insertion away from the default placement, compared with the
 # same kind at the default placement and with the plain prompt.
-PLACEMENTS = {name: {"family": _family(spec), "length": spec.get("length", 0),
-                     "placement": spec["placement"] if _family(spec) else "none"}
-              for name, spec in config["conditions"].items() if not spec["arm"]}
-PLACEMENT_SWEEP = any(p["placement"] not in ("between", "none") for p in PLACEMENTS.values())
+PLACEMENTS = placements(config["conditions"])
+PLACEMENT_SWEEP = has_placement_sweep(PLACEMENTS)
 
 ATTENTION = config["attention"]
 ATTENTION_DATASETS = (ATTENTION["datasets"] or DATASETS) if ATTENTION["enabled"] else []
@@ -208,11 +194,21 @@ def attention_files(wildcards):
                   model=wildcards.model, dataset=wildcards.dataset, condition=CONDITIONS)
 
 
-def pruning_settings(wildcards):
-    """The pruning settings one model x task uses (not the plot's)."""
-    keys = ("seed", "ablation", "ranking", "exact", "batch_size", "device", "all_k_up_to",
-            "log_points", "threshold")
+def scoring_settings(wildcards):
+    """What score_heads reads: the task, the ablation and the ranking (not the sweep's grid)."""
+    keys = ("seed", "ablation", "ranking", "exact", "batch_size", "device")
     return {**{key: PRUNING[key] for key in keys}, **PRUNING["tasks"][wildcards.task]}
+
+
+def sweep_settings(wildcards):
+    """What sweep_heads reads: the grid, and the threshold it refines the grid around."""
+    keys = ("seed", "ablation", "ranking", "batch_size", "device", "all_k_up_to", "log_points",
+            "threshold")
+    return {key: PRUNING[key] for key in keys}
+
+
+def pruning_batch(wildcards, attempt):
+    return _halved(PRUNING["batch_size"], attempt)
 
 
 def pruning_sweeps(wildcards):

@@ -7,7 +7,7 @@ rule score_heads:
         scores="results/pruning/{model}/{task}/scores.csv",
         summary="results/pruning/{model}/{task}/scores.json",
     params:
-        settings=pruning_settings,
+        settings=scoring_settings,
     threads: 8
     log:
         "results/logs/score_heads/{model}/{task}.log",
@@ -17,6 +17,7 @@ rule score_heads:
         gpu=1,
         mem_mb=lambda wildcards, attempt: 16000 * attempt,
         runtime=lambda wildcards, attempt: 60 * attempt,
+        batch_size=pruning_batch,
     conda:
         "../../envs/attnlab.yaml"
     script:
@@ -33,7 +34,7 @@ rule sweep_heads:
         sweep="results/pruning/{model}/{task}/sweep.csv",
         summary="results/pruning/{model}/{task}/sweep.json",
     params:
-        settings=pruning_settings,
+        settings=sweep_settings,
     threads: 8
     log:
         "results/logs/sweep_heads/{model}/{task}.log",
@@ -43,6 +44,7 @@ rule sweep_heads:
         gpu=1,
         mem_mb=lambda wildcards, attempt: 16000 * attempt,
         runtime=lambda wildcards, attempt: 60 * attempt,
+        batch_size=pruning_batch,
     conda:
         "../../envs/attnlab.yaml"
     script:
