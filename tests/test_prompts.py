@@ -127,3 +127,20 @@ def test_chat_format_needs_a_template(smollm2_tokenizer):
             build_prompt(tok, "chat", RAW, SYSTEM, "", "q")
     finally:
         tok.chat_template = saved
+
+
+def test_chat_templates_that_print_the_date_get_a_fixed_one():
+    """Llama-3.1's template prints today's date unless date_string is passed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from attnlab.prompts import TEMPLATE_DATE, format_prompt
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.chat_template = (
+        "{% if date_string is not defined %}{% set date_string = strftime_now('%d %b %Y') %}{% endif %}"
+        "Today Date: {{ date_string }}\n{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    text = format_prompt(tokenizer, "chat", "", "system", "question")
+    assert text.startswith(f"Today Date: {TEMPLATE_DATE}\n")

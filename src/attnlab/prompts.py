@@ -72,6 +72,9 @@ def insertion_text(tokenizer, condition: dict) -> str:
     raise PromptError(f"unknown condition kind {kind!r}")
 
 
+TEMPLATE_DATE = "26 Jul 2024"  # Llama-3.1's own default when no date is passed
+
+
 def format_prompt(tokenizer, prompt_format: str, raw_template: str, system: str, user: str) -> str:
     """The full prompt text in the model's chat template or the raw template."""
     if prompt_format == "chat":
@@ -81,7 +84,10 @@ def format_prompt(tokenizer, prompt_format: str, raw_template: str, system: str,
                 "set prompt_format: raw for this model (base models have none)"
             )
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # Templates that print today's date (Llama-3.1) read date_string: fix it, so a
+        # prompt does not depend on the day it was built.
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             date_string=TEMPLATE_DATE)
     return raw_template.format(system=system, user=user)
 
 
@@ -206,7 +212,8 @@ def make_prompts(tokenizer, questions: pd.DataFrame, condition_name: str, condit
                "prompt": built.text, "input_ids": built.input_ids,
                "n_prompt_tokens": len(built.input_ids), "inserted_text": inserted,
                "inserted_chars": len(inserted), "placement": placement if inserted else "none",
-               "arm": bool(condition.get("arm", False)), "span_exact": built.span_exact}
+               "arm": bool(condition.get("arm", False)), "span_exact": built.span_exact,
+               "template_date": TEMPLATE_DATE if prompt_format == "chat" else ""}
         for name, (start, end) in built.spans.items():
             row[f"{name}_start"], row[f"{name}_end"] = start, end
         row["inserted_tokens"] = row["inserted_end"] - row["inserted_start"]
