@@ -98,3 +98,14 @@ def test_matches_eager_maps_on_smollm2(smollm2_dir, smollm2_tokenizer):
     prompts = pd.DataFrame({"id": ["a", "b"], "input_ids": ids, "n_prompt_tokens": [len(i) for i in ids],
                             "inserted_start": [4, 1], "inserted_end": [10, 4]})
     _check(model, prompts, batch_size=2)
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_many_query_blocks_match_eager_maps(arch, monkeypatch):
+    """The smallest block (16 query rows) splits these prompts into up to three blocks."""
+    from attnlab import attention
+
+    monkeypatch.setitem(attention.BLOCK_BYTES, "cpu", 1)
+    model = TINY[arch]()
+    prompts = _prompts([40, 9, 33], inserted=(5, 12), vocab=101)
+    _check(model, prompts, batch_size=2, map_layers=[0])

@@ -185,9 +185,13 @@ def test_post_training_writes_every_output(trained):
     assert config[sparse.CONFIG_KEY]["gate_bias"] == 1.0
 
 
-def test_reloaded_sparse_model_matches_memory_and_its_extraction_matches_its_gated_maps(trained, tiny_base):
+def test_reloaded_sparse_model_matches_memory_and_its_extraction_matches_its_gated_maps(
+        trained, tiny_base, monkeypatch):
     """The project's loader selects the gates; received attention equals the gated maps' column means."""
+    from attnlab import attention
     from attnlab.models import load_model
+
+    monkeypatch.setitem(attention.BLOCK_BYTES, "cpu", 1)  # several query blocks per prompt
 
     folder, _ = trained
     model = load_model(folder / "model", torch.device("cpu"), torch.float32)
@@ -200,7 +204,7 @@ def test_reloaded_sparse_model_matches_memory_and_its_extraction_matches_its_gat
         sparse.make_sparse(plain, 1.0)
         assert torch.allclose(model(ids).logits, plain(ids).logits, atol=1e-5)
 
-    prompts = _prompts([10, 7], (2, 4), 49152)
+    prompts = _prompts([40, 23], (2, 4), 49152)
     got = extract(model, prompts, batch_size=2, map_layers=[])
     assert got.sparse["gate_bias"] == 1.0
     # The independent computation from full maps; output_attentions returns the gated weights,

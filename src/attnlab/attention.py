@@ -63,7 +63,9 @@ def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
         batch, kv_heads * groups, length, dim)
 
 
-BLOCK_BYTES = 4 * 2**20  # score block size: small enough to stay in cache on CPUs
+# Score block size: small enough to stay in cache on CPUs; on GPUs large, so that a long
+# prompt is a few big launches rather than many tiny ones.
+BLOCK_BYTES = {"cpu": 4 * 2**20, "cuda": 256 * 2**20}
 
 
 def reducing_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -88,8 +90,10 @@ def reducing_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     key = _repeat_kv(key, module.num_key_value_groups)
     value = _repeat_kv(value, module.num_key_value_groups)
     batch, heads, length, _ = query.shape
-    stats = None if _active is None else _LayerStats(_active, module.layer_idx, batch, heads, length, query.device)
-    rows_per_block = max(16, BLOCK_BYTES // (4 * batch * heads * length))
+    stats = None if _active is None else _LayerStats(_active, module.layer_idx, batch, heads, length,
+                                                     query.device, gated=bias is not None)
+    block_bytes = BLOCK_BYTES.get(query.device.type, BLOCK_BYTES["cpu"])
+    rows_per_block = max(16, block_bytes // (4 * batch * heads * length))
     output = torch.empty_like(query)
     for q0 in range(0, length, rows_per_block):
         q1 = min(q0 + rows_per_block, length)
@@ -114,8 +118,9 @@ def reducing_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
 class _LayerStats:
     """One layer's reductions, accumulated block by block with two small matmuls each."""
 
-    def __init__(self, into: BatchReduction, layer: int, batch: int, heads: int, length: int, device):
-        self.into, self.layer = into, layer
+    def __init__(self, into: BatchReduction, layer: int, batch: int, heads: int, length: int, device,
+                 gated: bool = False):
+        self.into, self.layer, self.gated = into, layer, gated
         self.real_rows = into.real_tokens[:, None, None, :].float()
         self.inserted = into.inserted_keys[:, None, :, None].float()
         self.column_sums = torch.zeros(batch, heads, length, device=device)
@@ -130,9 +135,10 @@ class _LayerStats:
         # the diagonal plus everything strictly below it. Padding rows are left out.
         self.column_sums[..., :q1] += torch.matmul(self.real_rows[..., q0:q1], weights)[:, :, 0]
         self.diagonal[..., q0:q1] = weights.diagonal(offset=q0, dim1=-2, dim2=-1)
-        # Mass on the original keys: 1 − inserted mass for a dense model; a sparse
-        # model's gated rows need not sum to 1, so take the row sum.
-        self.lam[..., q0:q1] = weights.sum(-1) - torch.matmul(weights, self.inserted[:, :, :q1])[..., 0]
+        # Mass on the original keys: 1 − inserted mass for a dense model (exactly 1 with
+        # nothing inserted); a sparse model's gated rows need not sum to 1: take the row sum.
+        total = weights.sum(-1) if self.gated else 1.0
+        self.lam[..., q0:q1] = total - torch.matmul(weights, self.inserted[:, :, :q1])[..., 0]
         if self.map is not None:
             self.map[:, :, q0:q1, :q1] = weights
 
