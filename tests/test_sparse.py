@@ -112,6 +112,25 @@ def test_generation_with_a_kv_cache_matches_the_full_forward():
     assert torch.equal(generated[0, 8:], full)
 
 
+def test_gradient_checkpointing_replays_the_sampled_gates():
+    """A layer recomputed in the backward pass must see the forward pass's gate draws."""
+    ids = torch.randint(3, 101, (2, 10), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for checkpointing in (False, True):
+        model = TINY["llama-gqa"]().train()
+        sparse.make_sparse(model, 0.5)  # σ(0.5) ≈ 0.62: many sampled gates are closed
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        tracker = sparse.GateTracker(training=True, generator=torch.Generator().manual_seed(3))
+        with sparse.tracking(tracker):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss + tracker.expected_density()
+            loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6), name
+
+
 # ---------------------------------------------------------------- post-training on a tiny model
 
 

@@ -69,6 +69,9 @@ class GateTracker:
 
     training: bool = False
     generator: torch.Generator | None = None
+    # Generator state before each layer's draw: a recomputation of the layer (gradient
+    # checkpointing, in the backward pass) replays exactly the gates of the forward pass.
+    noise_states: dict[int, torch.Tensor] = field(default_factory=dict)
     expected_sum: list[torch.Tensor] = field(default_factory=list)  # per layer call, scalar
     sampled_open: float = 0.0
     edges: float = 0.0
@@ -86,8 +89,6 @@ class GateTracker:
         return {layer: self.open_per_head[layer] / self.edges_per_head[layer]
                 for layer in sorted(self.open_per_head)}
 
-    def reset(self) -> None:
-        self.expected_sum, self.sampled_open, self.edges = [], 0.0, 0.0
 
 
 _tracker: GateTracker | None = None
@@ -137,12 +138,7 @@ def gated_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     tracker = _tracker
     if tracker is not None and tracker.training:
-        gate, expected = stochastic_gate(logits, bias, tracker.generator)
-        allowed = allowed_edges(attention_mask, query.shape[-2], key.shape[-2], query.device)
-        allowed = allowed.expand_as(gate)
-        tracker.expected_sum.append((expected * allowed).sum())
-        tracker.sampled_open += float((gate.detach() * allowed).sum())
-        tracker.edges += float(allowed.sum())
+        gate = _training_gate(tracker, module.layer_idx, logits, bias, attention_mask, query)
     else:
         gate = deterministic_gate(logits, bias)
         if tracker is not None:
@@ -150,6 +146,32 @@ def gated_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     weights = weights * gate
     output = torch.matmul(weights, value)
     return output.transpose(1, 2).contiguous(), weights
+
+
+def _training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias: float,
+                   attention_mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """Sampled gates; the first pass of a layer records the penalty, a recomputation of the
+    layer (gradient checkpointing) replays the same draw and the same graph without recording."""
+    generator = tracker.generator
+    if generator is None:
+        raise RuntimeError("a training GateTracker needs a torch.Generator for the gate noise")
+    recomputing = layer in tracker.noise_states
+    if recomputing:
+        current = generator.get_state()
+        generator.set_state(tracker.noise_states[layer])
+    else:
+        tracker.noise_states[layer] = generator.get_state()
+    gate, expected = stochastic_gate(logits, bias, generator)
+    allowed = allowed_edges(attention_mask, query.shape[-2], logits.shape[-1], query.device)
+    allowed = allowed.expand_as(gate)
+    expected_sum = (expected * allowed).sum()
+    if recomputing:
+        generator.set_state(current)
+    else:
+        tracker.expected_sum.append(expected_sum)
+        tracker.sampled_open += float((gate.detach() * allowed).sum())
+        tracker.edges += float(allowed.sum())
+    return gate
 
 
 def _count_open_edges(tracker: GateTracker, layer: int, gate: torch.Tensor,

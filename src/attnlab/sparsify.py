@@ -253,8 +253,13 @@ class Trainer:
         if self.control is not None:
             target = self._control_step(ids, state.step)
         tracker = sparse.GateTracker(training=True, generator=self.generator)
-        with sparse.tracking(tracker), _autocast(self.device, settings["dtype"]):
-            logits = self.student(input_ids=ids, use_cache=False).logits
+        with sparse.tracking(tracker):  # also around backward: checkpointed layers replay their gates
+            with _autocast(self.device, settings["dtype"]):
+                logits = self.student(input_ids=ids, use_cache=False).logits
+            return self._update(logits, ids, reference, target, tracker, state)
+
+    def _update(self, logits, ids, reference, target, tracker, state) -> dict:
+        settings = self.settings
         ce, kl = _loss_terms(logits, ids, reference)
         density = tracker.expected_density()
         if target is None:
