@@ -191,7 +191,8 @@ class TrainState:
 
 def fingerprint(settings: dict) -> str:
     """What must match for a checkpoint to be resumed (everything that shapes training)."""
-    keep = {k: v for k, v in settings.items() if k not in ("device", "checkpoint_every", "eval_every")}
+    keep = {k: v for k, v in settings.items()
+            if k not in ("device", "checkpoint_every", "eval_every", "log_every")}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -211,28 +212,37 @@ class Trainer:
 
         self.settings, self.device = settings, device
         torch.manual_seed(settings["seed"])
-        self.dense = load_model(base_dir, device, torch.float32).requires_grad_(False)
+        # Frozen weights (the KL reference; the base under LoRA) in bfloat16 on GPUs: a 7B
+        # model then fits twice; weights that train stay float32.
+        frozen = torch.bfloat16 if device.type == "cuda" else torch.float32
+        lora = settings["train"] == "lora"
+        self.dense = load_model(base_dir, device, frozen).requires_grad_(False)
         if sparse.is_sparse(self.dense):
             raise SparsifyError(f"base model {base_dir} is itself sparse: sparsify a dense model")
-        student = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(device)
+        student = AutoModelForCausalLM.from_pretrained(
+            base_dir, dtype=frozen if lora else torch.float32).to(device)
         sparse.make_sparse(student, settings["gate_bias"], base=settings["base"])
         if settings["gradient_checkpointing"]:
             student.gradient_checkpointing_enable()
             student.config.use_cache = False
-        if settings["train"] == "lora":
-            student.requires_grad_(False)
-            student = with_lora(student, settings["lora"])
-        else:
-            trainable_parameters(student, settings["train"])
-        self.student = student.train()
+        self.student = self._trainable(student).train()
         self.optimizer = self._optimizer(self.student)
         self.control = self.control_optimizer = None
         if settings["constraint"]["type"] == "ce_control":
-            control = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(device)
-            trainable_parameters(control, "all" if settings["train"] == "lora" else settings["train"])
-            self.control = control.train()
-            self.control_optimizer = self._optimizer(control)
+            # The dense control trains the same weights (or adapters) on the same batches.
+            control = AutoModelForCausalLM.from_pretrained(
+                base_dir, dtype=frozen if lora else torch.float32).to(device)
+            self.control = self._trainable(control).train()
+            self.control_optimizer = self._optimizer(self.control)
         self.generator = torch.Generator(device=device).manual_seed(settings["seed"])
+
+    def _trainable(self, model):
+        """The model with only the configured weights trainable (LoRA: wrapped with adapters)."""
+        if self.settings["train"] == "lora":
+            model.requires_grad_(False)
+            return with_lora(model, self.settings["lora"])
+        trainable_parameters(model, self.settings["train"])
+        return model
 
     def _optimizer(self, model):
         parameters = [p for p in model.parameters() if p.requires_grad]

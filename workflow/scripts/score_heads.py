@@ -12,4 +12,5 @@ steps.score_heads(
     scores_path=snakemake.output.scores,
     summary_path=snakemake.output.summary,
     threads=snakemake.threads,
+    batch_size=snakemake.resources.batch_size,
 )

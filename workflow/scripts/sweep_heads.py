@@ -13,4 +13,5 @@ steps.sweep_heads(
     sweep_path=snakemake.output.sweep,
     summary_path=snakemake.output.summary,
     threads=snakemake.threads,
+    batch_size=snakemake.resources.batch_size,
 )
