@@ -54,6 +54,15 @@ def snakemake(*args, workdir: Path, timeout: int = 900,
                           timeout=timeout)
 
 
+def dry_run(tmp_path: Path, config: dict) -> subprocess.CompletedProcess:
+    """A dry run of ``config`` (a dict) from ``tmp_path``."""
+    import yaml
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return snakemake("-n", "--cores", "1", "--configfile", str(path), workdir=tmp_path)
+
+
 def job_counts(output: str) -> dict[str, int]:
     """The "Job stats" table of a Snakemake run or dry run."""
     lines = output.split("Job stats:", 1)[1].splitlines()[3:]

@@ -4,13 +4,7 @@ import time
 
 import yaml
 
-from conftest import REPO, job_counts, snakemake
-
-
-def _dry_run(tmp_path, config: dict):
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return snakemake("-n", "--cores", "1", "--configfile", str(path), workdir=tmp_path)
+from conftest import REPO, dry_run as _dry_run, job_counts, snakemake
 
 
 def _tiny():

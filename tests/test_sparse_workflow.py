@@ -8,16 +8,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import REPO, copy_config, job_counts, snakemake
+from conftest import REPO, copy_config, dry_run as _dry_run, job_counts, snakemake
 
 pytestmark = pytest.mark.slow
 DENSE, SPARSE = "smollm2-135m", "smollm2-135m-sparse"
-
-
-def _dry_run(tmp_path, config: dict):
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return snakemake("-n", "--cores", "1", "--configfile", str(path), workdir=tmp_path)
 
 
 def _config():
