@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.llama.modeling_llama import repeat_kv
 
 from attnlab.sparse import deterministic_gate, gate_bias
 
@@ -55,14 +56,6 @@ class BatchReduction:
 _active: BatchReduction | None = None
 
 
-def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return states
-    batch, kv_heads, length, dim = states.shape
-    return states[:, :, None].expand(batch, kv_heads, groups, length, dim).reshape(
-        batch, kv_heads * groups, length, dim)
-
-
 # Score block size: small enough to stay in cache on CPUs; on GPUs large, so that a long
 # prompt is a few big launches rather than many tiny ones.
 BLOCK_BYTES = {"cpu": 4 * 2**20, "cuda": 256 * 2**20}
@@ -87,8 +80,8 @@ def reducing_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     bias = gate_bias(module)
     if scaling is None:
         scaling = module.head_dim ** -0.5
-    key = _repeat_kv(key, module.num_key_value_groups)
-    value = _repeat_kv(value, module.num_key_value_groups)
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
     batch, heads, length, _ = query.shape
     stats = None if _active is None else _LayerStats(_active, module.layer_idx, batch, heads, length,
                                                      query.device, gated=bias is not None)

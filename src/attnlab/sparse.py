@@ -90,7 +90,6 @@ class GateTracker:
                 for layer in sorted(self.open_per_head)}
 
 
-
 _tracker: GateTracker | None = None
 
 
@@ -131,25 +130,28 @@ def gated_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     logits = torch.matmul(query, key.transpose(2, 3)) * scaling
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    scores = logits if attention_mask is None else logits + attention_mask[..., :key.shape[-2]]
-    if attention_mask is None:  # no mask given: causal
-        allowed = allowed_edges(None, query.shape[-2], key.shape[-2], query.device)
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     tracker = _tracker
+    allowed = None  # [batch or 1, 1, q, k] bool, computed only where it is needed
+    if attention_mask is None or tracker is not None:
+        allowed = allowed_edges(attention_mask, query.shape[-2], key.shape[-2], query.device)
+    if attention_mask is None:  # no mask given: causal
+        scores = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+    else:
+        scores = logits + attention_mask[..., :key.shape[-2]]
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     if tracker is not None and tracker.training:
-        gate = _training_gate(tracker, module.layer_idx, logits, bias, attention_mask, query)
+        gate = _training_gate(tracker, module.layer_idx, logits, bias, allowed)
     else:
         gate = deterministic_gate(logits, bias)
         if tracker is not None:
-            _count_open_edges(tracker, module.layer_idx, gate, attention_mask, query)
+            _count_open_edges(tracker, module.layer_idx, gate, allowed)
     weights = weights * gate
     output = torch.matmul(weights, value)
     return output.transpose(1, 2).contiguous(), weights
 
 
 def _training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias: float,
-                   attention_mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+                   allowed: torch.Tensor) -> torch.Tensor:
     """Sampled gates; the first pass of a layer records the penalty, a recomputation of the
     layer (gradient checkpointing) replays the same draw and the same graph without recording."""
     generator = tracker.generator
@@ -162,7 +164,6 @@ def _training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias:
     else:
         tracker.noise_states[layer] = generator.get_state()
     gate, expected = stochastic_gate(logits, bias, generator)
-    allowed = allowed_edges(attention_mask, query.shape[-2], logits.shape[-1], query.device)
     allowed = allowed.expand_as(gate)
     expected_sum = (expected * allowed).sum()
     if recomputing:
@@ -174,17 +175,11 @@ def _training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias:
     return gate
 
 
-def _count_open_edges(tracker: GateTracker, layer: int, gate: torch.Tensor,
-                      attention_mask: torch.Tensor | None, query: torch.Tensor) -> None:
-    allowed = allowed_edges(attention_mask, query.shape[-2], gate.shape[-1], query.device)
-    allowed = allowed.expand_as(gate)
-    add_counts(tracker, layer, (gate * allowed).sum(dim=(0, 2, 3)), allowed.sum(dim=(0, 2, 3)))
-
-
-def add_counts(tracker: GateTracker, layer: int, open_edges: torch.Tensor,
-               edges: torch.Tensor) -> None:
+def _count_open_edges(tracker: GateTracker, layer: int, gate: torch.Tensor, allowed: torch.Tensor) -> None:
     """Add one call's open and allowed edge counts per head of ``layer``."""
-    open_edges, edges = open_edges.double().cpu(), edges.double().cpu()
+    allowed = allowed.expand_as(gate)
+    open_edges = (gate * allowed).sum(dim=(0, 2, 3)).double().cpu()
+    edges = allowed.sum(dim=(0, 2, 3)).double().cpu()
     if layer in tracker.open_per_head:
         tracker.open_per_head[layer] += open_edges
         tracker.edges_per_head[layer] += edges

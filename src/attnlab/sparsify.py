@@ -320,7 +320,10 @@ class Trainer:
         """Held-out CE of both models, KL, and density at inference (deterministic gates)."""
         self.student.eval()
         tracker = sparse.GateTracker()
-        totals = {"ce_sparse": 0.0, "ce_dense": 0.0, "kl": 0.0, "ce_control": 0.0}
+        totals = {"ce_sparse": 0.0, "ce_dense": 0.0, "kl": 0.0}
+        if self.control is not None:
+            totals["ce_control"] = 0.0
+            self.control.eval()
         batch = self.settings["batch_size"]
         chunks = range(0, len(heldout), batch)
         for start in chunks:
@@ -336,14 +339,12 @@ class Trainer:
             totals["kl"] += float(kl) * weight
             totals["ce_dense"] += float(ce_dense) * weight
             if self.control is not None:
-                self.control.eval()
                 with _autocast(self.device, self.settings["dtype"]):
                     control_ce, _ = _loss_terms(self.control(input_ids=ids, use_cache=False).logits, ids, None)
                 totals["ce_control"] += float(control_ce) * weight
-                self.control.train()
         self.student.train()
-        if self.control is None:
-            del totals["ce_control"]
+        if self.control is not None:
+            self.control.train()
         per_head = density_table(tracker)
         opened = sum(float(v.sum()) for v in tracker.open_per_head.values())
         edges = sum(float(v.sum()) for v in tracker.edges_per_head.values())
@@ -354,8 +355,7 @@ class Trainer:
     def save_checkpoint(self, path: Path, state: TrainState, fingerprint_: str) -> None:
         trainable = {n: p.detach().cpu() for n, p in self.student.named_parameters() if p.requires_grad}
         payload = {"fingerprint": fingerprint_, "state": state.__dict__, "student": trainable,
-                   "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
-                   "torch_rng": torch.get_rng_state()}
+                   "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state()}
         if self.control is not None:
             payload["control"] = {n: p.detach().cpu() for n, p in self.control.named_parameters()
                                   if p.requires_grad}
@@ -373,7 +373,6 @@ class Trainer:
         _load_parameters(self.student, payload["student"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.generator.set_state(payload["generator"])
-        torch.set_rng_state(payload["torch_rng"])
         if self.control is not None:
             _load_parameters(self.control, payload["control"])
             self.control_optimizer.load_state_dict(payload["control_optimizer"])
@@ -441,6 +440,7 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
         log.info("resuming from %s at step %d", checkpoint, state.step)
     order = np.random.default_rng(settings["seed"] + 1).permutation(len(corpus.train))
     clock = time.perf_counter()
+    final = per_head = None  # the held-out evaluation at the last step
     while state.step < steps:
         rows = [order[(state.position + i) % len(order)] for i in range(settings["batch_size"])]
         row = trainer.step(corpus.train[rows], state)
@@ -453,9 +453,9 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
             log.info("step %d: %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in row.items()
                                                               if k not in ("step",)))
         if state.step % settings["eval_every"] == 0 or state.step == steps:
-            evaluation, _ = trainer.evaluate(corpus.heldout)
-            state.evals.append({"step": state.step, "tokens": row["tokens"], **evaluation})
-            log.info("held-out at step %d: %s", state.step, _describe(evaluation))
+            final, per_head = trainer.evaluate(corpus.heldout)
+            state.evals.append({"step": state.step, "tokens": row["tokens"], **final})
+            log.info("held-out at step %d: %s", state.step, _describe(final))
         if state.step % settings["checkpoint_every"] == 0 or state.step == steps:
             state.elapsed_s += time.perf_counter() - clock
             clock = time.perf_counter()
@@ -463,7 +463,8 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
         if on_step:
             on_step(state.step)
     state.elapsed_s += time.perf_counter() - clock
-    final, per_head = trainer.evaluate(corpus.heldout)
+    if final is None:  # resumed after the last step: its evaluation was not kept
+        final, per_head = trainer.evaluate(corpus.heldout)
     summary = _summary(settings, state, final, corpus, device, time.perf_counter() - started)
     io.write_csv(pd.DataFrame(state.steps), outputs.steps)
     io.write_csv(pd.DataFrame(state.evals), outputs.evals)
@@ -487,7 +488,7 @@ def _stop_on_nan(row: dict, state: TrainState, checkpoint: Path) -> None:
             else "no checkpoint was written yet")
     raise SparsifyError(
         f"the loss became NaN/inf at step {row['step']} ({row}); last finite step: {last or 'none'}; "
-        f"{kept}, no model was written. Lower lr or multiplier.lr, or raise grad_clip's strictness")
+        f"{kept}, no model was written. Lower lr, multiplier.lr or grad_clip")
 
 
 def _summary(settings, state, final, corpus, device, wall) -> dict:
