@@ -103,9 +103,9 @@ def test_greater_than_metric_matches_brute_force(kind):
     model = LlamaForCausalLM(config).eval()
     # Raise the logits of number tokens (unequally) so that p(YY) is far from negligible.
     vocab = tokenizer.get_vocab()
-    numbers = torch.tensor([i for token, i in vocab.items() if token.isdigit() and len(token) <= 2])
+    numbers = torch.tensor(sorted(i for token, i in vocab.items() if token.isdigit() and len(token) <= 2))  # get_vocab's order varies by run
     boost = torch.zeros(len(tokenizer))
-    boost[numbers] = 3 + 4 * torch.rand(len(numbers), generator=torch.Generator().manual_seed(1))
+    boost[numbers] = 3 + 4 * torch.rand(len(numbers), generator=torch.Generator().manual_seed(6))
     model.lm_head.register_forward_hook(lambda module, args, out: out + boost)
     prompts = generate_task("greater_than", tokenizer, 3, seed=2)
     assert prompts.info["formulation"] == {"gpt2": "two_digit", "digits": "digits"}[kind]
