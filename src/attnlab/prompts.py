@@ -3,8 +3,9 @@
 A prompt is a system prompt, an inserted text and a question. The insertion
 goes, by the condition's ``placement``: between the system prompt and the
 question (``between``, the paper's best position and the default), at the
-start of the system prompt (``system_start``), after a seeded random word of
-the question (``question_random``) or after the question (``end``). Its length
+start of the system prompt (``system_start``), at a seeded random word boundary
+of the question outside any formula (``question_random``) or after the
+question (``end``). Its length
 is counted in tokens under each model's own tokenizer. For every prompt we
 record the half-open token span ``[start, end)`` of each region, and of
 ``cut`` (the insertion with its separator), so that attention plots can align
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from dataclasses import dataclass
 
 import pandas as pd
@@ -124,10 +126,46 @@ def compose(system: str, inserted: str, question: str, placement: str = "between
     raise PromptError(f"unknown placement {placement!r}; expected one of {PLACEMENTS}")
 
 
-def random_position(question: str, item_id: str, seed: int) -> int:
-    """A word boundary inside the question (after 1..all words), fixed per item and seed."""
+# A word that is part of a formula: it holds a digit or is only operator characters.
+_FORMULA_WORD = re.compile(r"\d|^[-+*/×÷=<>^%()]+$")
+# TeX math delimiters: an escaped dollar is text; $$ opens or closes display math as one.
+_MATH_DELIMITER = re.compile(r"\\\$|\$\$|\$|\\[()\[\]]")
+
+
+def _inside_math(text: str) -> bool:
+    """Whether the end of ``text`` lies inside a $...$, $$...$$, \\(...\\) or \\[...\\] span."""
+    open_ = None
+    for match in _MATH_DELIMITER.finditer(text):
+        token = match.group()
+        if token == "\\$":
+            continue
+        if open_ is None and token in ("$", "$$", "\\(", "\\["):
+            open_ = token
+        elif open_ is not None and token == {"$": "$", "$$": "$$", "\\(": "\\)", "\\[": "\\]"}[open_]:
+            open_ = None
+    return open_ is not None
+
+
+def insertion_boundaries(question: str) -> list[int]:
+    """Word boundaries (after 1..all words) where an insertion cannot change a formula: not
+    inside TeX math and not between two formula words ("7 + 5": a "/" there reads as division)."""
     words = question.split(" ")
-    return random.Random(f"{seed}:{item_id}").randint(1, len(words))
+    allowed = []
+    for after in range(1, len(words) + 1):
+        if after < len(words) and _FORMULA_WORD.search(words[after - 1]) and _FORMULA_WORD.search(words[after]):
+            continue
+        if _inside_math(" ".join(words[:after])):
+            continue
+        allowed.append(after)
+    # An unclosed "$" (a currency sign read as TeX) can rule out every boundary but the end,
+    # which splits no formula: fewer boundaries, never one inside a formula.
+    return allowed or [len(words)]
+
+
+def random_position(question: str, item_id: str, seed: int) -> int:
+    """A word boundary of the question outside math (see insertion_boundaries), fixed per item
+    and seed."""
+    return random.Random(f"{seed}:{item_id}").choice(insertion_boundaries(question))
 
 
 def char_ranges(text: str, pieces: list[tuple[str, str]]) -> dict[str, tuple[int, int]]:
