@@ -19,3 +19,94 @@ def test_length_sweep_and_accuracy_figures_are_written(tmp_path):
     assert (tmp_path / "sweep.png").stat().st_size > 5_000
     assert (tmp_path / "bars.png").stat().st_size > 5_000
     assert not list(tmp_path.glob(".*tmp-*"))
+
+
+# ---- attention figures: shading from every prompt's spans ----
+
+
+def _attention_file(path, prompts, n_layers=2, n_heads=3, seed=0):
+    """An attention HDF5 in the extraction's format, with random received values."""
+    import numpy as np
+
+    from attnlab.extraction import Extraction, write_attention
+
+    rng = np.random.default_rng(seed)
+    width = int(prompts["n_prompt_tokens"].max())
+    received = [rng.random((n_heads, len(prompts), width), dtype=np.float32) for _ in range(n_layers)]
+    write_attention(path, Extraction(received, [np.ones_like(r) for r in received], {}), prompts,
+                    {"model": "tiny", "condition": path.stem})
+    return path
+
+
+def _varying_prompts(inserted: list[tuple[int, int]], length: int = 30):
+    """Prompts whose inserted run sits at a different place in each (as question_random does)."""
+    rows = []
+    for i, (start, end) in enumerate(inserted):
+        rows.append({"id": f"p{i}", "input_ids": list(range(3, 3 + length)), "n_prompt_tokens": length,
+                     "system_start": 0, "system_end": 5, "inserted_start": start, "inserted_end": end,
+                     "question_start": 5, "question_end": length, "cut_start": start, "cut_end": end})
+    return pd.DataFrame(rows)
+
+
+def _shaded(ax) -> list[tuple[float, float, float]]:
+    """(start, end, alpha) of the vertical spans on an axes."""
+    return sorted((p.get_x(), p.get_x() + p.get_width(), p.get_alpha()) for p in ax.patches)
+
+
+def test_inserted_shading_comes_from_every_prompt(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from attnlab.attention_analysis import inserted_share, read_head
+    from attnlab.plots import _shade_inserted
+
+    path = _attention_file(tmp_path / "mless_inside.h5", _varying_prompts([(8, 12), (10, 14), (20, 24)]))
+    head = read_head(path, layer=1, head=2)
+    share = inserted_share(head["spans"], 30)
+    assert share[10:12].tolist() == [2 / 3, 2 / 3] and share[20:24].tolist() == [1 / 3] * 4
+    assert share[:8].sum() == share[14:20].sum() == 0
+    fig, ax = plt.subplots()
+    _shade_inserted(ax, {"mless_inside": head})
+    # no position is inserted in all three prompts: light shading only, over each prompt's run
+    assert _shaded(ax) == [(7.5, 13.5, 0.07), (19.5, 23.5, 0.07)]
+    plt.close(fig)
+
+
+def test_shared_inserted_run_is_shaded_dark(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from attnlab.attention_analysis import read_head
+    from attnlab.plots import _shade_inserted
+
+    path = _attention_file(tmp_path / "mless.h5", _varying_prompts([(5, 10), (5, 12), (5, 10)]))
+    fig, ax = plt.subplots()
+    _shade_inserted(ax, {"mless": read_head(path, layer=0, head=0)})
+    assert _shaded(ax) == [(4.5, 9.5, 0.2), (9.5, 11.5, 0.07)]
+    plt.close(fig)
+
+
+def test_question_random_prompts_shade_each_insertion(smollm2_tokenizer, tmp_path):
+    """Real question_random prompts: every prompt's inserted tokens lie in a shaded span."""
+    import matplotlib.pyplot as plt
+
+    from attnlab.attention_analysis import inserted_share, read_head, runs_of
+    from attnlab.plots import plot_attention_head
+    from attnlab.prompts import make_prompts
+
+    questions = pd.DataFrame({"id": ["a", "b", "c"], "answer": ["2", "3", "4"], "question": [
+        "Tom has 3 apples and buys 4 more apples at the shop. How many apples does he have now?",
+        "A train travels 60 miles in 2 hours. What is its average speed in miles per hour?",
+        "If x + 2 = 5, what is the value of x?"]})
+    condition = {"kind": "repeat", "unit": "/", "length": 10, "placement": "question_random"}
+    prompts = make_prompts(smollm2_tokenizer, questions, "mless_inside", condition,
+                           {"system": "Solve it.", "raw_template": "{system}\n{question}"}, "chat", 8192)
+    assert prompts["inserted_start"].nunique() > 1  # the run's place differs between prompts
+    head = read_head(_attention_file(tmp_path / "mless_inside.h5", prompts), layer=0, head=0)
+    share = inserted_share(head["spans"], int(head["lengths"].max()))
+    shaded = runs_of(share > 0)
+    for start, end in zip(prompts["inserted_start"], prompts["inserted_end"]):
+        assert any(s <= start and end <= e for s, e in shaded)
+    none = _attention_file(tmp_path / "none.h5", _varying_prompts([(5, 5)] * 3))
+    plot_attention_head({"none": read_head(none, 0, 0), "mless_inside": head}, "m", "d", 0, 0,
+                        tmp_path / "head.png", dpi=50)
+    assert (tmp_path / "head.png").stat().st_size > 5_000
+    plt.close("all")

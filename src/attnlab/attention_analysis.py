@@ -27,6 +27,23 @@ def question_mask(spans: np.ndarray, width: int) -> np.ndarray:
     return mask
 
 
+def inserted_share(spans: np.ndarray, width: int) -> np.ndarray:
+    """[width]: the share of prompts whose inserted run covers each position.
+
+    1 on a run every prompt has at the same place (a fixed prefix before it); between
+    0 and 1 where the run's place varies by prompt (question_random, end)."""
+    covered = np.zeros((len(spans), width), bool)
+    for row, span in enumerate(spans):
+        covered[row, slice(*span[INSERTED])] = True
+    return covered.mean(0) if len(spans) else np.zeros(width)
+
+
+def runs_of(flags: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in a 1-d boolean array."""
+    edges = np.diff(np.r_[0, flags.astype(np.int8), 0])
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+
+
 def read_head(path, layer: int, head: int, name: str = "received") -> dict:
     """One head across all prompts (a single chunk read), with spans and lengths."""
     with open_attention(path) as h5:

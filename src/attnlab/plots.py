@@ -53,38 +53,67 @@ def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditio
     _save(fig, out_path, dpi)
 
 
+ALIGNED_TITLE = "inserted tokens removed (meaningful tokens aligned)"
+SHADING_NOTE = "shaded: each condition's inserted tokens (dark: in every prompt, light: in some prompts)"
+ATTENTION_LABEL = "attention received\n(mean over later tokens)"
+
+
+def _draw_conditions(ax, per_condition: dict[str, dict], remove_inserted: bool, drop_first: bool,
+                     per_prompt: int) -> None:
+    """One line per condition (mean over prompts, 95% band), optionally a few single prompts;
+    the full sequence (``remove_inserted`` False) also shades each condition's inserted tokens.
+    Colours follow the order of ``per_condition``, so they match from panel to panel."""
+    from attnlab.attention_analysis import align, mean_and_band
+
+    colours = plt.get_cmap("tab10")
+    first = int(drop_first)
+    for k, (condition, data) in enumerate(per_condition.items()):
+        colour = colours(k % 10)
+        aligned = align(data["values"], data["spans"], data["lengths"], remove_inserted=remove_inserted)
+        mean, band = mean_and_band(aligned)
+        x = np.arange(len(mean))[first:]
+        ax.plot(x, mean[first:], color=colour, lw=1.2, label=f"{condition} (n={len(aligned)})")
+        ax.fill_between(x, (mean - band)[first:], (mean + band)[first:], color=colour, alpha=0.2, lw=0)
+        for row in aligned[:per_prompt]:
+            ax.plot(x, row[first:len(mean)], color=colour, lw=0.4, alpha=0.3)
+    if not remove_inserted:
+        _shade_inserted(ax, per_condition)
+
+
+def _shade_inserted(ax, per_condition: dict[str, dict]) -> None:
+    """Each condition's inserted positions in its colour, from every prompt's span (not one
+    prompt's): dark where all prompts have an inserted token, light where only some do
+    (a place that varies by prompt, as with question_random)."""
+    from attnlab.attention_analysis import inserted_share, runs_of
+
+    colours = plt.get_cmap("tab10")
+    for k, data in enumerate(per_condition.values()):
+        share = inserted_share(data["spans"], int(data["lengths"].max()))
+        for flags, alpha in ((share >= 1, 0.2), ((share > 0) & (share < 1), 0.07)):
+            for start, end in runs_of(flags):
+                ax.axvspan(start - 0.5, end - 0.5, color=colours(k % 10), alpha=alpha, lw=0)
+
+
+def _label_position_axes(ax, drop_first: bool) -> None:
+    ax.set_xlabel("token position (0-based)" + ("; position 0, the attention sink, not shown" if drop_first else ""))
+    ax.set_ylabel(ATTENTION_LABEL)
+    ax.grid(alpha=0.3)
+
+
 def plot_attention_head(per_condition: dict[str, dict], model: str, dataset: str, layer: int,
                         head: int, out_path, drop_first: bool = True, per_prompt: int = 0,
                         dpi: int = 150) -> None:
     """Attention received vs position, one line per condition (mean over prompts, 95% band).
 
     Top: inserted tokens removed, so the meaningful tokens align across
-    conditions. Bottom: the full sequence with each condition's inserted run shaded.
+    conditions. Bottom: the full sequence with each condition's inserted tokens shaded.
     """
-    from attnlab.attention_analysis import INSERTED, align, mean_and_band
-
     fig, axes = plt.subplots(2, 1, figsize=(11, 7))
-    colours = plt.get_cmap("tab10")
-    first = int(drop_first)
-    for k, (condition, data) in enumerate(per_condition.items()):
-        colour = colours(k % 10)
-        for ax, remove in zip(axes, (True, False)):
-            aligned = align(data["values"], data["spans"], data["lengths"], remove_inserted=remove)
-            mean, band = mean_and_band(aligned)
-            x = np.arange(len(mean))[first:]
-            ax.plot(x, mean[first:], color=colour, lw=1.2, label=f"{condition} (n={len(aligned)})")
-            ax.fill_between(x, (mean - band)[first:], (mean + band)[first:], color=colour, alpha=0.2, lw=0)
-            for row in aligned[:per_prompt]:
-                ax.plot(x, row[first:len(mean)], color=colour, lw=0.4, alpha=0.3)
-        start, end = data["spans"][0, INSERTED]
-        if end > start:
-            axes[1].axvspan(start - 0.5, end - 0.5, color=colour, alpha=0.12)
-    axes[0].set_title("inserted tokens removed (meaningful tokens aligned)")
-    axes[1].set_title("full sequence, inserted tokens shaded")
-    for ax in axes:
-        ax.set_xlabel("token position (0-based)" + ("; position 0, the attention sink, not shown" if drop_first else ""))
-        ax.set_ylabel("attention received\n(mean over later tokens)")
-        ax.grid(alpha=0.3)
+    for ax, remove in zip(axes, (True, False)):
+        _draw_conditions(ax, per_condition, remove, drop_first, per_prompt)
+        _label_position_axes(ax, drop_first)
+    axes[0].set_title(ALIGNED_TITLE)
+    axes[1].set_title(f"full sequence; {SHADING_NOTE}")
     axes[0].legend(fontsize=8, loc="upper right")
     fig.suptitle(f"{model} on {dataset}: Layer {layer + 1}, Head {head + 1} "
                  f"(1-based; layer index {layer}, head index {head}); mean over prompts, 95% band")
