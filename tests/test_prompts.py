@@ -182,3 +182,21 @@ def test_question_random_never_splits_a_formula_on_real_items():
             assert not re.fullmatch(r"[-+*/]", words[position])
     # arithmetic: only before the formula or at the end ("What is 7 + 5?" -> after "What", "is", end)
     assert {random_position(q, f"a{k}", 0) for k, q in enumerate(arithmetic)} == {1, 2, 5}
+
+
+def test_fewshot_examples_sit_in_the_system_region_and_end_with_a_boxed_answer(smollm2_tokenizer):
+    questions = pd.DataFrame({"id": ["a"], "question": ["What is 2 + 2?"], "answer": ["4"]})
+    examples = pd.DataFrame({"id": ["x", "y"], "question": ["What is 3 + 5?", "What is 9 - 4?"],
+                             "answer": ["8", "5"]})
+    prompt_cfg = {"system": SYSTEM, "raw_template": RAW}
+    frame = make_prompts(smollm2_tokenizer, questions, "mless", CONDITIONS["mless"], prompt_cfg, "raw", 8192,
+                         examples)
+    row = frame.iloc[0]
+    assert row["prompt"] == (f"{SYSTEM}\n\nWhat is 3 + 5?\nSolution: The answer is \\boxed{{8}}.\n\n"
+                             f"What is 9 - 4?\nSolution: The answer is \\boxed{{5}}.\n\n"
+                             f"{row['inserted_text']}\nWhat is 2 + 2?\nSolution:")
+    assert row["fewshot"] == 2 and row["span_exact"]
+    system = smollm2_tokenizer.decode(row["input_ids"][row["system_start"]:row["system_end"]])
+    assert "What is 9 - 4?" in system and "What is 2 + 2?" not in system
+    with pytest.raises(PromptError, match="prompt_format: raw"):
+        make_prompts(smollm2_tokenizer, questions, "none", CONDITIONS["none"], prompt_cfg, "chat", 8192, examples)

@@ -18,6 +18,7 @@ import pandas as pd
 from scipy import stats
 
 GRADERS = ("math_verify", "lenient")
+EXTRACTIONS = ("boxed", "hash", "last_number", "none")  # extract_answer's sources, in its order
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -109,8 +110,10 @@ def summarise(graded: pd.DataFrame, bootstrap: dict) -> dict:
     """Accuracy (in %) with its confidence interval, for each grader."""
     summary = {"n": int(len(graded)),
                "inserted_tokens": float(graded["inserted_tokens"].mean()),
-               "extracted_boxed": float((graded["extraction"] == "boxed").mean()),
-               "hit_token_limit": float(graded["hit_token_limit"].mean())}
+               # Where each answer came from, so a reader sees grades that rest on the fallback.
+               **{f"extracted_{how}": float((graded["extraction"] == how).mean()) for how in EXTRACTIONS},
+               "hit_token_limit": float(graded["hit_token_limit"].mean()),
+               "n_hit_token_limit": int(graded["hit_token_limit"].sum())}
     for grader in GRADERS:
         low, high = bootstrap_ci(graded[grader], bootstrap["confidence"],
                                  bootstrap["n_resamples"], bootstrap["seed"])

@@ -12,4 +12,6 @@ steps.make_prompts(
     condition=snakemake.params.condition,
     prompt_cfg=snakemake.params.prompt,
     prompt_format=snakemake.params.prompt_format,
+    fewshot=snakemake.params.fewshot,
+    fewshot_path=snakemake.input.get("fewshot"),
 )
