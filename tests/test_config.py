@@ -157,3 +157,111 @@ def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
 def test_lint_passes():
     result = snakemake("--lint", workdir=REPO)
     assert result.returncode == 0, result.stdout
+
+
+# ---- clear errors for bad input, before any job ----
+
+
+def _readme_commands() -> list[list[str]]:
+    """The commands of the README's "Running Snakemake yourself" block that run the workflow."""
+    import re
+    import shlex
+
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"## Running Snakemake yourself\s+```bash\n(.*?)```", readme, re.S).group(1)
+    commands = [shlex.split(line, comments=True) for line in block.splitlines()]
+    # my.yaml stands for the reader's own file; --report renders results that do not exist yet
+    return [c for c in commands if c and c[0] == "snakemake" and "my.yaml" not in c and "--report" not in c]
+
+
+def test_readme_commands_pass_a_dry_run(tmp_path):
+    import subprocess
+    import sys
+
+    commands = _readme_commands()
+    assert any("--config" in c for c in commands) and len(commands) >= 4
+    for command in commands:
+        dry = [sys.executable, "-m", "snakemake", *command[1:], "-n", "--directory", str(tmp_path)]
+        result = subprocess.run(dry, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, timeout=300)
+        assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout}"
+
+
+def test_nested_command_line_values_are_read_as_yaml():
+    """`--config generation='{max_new_tokens: 64}'` arrives as {'max_new_tokens': '64'}."""
+    from attnlab.config import validate_config
+
+    config = _tiny()
+    config["generation"] = {"max_new_tokens": "64", "stop_strings": ["1"]}
+    config["attention"]["datasets"] = "null"
+    config["conditions"]["mless"].update(length="10", unit="1", arm="true")
+    validate_config(config, REPO / "config/schema.yaml")
+    assert config["generation"]["max_new_tokens"] == 64 and config["generation"]["batch_size"] == 16
+    assert config["generation"]["stop_strings"] == ["1"]  # strings stay strings
+    assert config["attention"]["datasets"] is None
+    assert config["conditions"]["mless"] == {"kind": "repeat", "unit": "1", "length": 10, "arm": True,
+                                             "placement": "between", "seed": 0}
+
+
+def test_unknown_key_prints_the_allowed_keys_not_the_schema(tmp_path):
+    config = _tiny()
+    config["generation"]["max_new_tokenz"] = 5
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0
+    assert ("unknown config key generation.max_new_tokenz" in result.stdout
+            and "Allowed keys under generation: batch_size, device, dtype, max_new_tokens, seed, "
+                "stop_strings." in result.stdout)
+    assert "$defs" not in result.stdout and len(result.stdout.splitlines()) < 10, result.stdout
+
+
+def test_empty_selection_means_none_and_null_all(tmp_path):
+    config = _tiny()
+    config["attention"]["datasets"] = []
+    config["attention"].pop("figures", None)  # composite figures need an attention dataset
+    config["pruning"]["models"] = []
+    counts = job_counts(_dry_run(tmp_path, config).stdout)
+    # mlp.datasets null follows attention.datasets: none either
+    for rule in ("extract_attention", "mlp_activations", "score_heads", "plot_pruning"):
+        assert rule not in counts, rule
+    config["attention"]["datasets"] = config["pruning"]["models"] = None
+    config["mlp"]["datasets"] = []
+    counts = job_counts(_dry_run(tmp_path, config).stdout)
+    assert counts["extract_attention"] == 8 and counts["score_heads"] == 1  # every dataset, every model
+    assert "mlp_activations" not in counts
+
+
+def test_condition_names_cannot_collide_with_output_suffixes(tmp_path):
+    config = _tiny()
+    config["mlp"]["datasets"] = ["svamp"]
+    config["conditions"]["none.hist"] = {"kind": "none"}
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0
+    assert "a name under conditions: 'none.hist' does not match" in result.stdout
+    assert "AmbiguousRuleException" not in result.stdout
+
+
+def test_bad_template_and_range_fail_in_a_dry_run(tmp_path):
+    config = _tiny()
+    config["prompt"] = {"raw_template": "{system}\n{user}\nAnswer ({units}):"}
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and r"unknown placeholder(s) {units}" in result.stdout
+    config = _tiny()
+    config["datasets"]["svamp"]["source"] = {"arithmetic": {"low": 9, "high": 2}}
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0
+    assert "datasets.svamp.source.arithmetic: low (9) is above high (2)" in result.stdout
+
+
+def test_chat_format_on_a_prepared_model_without_template_fails_in_a_dry_run(tmp_path):
+    import json
+
+    folder = tmp_path / "resources/models/smollm2-135m"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    result = _dry_run(tmp_path, _tiny())
+    assert result.returncode != 0
+    assert "models.smollm2-135m.prompt_format is 'chat' but the model's tokenizer has no chat template" \
+        in result.stdout
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    assert _dry_run(tmp_path, _tiny()).returncode == 0

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from attnlab.attention_analysis import align, mean_and_band, read_head
-from attnlab.sources import HeadRangeError
+from attnlab.checks import HeadRangeError
 from attnlab.extraction import IncompleteFileError, extract, open_attention, write_attention
 from test_attention import TINY, _prompts
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qw
 
 from attnlab.mlp import (ActivationRecorder, ArmSettings, arm_applied, gini, prompt_statistics,
                          redistribute)
-from attnlab.sources import HeadRangeError
+from attnlab.checks import HeadRangeError
 
 
 def _activations(rows=6, d=200, seed=0):

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from attnlab.extraction import open_attention
-from attnlab.sources import check_heads
+from attnlab.checks import check_heads
 
 INSERTED, QUESTION, CUT = 1, 2, 3  # indices in /spans (attnlab.prompts.SPANS)
 

@@ -36,7 +36,7 @@ from attnlab import attention, sparse
 from attnlab.io import atomic_path
 from attnlab.models import left_pad, padded_span_mask
 from attnlab.prompts import SPANS
-from attnlab.sources import HeadRangeError
+from attnlab.checks import HeadRangeError
 
 log = logging.getLogger(__name__)
 

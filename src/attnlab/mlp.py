@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnlab.sources import HeadRangeError
+from attnlab.checks import HeadRangeError
 
 log = logging.getLogger(__name__)
 

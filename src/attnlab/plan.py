@@ -16,6 +16,12 @@ def comparison_pairs(compare, models: list[str]) -> list[tuple[str, str]]:
     return [tuple(pair) for pair in compare]
 
 
+def selected(names: list[str] | None, everything: list[str]) -> list[str]:
+    """A configured selection (``attention.datasets``, ``pruning.models``): null means all,
+    an empty list none."""
+    return list(everything) if names is None else list(names)
+
+
 def family(spec: dict) -> str | None:
     """What a condition inserts, regardless of length and placement; None when nothing.
 

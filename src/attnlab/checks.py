@@ -1,0 +1,95 @@
+"""Config checks the schema cannot express (pure standard library).
+
+Snakemake imports this while it parses the workflow (``_check_config`` in
+common.smk), so a bad value fails in a dry run, before any job; the steps call
+the same checks again where they read the value.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configured value cannot work; the message says which key and how to fix it."""
+
+
+class HeadRangeError(ConfigError):
+    """A configured layer or head does not exist in the model."""
+
+
+def check_heads(heads: list[dict], n_layers: int, n_heads: int, model: str,
+                key: str = "attention.heads") -> None:
+    """Every {layer, head} (0-based) must exist in a model of this shape; ``key`` is where they
+    are configured."""
+    bad = [h for h in heads if not (0 <= h["layer"] < n_layers and 0 <= h["head"] < n_heads)]
+    if bad:
+        raise HeadRangeError(
+            f"model '{model}' has {n_layers} layers x {n_heads} heads (0-based: layers "
+            f"0..{n_layers - 1}, heads 0..{n_heads - 1}); configured {bad} is out of range. "
+            f"Fix {key} in the config."
+        )
+
+
+def check_layer(layer: int, n_layers: int, model: str, key: str) -> None:
+    if not 0 <= layer < n_layers:
+        raise HeadRangeError(f"model '{model}' has {n_layers} layers (0-based: 0..{n_layers - 1}); "
+                             f"{key} is {layer}. Fix {key} in the config.")
+
+
+def prepared_model_shape(folder: str | Path) -> tuple[int, int] | None:
+    """(layers, attention heads) of a prepared model folder, None before it exists."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    config = config.get("text_config", config)
+    return int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+
+
+def prepared_has_chat_template(folder: str | Path) -> bool | None:
+    """Whether a prepared model folder carries a chat template; None before it exists."""
+    folder = Path(folder)
+    tokenizer_config = folder / "tokenizer_config.json"
+    if not tokenizer_config.is_file():
+        return None
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    return bool(json.loads(tokenizer_config.read_text()).get("chat_template"))
+
+
+def check_chat_template(model: str, prompt_format: str, has_template: bool | None) -> None:
+    """``prompt_format: chat`` needs a tokenizer with a chat template (base models have none)."""
+    if prompt_format == "chat" and has_template is False:
+        raise ConfigError(
+            f"models.{model}.prompt_format is 'chat' but the model's tokenizer has no chat "
+            f"template (a base model?); set models.{model}.prompt_format: raw, which uses "
+            "prompt.raw_template"
+        )
+
+
+RAW_PLACEHOLDERS = ("system", "user")
+
+
+def check_raw_template(template: str) -> None:
+    """``prompt.raw_template`` may only hold {system} and {user}; literal braces are doubled."""
+    key = "prompt.raw_template"
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+    except ValueError as error:  # a stray '{' or '}'
+        raise ConfigError(f"{key} {template!r}: {error}; write a literal brace as '{{{{' or '}}}}'") from None
+    unknown = [field for field in fields if field not in RAW_PLACEHOLDERS]
+    if unknown:
+        shown = ", ".join("{" + field + "}" for field in unknown)
+        raise ConfigError(f"{key} {template!r} has the unknown placeholder(s) {shown}; the allowed "
+                          "placeholders are {system} and {user} (write a literal brace as '{{' or '}}')")
+
+
+def check_arithmetic_range(dataset: str, source: dict) -> None:
+    """A generated arithmetic set needs low <= high (else it has no problems at all)."""
+    spec = source.get("arithmetic")
+    if spec and spec["low"] > spec["high"]:
+        raise ConfigError(f"datasets.{dataset}.source.arithmetic: low ({spec['low']}) is above high "
+                          f"({spec['high']}), so there are no problems; swap them or lower low")
