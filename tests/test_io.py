@@ -33,3 +33,26 @@ def test_successful_write_sweeps_leftovers_of_killed_writers(tmp_path):
     with atomic_path(target) as tmp:
         tmp.write_text("whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.h5.tmp-xyz.h5", "cell.h5"]
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "h5"])
+def test_truncated_input_names_the_file_and_the_rerun(tmp_path, suffix):
+    import h5py
+    import numpy as np
+    import pandas as pd
+
+    from attnlab.io import UnreadableFileError, open_hdf5, read_parquet
+
+    path = tmp_path / f"cell.{suffix}"
+    if suffix == "parquet":
+        pd.DataFrame({"x": np.arange(5000)}).to_parquet(path)
+    else:
+        with h5py.File(path, "w") as h5:
+            h5["x"] = np.arange(5000)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy cut short
+    read = read_parquet if suffix == "parquet" else open_hdf5
+    with pytest.raises(UnreadableFileError, match=rf"{path} cannot be read .* truncated or corrupt\. "
+                                                  rf"Rerun the job that writes it with `snakemake -R {path}`"):
+        read(path)
+    with pytest.raises(FileNotFoundError):
+        read(tmp_path / f"missing.{suffix}")

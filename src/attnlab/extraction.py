@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from attnlab import attention, sparse
-from attnlab.io import atomic_path
+from attnlab.io import atomic_path, open_hdf5
 from attnlab.models import left_pad, padded_span_mask
 from attnlab.prompts import SPANS
 from attnlab.checks import HeadRangeError
@@ -128,8 +128,9 @@ def write_attention(path: str | Path, extraction: Extraction, prompts: pd.DataFr
 
 def open_attention(path: str | Path) -> h5py.File:
     """Open an attention file for reading, refusing one a killed job left behind."""
-    h5 = h5py.File(path, "r")
+    h5 = open_hdf5(path)
     if not h5.attrs.get("complete", False):
         h5.close()
-        raise IncompleteFileError(f"{path} is incomplete (its job did not finish); delete it and rerun")
+        raise IncompleteFileError(f"{path} is incomplete (its job did not finish); delete it and rerun "
+                                  f"(or rerun its job with `snakemake -R {path}`)")
     return h5

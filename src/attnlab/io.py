@@ -75,3 +75,40 @@ def write_json(obj, path: str | os.PathLike) -> None:
 
 def read_json(path: str | os.PathLike):
     return json.loads(Path(path).read_text())
+
+
+# ---- readers of the workflow's own outputs: a truncated file names itself and its fix ----
+
+
+class UnreadableFileError(RuntimeError):
+    """An input file exists but cannot be read (truncated or corrupt)."""
+
+
+def _unreadable(path, error: Exception) -> UnreadableFileError:
+    return UnreadableFileError(
+        f"{path} cannot be read ({type(error).__name__}: {error}); it is truncated or corrupt. "
+        f"Rerun the job that writes it with `snakemake -R {path}` (or delete the file and run again)."
+    )
+
+
+def read_parquet(path: str | os.PathLike, **kwargs) -> pd.DataFrame:
+    import pyarrow
+
+    try:
+        return pd.read_parquet(path, **kwargs)
+    except FileNotFoundError:
+        raise
+    except (OSError, pyarrow.ArrowException) as error:
+        raise _unreadable(path, error) from error
+
+
+def open_hdf5(path: str | os.PathLike):
+    """An HDF5 file opened for reading (h5py.File, usable in ``with``)."""
+    import h5py
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        return h5py.File(path, "r")
+    except OSError as error:
+        raise _unreadable(path, error) from error

@@ -93,7 +93,7 @@ def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
     torch.set_num_threads(threads)
     _seed_everything(generation["seed"])
     batch_size = _batch_size(generation["batch_size"], batch_size)
-    prompts = pd.read_parquet(prompts_path)
+    prompts = io.read_parquet(prompts_path)
     check_context(prompts, generation["max_new_tokens"], context_length(model_dir))
     device = pick_device(generation["device"])
     dtype = pick_dtype(generation["dtype"], device)
@@ -116,7 +116,7 @@ def grade(prompts_path: str, generations_path: str, items_path: str, summary_pat
           keys: dict, grading: dict) -> None:
     from attnlab.grading import grade_items, summarise
 
-    graded = grade_items(pd.read_parquet(prompts_path), pd.read_parquet(generations_path),
+    graded = grade_items(io.read_parquet(prompts_path), io.read_parquet(generations_path),
                          grading["fallback"])
     summary = {**keys, **summarise(graded, grading["bootstrap"])}
     log.info("%s: math-verify %.1f%%, lenient %.1f%% (n=%d)", keys,
@@ -149,7 +149,7 @@ def _model_and_prompts(model_dir: str, prompts_path: str, settings: dict):
     """The first ``max_prompts`` prompts, and the model on the configured device and dtype."""
     from attnlab.models import load_model, pick_device, pick_dtype
 
-    prompts = pd.read_parquet(prompts_path)
+    prompts = io.read_parquet(prompts_path)
     if settings["max_prompts"]:
         prompts = prompts.head(settings["max_prompts"])
     device = pick_device(settings["device"])
