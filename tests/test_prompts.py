@@ -200,3 +200,57 @@ def test_fewshot_examples_sit_in_the_system_region_and_end_with_a_boxed_answer(s
     assert "What is 9 - 4?" in system and "What is 2 + 2?" not in system
     with pytest.raises(PromptError, match="prompt_format: raw"):
         make_prompts(smollm2_tokenizer, questions, "none", CONDITIONS["none"], prompt_cfg, "chat", 8192, examples)
+
+
+# ---- bad input fails before any prompt is built ----
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{system}\n{user}\nAnswer in {units}:", r"unknown placeholder\(s\) \{units\}"),
+    ("{system}\n{user}\n{}", r"unknown placeholder\(s\) \{\}"),
+    ("{system}\n{user}\nSet {x: 1}", r"unknown placeholder\(s\) \{x\}"),
+    ("{system}\n{user}\nSolution: }", "Single '}' encountered"),
+    ("{system}\n{user}\nSolution: {", "Single '{' encountered"),
+])
+def test_raw_template_with_stray_braces_or_unknown_placeholders_is_refused(template, message):
+    from attnlab.checks import ConfigError, check_raw_template
+    from attnlab.prompts import format_prompt
+
+    with pytest.raises(ConfigError, match=rf"prompt.raw_template .*{message}"):
+        check_raw_template(template)
+    with pytest.raises(ConfigError, match=message):
+        format_prompt(None, "raw", template, "s", "u")
+    check_raw_template("{system}\n{{literal}}\n{user}\nSolution:")
+
+
+def test_no_questions_is_a_clear_error():
+    empty = pd.DataFrame({"id": [], "question": [], "answer": []})
+    with pytest.raises(PromptError, match="condition 'mless': the dataset has no questions"):
+        make_prompts(None, empty, "mless", CONDITIONS["mless"], {"system": SYSTEM, "raw_template": RAW},
+                     "chat", 8192)
+
+
+def test_chat_format_without_a_template_fails_when_the_model_is_prepared(tmp_path):
+    """A base model's tokenizer has no chat template: prepare_model refuses it under
+    prompt_format: chat, before writing the folder, and accepts it under raw."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from attnlab.checks import ConfigError, prepared_has_chat_template
+    from attnlab.models import prepare_model
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    source = tmp_path / "base"
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="[UNK]").save_pretrained(source)
+    config = LlamaConfig(vocab_size=2, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(source)
+    out = tmp_path / "prepared"
+    with pytest.raises(ConfigError, match=r"models.base.prompt_format is 'chat' but the model's "
+                                          r"tokenizer has no chat template.*prompt_format: raw"):
+        prepare_model("base", {"local": str(source)}, out, "chat")
+    assert not out.exists()
+    prepare_model("base", {"local": str(source)}, out, "raw")
+    assert prepared_has_chat_template(out) is False  # what the dry run checks from then on

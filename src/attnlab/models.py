@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from attnlab.checks import check_chat_template
 from attnlab.io import atomic_path
 from attnlab.sources import check_model_source, package_folder
 
@@ -73,14 +74,16 @@ def _load_from_pretrained(source: dict):
     return model, tokenizer
 
 
-def prepare_model(name: str, source: dict, out_dir: str | Path) -> None:
-    """Write model ``name`` from ``source`` to ``out_dir`` as safetensors + tokenizer."""
+def prepare_model(name: str, source: dict, out_dir: str | Path, prompt_format: str | None = None) -> None:
+    """Write model ``name`` from ``source`` to ``out_dir`` as safetensors + tokenizer; with
+    ``prompt_format: chat``, refuse a tokenizer without a chat template before writing anything."""
     check_model_source(name, source)
     with tempfile.TemporaryDirectory(prefix="attnlab-gguf-") as scratch:
         if "hub" in source or "local" in source:
             model, tokenizer = _load_from_pretrained(source)
         else:
             model, tokenizer = _load_from_gguf(source, Path(scratch))
+        check_chat_template(name, prompt_format, bool(tokenizer.chat_template))
         with atomic_path(out_dir, directory=True) as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)

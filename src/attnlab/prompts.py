@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from attnlab.checks import check_raw_template
+
 log = logging.getLogger(__name__)
 
 REGIONS = ("system", "inserted", "question")
@@ -90,6 +92,7 @@ def format_prompt(tokenizer, prompt_format: str, raw_template: str, system: str,
         # prompt does not depend on the day it was built.
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                              date_string=TEMPLATE_DATE)
+    check_raw_template(raw_template)  # a stray brace would end in an IndexError or KeyError
     return raw_template.format(system=system, user=user)
 
 
@@ -232,6 +235,9 @@ def build_prompt(tokenizer, prompt_format: str, raw_template: str, system: str, 
 def make_prompts(tokenizer, questions: pd.DataFrame, condition_name: str, condition: dict,
                  prompt_cfg: dict, prompt_format: str, max_context: int) -> pd.DataFrame:
     """One row per question: prompt text, token ids and region spans."""
+    if questions.empty:
+        raise PromptError(f"condition '{condition_name}': the dataset has no questions; check its "
+                          "source and n in the config")
     inserted = insertion_text(tokenizer, condition)
     placement = condition.get("placement", "between")
     rows = []

@@ -39,10 +39,10 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_model(name: str, source: dict, out_dir: str) -> None:
+def prepare_model(name: str, source: dict, out_dir: str, prompt_format: str | None = None) -> None:
     from attnlab.models import prepare_model as prepare
 
-    prepare(name, source, out_dir)
+    prepare(name, source, out_dir, prompt_format)
 
 
 def prepare_dataset(name: str, spec: dict, out_path: str) -> None:
