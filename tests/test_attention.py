@@ -109,3 +109,42 @@ def test_many_query_blocks_match_eager_maps(arch, monkeypatch):
     model = TINY[arch]()
     prompts = _prompts([40, 9, 33], inserted=(5, 12), vocab=101)
     _check(model, prompts, batch_size=2, map_layers=[0])
+
+
+def _gpt_oss():
+    """A tiny gpt-oss: its attention adds learned sinks (s_aux), which neither attnlab attention
+    implements."""
+    from transformers import GptOssConfig
+
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=101, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                          num_experts_per_tok=1, max_position_embeddings=256, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"])
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def test_attention_sinks_are_refused_not_ignored():
+    from attnlab import sparse
+
+    model = _gpt_oss()
+    with pytest.raises(NotImplementedError, match=r"attnlab_reduce attention does not implement \['s_aux'\]"):
+        extract(model, _prompts([12, 9], inserted=(2, 5), vocab=101), 2, [])
+    sparse.make_sparse(model, gate_bias=6.0)
+    with pytest.raises(NotImplementedError, match=r"attnlab_sparse attention does not implement \['s_aux'\]"):
+        model(torch.tensor([[5, 6, 7]]))
+
+
+def test_reducing_attention_refuses_what_it_would_get_wrong():
+    from torch import nn
+
+    from attnlab.attention import reducing_attention
+
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    mask = torch.zeros(1, 1, 4, 4)
+    with pytest.raises(RuntimeError, match="needs the model's attention mask"):
+        reducing_attention(nn.Module(), q, k, v, None)
+    with pytest.raises(NotImplementedError, match=r"does not implement attention dropout \(0.1\)"):
+        reducing_attention(nn.Module(), q, k, v, mask, dropout=0.1)
+    with pytest.raises(NotImplementedError, match=r"\['sinks'\]"):
+        reducing_attention(nn.Module(), q, k, v, mask, sinks=torch.zeros(2))

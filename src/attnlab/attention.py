@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from attnlab.sparse import deterministic_gate, gate_bias
+from attnlab.sparse import deterministic_gate, gate_bias, refuse_unimplemented
 
 IMPLEMENTATION = "attnlab_reduce"
 METRIC_DEFINITION = (
@@ -77,6 +77,11 @@ def reducing_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     if query.shape[-2] != key.shape[-2]:
         raise RuntimeError(f"{IMPLEMENTATION} needs the whole sequence at once (queries "
                            f"{query.shape[-2]}, keys {key.shape[-2]}): call it with use_cache=False")
+    if attention_mask is None:
+        # The blocks take causality (and any sliding window) from the mask alone.
+        raise RuntimeError(f"{IMPLEMENTATION} needs the model's attention mask (causal, sliding "
+                           "window, padding); the model passed none")
+    refuse_unimplemented(IMPLEMENTATION, dropout, kwargs)
     bias = gate_bias(module)
     if scaling is None:
         scaling = module.head_dim ** -0.5
@@ -95,8 +100,7 @@ def reducing_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         gate = None if bias is None else deterministic_gate(scores, bias)
-        if attention_mask is not None:
-            scores += attention_mask[:, :, q0:q1, :q1]
+        scores += attention_mask[:, :, q0:q1, :q1]
         weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         if gate is not None:
             weights *= gate

@@ -41,6 +41,24 @@ def gate_bias(module: nn.Module) -> float | None:
     return None if not settings else float(settings["gate_bias"])
 
 
+# Attention arguments that change the result and that neither this gated attention nor the
+# reducing one (attnlab.attention) implements: attention sinks (gpt-oss: s_aux, sinks) and
+# additive position biases. Either function refuses a call that sets one.
+UNIMPLEMENTED_KWARGS = ("s_aux", "sinks", "position_bias")
+
+
+def refuse_unimplemented(implementation: str, dropout: float, kwargs: dict) -> None:
+    """Fail, naming the argument, rather than compute attention the model does not use."""
+    given = [name for name in UNIMPLEMENTED_KWARGS if kwargs.get(name) is not None]
+    if given:
+        raise NotImplementedError(
+            f"{implementation} attention does not implement {given} (attention sinks or position "
+            "biases), which this model uses; its attention cannot be reduced or gated here")
+    if dropout:
+        raise NotImplementedError(f"{implementation} attention does not implement attention dropout "
+                                  f"({dropout}); set the model config's attention_dropout to 0")
+
+
 def deterministic_gate(logits: torch.Tensor, bias: float) -> torch.Tensor:
     """Inference gate: an edge is open exactly when ``s + b > 0``."""
     return (logits + bias > 0).to(logits.dtype)
@@ -119,6 +137,7 @@ def gated_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                     scaling: float | None = None, dropout: float = 0.0,
                     softcap: float | None = None, **kwargs):
     """Eager attention with edge gates on ``s + b`` (module docstring); works with a KV cache."""
+    refuse_unimplemented(IMPLEMENTATION, dropout, kwargs)
     bias = gate_bias(module)
     if bias is None:
         raise RuntimeError(f"{IMPLEMENTATION} attention on a model without '{CONFIG_KEY}' in its "
