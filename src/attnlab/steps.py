@@ -57,7 +57,7 @@ def make_prompts(model_dir: str, dataset_path: str, out_path: str, condition_nam
     from attnlab.prompts import make_prompts as build
 
     tokenizer = load_tokenizer(model_dir)
-    questions = pd.read_parquet(dataset_path)
+    questions = io.read_parquet(dataset_path)
     prompts = build(tokenizer, questions, condition_name, condition, prompt_cfg,
                     prompt_format, context_length(model_dir))
     io.write_parquet(prompts, out_path)
