@@ -184,3 +184,11 @@ def test_arithmetic_low_above_high_names_the_range():
         prepare_dataset("arith", {"source": {"arithmetic": {"low": 9, "high": 2, "ops": ["+"]}},
                                   "question": ["question"], "answer": "answer", "answer_format": "latex",
                                   "n": None, "seed": 0})
+
+
+def test_gsm8k_answer_without_its_marker_names_the_item():
+    frame = pd.DataFrame({"q": ["a", "b"], "a": ["so 3\n#### 3", "so 4, the answer is 4"]})
+    spec = {"question": ["q"], "answer": "a", "answer_format": "gsm8k"}
+    with pytest.raises(SourceError, match=r"row 2 \(id 'd-1'\): answer .* as answer_format 'gsm8k' "
+                                          r"\(no '####' before the final answer\)"):
+        normalise(frame, spec, "d", "f.jsonl")

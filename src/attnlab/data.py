@@ -118,8 +118,12 @@ def parse_answer(raw, answer_format: str) -> str:
     """The gold answer as a string math-verify can parse."""
     if answer_format == "gsm8k":
         # GSM8K solutions end with "#### <number>".
-        text = str(raw).rsplit("####", 1)[-1]
-        return text.strip().replace(",", "")
+        if "####" not in str(raw):
+            raise ValueError("no '####' before the final answer")
+        answer = str(raw).rsplit("####", 1)[-1].strip().replace(",", "")
+        if not answer:
+            raise ValueError("nothing after '####'")
+        return answer
     if answer_format == "number":
         value = float(str(raw).split()[0].replace(",", ""))
         return str(int(value)) if value.is_integer() else repr(value)
