@@ -38,3 +38,83 @@ def test_device_and_dtype_choice():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             pick_device("cuda")
+
+
+def _arithmetic_prompts(tokenizer, prompt_format: str, fewshot: int = 0, n: int = 5):
+    from attnlab.data import fewshot_pool, prepare_dataset
+    from attnlab.plan import fewshot_spec
+    from attnlab.prompts import make_prompts
+
+    spec = {"source": {"arithmetic": {"low": 2, "high": 9, "ops": ["+", "-"]}}, "question": ["question"],
+            "answer": "answer", "answer_format": "latex", "n": n, "seed": 0}
+    items = prepare_dataset("arithmetic", spec)
+    examples = fewshot_pool("arithmetic", fewshot_spec("arithmetic", spec), items, fewshot, 0) if fewshot else None
+    return make_prompts(tokenizer, items, "mless", {"kind": "repeat", "unit": "/", "length": 11},
+                        {"system": "Put your final answer within \\boxed{}", "raw_template": "{system}\n{user}\nSolution:"},
+                        prompt_format, 8192, examples)
+
+
+@pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
+def test_continuous_batching_gives_the_static_engine_tokens(model_name, request):
+    """Greedy, float32, CPU: the same token ids for every prompt, EOS, stop strings (Gemma-3 base
+    with few-shot examples stops at their blank line) and token-limit hits included; 3 rows at a
+    time for 5 prompts, so slots are refilled."""
+    from attnlab.models import load_tokenizer
+
+    folder = request.getfixturevalue(f"{model_name}_dir")
+    tokenizer = load_tokenizer(folder)
+    model = load_model(folder, torch.device("cpu"), torch.float32)
+    raw = model_name == "gemma3"
+    prompts = _arithmetic_prompts(tokenizer, "raw" if raw else "chat", fewshot=3 if raw else 0)
+    stops = ["\n\n"] if raw else []
+    static = generate_all(model, tokenizer, prompts, 3, 20, stops, engine="static")
+    continuous = generate_all(model, tokenizer, prompts, 3, 20, stops, engine="continuous")
+    assert continuous["new_token_ids"].tolist() == static["new_token_ids"].tolist()
+    pd.testing.assert_frame_equal(continuous, static)
+    assert static["hit_token_limit"].any() or raw  # SmolLM2 runs into the limit, Gemma-3 stops
+    if raw:
+        assert (~static["hit_token_limit"]).all() and static["response"].str.contains("boxed").all()
+
+
+def test_arm_changes_decoding_steps_under_continuous_batching(smollm2_dir, smollm2_tokenizer):
+    """ARM's hook sees every decoding step of the engine (not only the prefill), with the
+    positions that key its draws: the ARM generations equal the static engine's ARM ones."""
+    from attnlab import mlp
+
+    model = load_model(smollm2_dir, torch.device("cpu"), torch.float32)
+    prompts = _arithmetic_prompts(smollm2_tokenizer, "chat", n=3)
+    calls = []
+    original = mlp.redistribute
+
+    def counting(a, settings, positions, tokens):
+        calls.append((tuple(a.shape[:-1]), positions.max().item()))
+        return original(a, settings, positions, tokens)
+
+    settings = mlp.ArmSettings(layer=0, c=0.3, pmax=0.5)
+    plain = generate_all(model, smollm2_tokenizer, prompts, 3, 12, engine="continuous")
+    mlp.redistribute = counting
+    try:
+        with mlp.arm_applied(model, settings):
+            static = generate_all(model, smollm2_tokenizer, prompts, 3, 12, engine="static")
+            calls.clear()
+            continuous = generate_all(model, smollm2_tokenizer, prompts, 3, 12, engine="continuous")
+    finally:
+        mlp.redistribute = original
+    longest = int(prompts["n_prompt_tokens"].max())
+    assert any(position >= longest for _, position in calls)  # decoding steps, past every prompt
+    assert continuous["new_token_ids"].tolist() == static["new_token_ids"].tolist()
+    assert continuous["new_token_ids"].tolist() != plain["new_token_ids"].tolist()
+
+
+def test_continuous_batching_falls_back_for_a_sparse_copy(smollm2_dir, smollm2_tokenizer, caplog):
+    from attnlab.generation import continuous_unsupported
+
+    model = load_model(smollm2_dir, torch.device("cpu"), torch.float32)
+    model.config.attnlab_sparse = {"gate_bias": 6.0}
+    assert "gated attention" in continuous_unsupported(model)
+    prompts = _arithmetic_prompts(smollm2_tokenizer, "chat", n=2)
+    with caplog.at_level("WARNING"):
+        out = generate_all(model, smollm2_tokenizer, prompts, 2, 4, engine="continuous")
+    assert len(out) == 2 and "static engine" in caplog.text and "gated attention" in caplog.text
+    with pytest.raises(ValueError, match="unknown generation engine 'paged'"):
+        generate_all(model, smollm2_tokenizer, prompts, 2, 4, engine="paged")

@@ -7,6 +7,8 @@ def _cell(condition, tokens, acc, model="m"):
     row = {"model": model, "dataset": "d", "condition": condition, "n": 20, "inserted_tokens": tokens}
     for grader in ("math_verify", "lenient"):
         row.update({f"{grader}_acc": acc, f"{grader}_ci_low": acc - 10, f"{grader}_ci_high": acc + 10})
+    row.update({"extracted_boxed": 0.5, "extracted_hash": 0.1, "extracted_last_number": 0.3,
+                "extracted_none": 0.1, "hit_token_limit": 0.25, "n_hit_token_limit": 5})
     return row
 
 

@@ -124,6 +124,13 @@ def parse_answer(raw, answer_format: str) -> str:
         if not answer:
             raise ValueError("nothing after '####'")
         return answer
+    if answer_format == "boxed":
+        from attnlab.grading import last_boxed
+
+        boxed = last_boxed(str(raw))
+        if boxed is None:
+            raise SourceError(f"answer_format is 'boxed' but the answer has no \\boxed{{}}: {str(raw)[:80]!r}")
+        return boxed
     if answer_format == "number":
         value = float(str(raw).split()[0].replace(",", ""))
         return str(int(value)) if value.is_integer() else repr(value)
@@ -230,3 +237,32 @@ def prepare_dataset(dataset: str, spec: dict) -> pd.DataFrame:
     table.attrs["rows"] = {"requested": n, "in_source": len(frame), "kept": len(table),
                            "short_of_requested": n is not None and n > len(frame)}
     return table
+
+
+def fewshot_pool(dataset: str, spec: dict, evaluated: pd.DataFrame, size: int, seed: int) -> pd.DataFrame:
+    """``size`` worked examples for base models, drawn with ``seed`` from the example source
+    (``attnlab.plan.fewshot_spec``), never an evaluated question; in draw order, so a model
+    with k shots takes the first k."""
+    frame, origin = _load_source(spec["source"])
+    _require_fields(frame, [spec["answer"]], origin, dataset)
+    readable = frame[spec["answer"]].map(lambda raw: _parses(raw, spec["answer_format"]))
+    if not readable.all():  # e.g. 2 of MATH's 7,500 train solutions write "\boxed 2"
+        log.info("dataset %s: %d candidate examples without a readable answer left out", dataset,
+                 int((~readable).sum()))
+    examples = normalise(frame[readable].reset_index(drop=True), {**spec, "id": None},
+                         f"{dataset} (few-shot examples)", origin)
+    examples = examples[~examples["question"].isin(set(evaluated["question"]))]
+    if len(examples) < size:
+        log.warning("dataset %s: only %d few-shot examples in %s (wanted %d)", dataset, len(examples),
+                    origin, size)
+    order = np.random.default_rng(seed).permutation(len(examples))[:size]
+    log.info("dataset %s: %d few-shot examples from %s (seed %d)", dataset, len(order), origin, seed)
+    return examples.iloc[order].reset_index(drop=True)[["id", "question", "answer"]]
+
+
+def _parses(raw, answer_format: str) -> bool:
+    try:
+        parse_answer(raw, answer_format)
+    except (SourceError, ValueError):
+        return False
+    return True

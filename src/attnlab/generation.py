@@ -41,29 +41,128 @@ def _generate_batch(model, tokenizer, ids: list[list[int]], config: GenerationCo
     return out[:, batch["input_ids"].shape[1]:].cpu()
 
 
-def _decode_rows(tokenizer, new_tokens: torch.Tensor, config: GenerationConfig) -> list[dict]:
+def _decode_rows(tokenizer, new_tokens: torch.Tensor, config: GenerationConfig,
+                 lengths: list[int] | None = None) -> list[dict]:
+    """Response text (cut at the first stop string), tokens generated, and whether the token
+    limit cut it. ``lengths``: each row's generated count where the engine reports it."""
     eos = config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     rows = []
-    for row in new_tokens.tolist():
+    for k, row in enumerate(new_tokens.tolist()):
         # A finished row is filled with padding; EOS itself counts as generated.
         end = next((i + (t in eos_ids) for i, t in enumerate(row)
                     if t in eos_ids or t == config.pad_token_id), len(row))
+        if lengths is not None:
+            end = min(end, lengths[k])
         text = tokenizer.decode(row[:end], skip_special_tokens=True)
         stopped = [text.index(s) for s in config.stop_strings or [] if s in text]
         rows.append({"response": text[:min(stopped)] if stopped else text, "n_new_tokens": end,
+                     "new_token_ids": row[:end],
                      "hit_token_limit": end == len(row) and not stopped and row[-1] not in eos_ids})
     return rows
 
 
-def generate_all(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
-                 max_new_tokens: int, stop_strings: list[str] | None = None) -> pd.DataFrame:
-    """Responses for every prompt, in the prompts' order.
+ENGINES = ("static", "continuous")
 
-    Prompts are sorted longest first so that padding is small and an
-    out-of-memory error shows up on the first batch; on CUDA OOM the batch is
-    halved and retried.
+
+def continuous_unsupported(model) -> str | None:
+    """Why transformers' continuous batching cannot serve this model as configured, or None."""
+    if getattr(model.config, "attnlab_sparse", None):
+        # the engine swaps in paged attention, which would drop the sparse copy's edge gates
+        return "a sparse copy's gated attention has no paged version"
+    if model.device.type not in ("cpu", "cuda"):
+        return f"device {model.device.type}"
+    return None
+
+
+def generate_all(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
+                 max_new_tokens: int, stop_strings: list[str] | None = None,
+                 engine: str = "static") -> pd.DataFrame:
+    """Responses for every prompt, in the prompts' order, greedy.
+
+    ``static``: ``model.generate`` on padded batches of ``batch_size`` rows; a batch runs until
+    its longest row ends. ``continuous``: transformers' continuous batching with paged
+    attention and at most ``batch_size`` rows at a time, a finished row's slot refilled at once;
+    it falls back to ``static`` (with a log line saying why) where it cannot run.
     """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
+    if engine == "continuous":
+        reason = continuous_unsupported(model)
+        if reason is None:
+            try:
+                return _generate_continuous(model, tokenizer, prompts, batch_size, max_new_tokens,
+                                            stop_strings or [])
+            except ContinuousBatchingFailed as error:
+                reason = str(error)
+        log.warning("continuous batching unavailable (%s): generating with the static engine", reason)
+    return _generate_static(model, tokenizer, prompts, batch_size, max_new_tokens, stop_strings)
+
+
+class ContinuousBatchingFailed(RuntimeError):
+    """The continuous-batching engine stopped before every prompt was answered."""
+
+
+def _generate_continuous(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
+                         max_new_tokens: int, stop_strings: list[str]) -> pd.DataFrame:
+    """Continuous batching through the engine's manager, streaming when stop strings are set
+    so that a row that printed one is cancelled (the engine does not apply them itself)."""
+    from transformers import ContinuousBatchingConfig
+
+    config = greedy_config(model, tokenizer, max_new_tokens, [])
+    ids = [np.asarray(row).tolist() for row in prompts["input_ids"]]
+    longest = max(len(row) for row in ids) + max_new_tokens
+    page = 64
+    # KV cache for batch_size rows of the longest sequence: the memory budget scales with the
+    # (attempt-halved) batch size, as the static engine's does.
+    cb_config = ContinuousBatchingConfig(
+        page_size=page, num_blocks=batch_size * -(-longest // page) + 1,
+        max_requests_per_batch=batch_size, max_batch_tokens=max(longest, 512),
+        allow_block_sharing=False, auto_switch_to_flash=False, seed=0)
+    tokens: dict[str, list[int]] = {}
+    progress = tqdm(total=len(ids), desc="generate (continuous)", unit="prompt", mininterval=5)
+    try:
+        with model.continuous_batching_context_manager(
+                generation_config=config, continuous_batching_config=cb_config, block=True, timeout=30,
+                warmup=model.device.type == "cuda") as manager:
+            request_ids = manager.add_requests(ids, max_new_tokens=max_new_tokens, streaming=bool(stop_strings))
+            while len(tokens) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is None:
+                    if not manager.is_running():
+                        raise ContinuousBatchingFailed("the engine's thread stopped")
+                    continue
+                if result.request_id in tokens:
+                    continue  # a cancelled row's last streamed tokens
+                if result.error is not None:
+                    raise ContinuousBatchingFailed(result.error)
+                stopped = stop_strings and any(s in tokenizer.decode(result.generated_tokens) for s in stop_strings)
+                if result.is_finished() or stopped:
+                    if not result.is_finished():
+                        manager.cancel_request(result.request_id)
+                    tokens[result.request_id] = list(result.generated_tokens)
+                    progress.update(1)
+    except ContinuousBatchingFailed:
+        raise
+    except Exception as error:  # noqa: BLE001 -- any engine failure means: use the static engine
+        raise ContinuousBatchingFailed(f"{type(error).__name__}: {error}") from error
+    finally:
+        progress.close()
+    width = max(max_new_tokens, 1)
+    rows = torch.full((len(ids), width), config.pad_token_id if config.pad_token_id is not None else -1)
+    for k, request in enumerate(request_ids):
+        generated = tokens[request][:width]
+        rows[k, :len(generated)] = torch.tensor(generated, dtype=rows.dtype)
+    config.stop_strings = stop_strings or None
+    out = pd.DataFrame(_decode_rows(tokenizer, rows, config, lengths=[len(tokens[r][:width]) for r in request_ids]))
+    out.insert(0, "id", prompts["id"].values)
+    return out
+
+
+def _generate_static(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
+                     max_new_tokens: int, stop_strings: list[str] | None = None) -> pd.DataFrame:
+    """Prompts are sorted longest first so that padding is small and an out-of-memory error
+    shows up on the first batch; on CUDA OOM the batch is halved and retried."""
     config = greedy_config(model, tokenizer, max_new_tokens, stop_strings or [])
     order = prompts["n_prompt_tokens"].sort_values(ascending=False, kind="stable").index.tolist()
     results: dict[int, dict] = {}

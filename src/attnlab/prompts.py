@@ -208,6 +208,17 @@ def token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[in
     return inside[0], inside[-1] + 1
 
 
+def fewshot_system(system: str, examples: pd.DataFrame | None, raw_template: str) -> str:
+    """The system prompt followed by worked examples, each the question, the raw template's
+    text after {user} and a boxed answer, blank lines between; the last one is followed by a
+    blank line before the question (with the default template)."""
+    if examples is None or not len(examples):
+        return system
+    after_user = raw_template.split("{user}", 1)[1].replace("{{", "{").replace("}}", "}")
+    shots = [f"{q}{after_user} The answer is \\boxed{{{a}}}." for q, a in zip(examples["question"], examples["answer"])]
+    return "\n\n".join([system, *shots]) + "\n"
+
+
 @dataclass
 class BuiltPrompt:
     text: str
@@ -233,8 +244,13 @@ def build_prompt(tokenizer, prompt_format: str, raw_template: str, system: str, 
 
 
 def make_prompts(tokenizer, questions: pd.DataFrame, condition_name: str, condition: dict,
-                 prompt_cfg: dict, prompt_format: str, max_context: int) -> pd.DataFrame:
-    """One row per question: prompt text, token ids and region spans."""
+                 prompt_cfg: dict, prompt_format: str, max_context: int,
+                 examples: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per question: prompt text, token ids and region spans. ``examples``: the
+    worked examples of a few-shot (raw-format) model, part of the system region."""
+    if examples is not None and len(examples) and prompt_format != "raw":
+        raise PromptError("few-shot examples are for prompt_format: raw (base) models")
+    system = fewshot_system(prompt_cfg["system"], examples, prompt_cfg["raw_template"])
     if questions.empty:
         raise PromptError(f"condition '{condition_name}': the dataset has no questions; check its "
                           "source and n in the config")
@@ -245,7 +261,7 @@ def make_prompts(tokenizer, questions: pd.DataFrame, condition_name: str, condit
         position = (random_position(item.question, str(item.id), condition.get("seed", 0))
                     if placement == "question_random" else None)
         built = build_prompt(tokenizer, prompt_format, prompt_cfg["raw_template"],
-                             prompt_cfg["system"], inserted, item.question, placement, position)
+                             system, inserted, item.question, placement, position)
         if len(built.input_ids) > max_context:
             raise PromptError(
                 f"item '{item.id}': prompt is {len(built.input_ids)} tokens, longer than the "
@@ -257,7 +273,8 @@ def make_prompts(tokenizer, questions: pd.DataFrame, condition_name: str, condit
                "n_prompt_tokens": len(built.input_ids), "inserted_text": inserted,
                "inserted_chars": len(inserted), "placement": placement if inserted else "none",
                "arm": bool(condition.get("arm", False)), "span_exact": built.span_exact,
-               "template_date": TEMPLATE_DATE if prompt_format == "chat" else ""}
+               "template_date": TEMPLATE_DATE if prompt_format == "chat" else "",
+               "fewshot": 0 if examples is None else len(examples)}
         for name, (start, end) in built.spans.items():
             row[f"{name}_start"], row[f"{name}_end"] = start, end
         row["inserted_tokens"] = row["inserted_end"] - row["inserted_start"]

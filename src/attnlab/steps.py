@@ -51,13 +51,25 @@ def prepare_dataset(name: str, spec: dict, out_path: str) -> None:
     io.write_parquet(prepare(name, spec), out_path)
 
 
+def prepare_fewshot(name: str, spec: dict, evaluated_path: str, out_path: str, seed: int) -> None:
+    from attnlab.data import fewshot_pool
+    from attnlab.plan import FEWSHOT_POOL
+
+    pool = fewshot_pool(name, spec, pd.read_parquet(evaluated_path), FEWSHOT_POOL, seed)
+    io.write_parquet(pool, out_path)
+
+
 def make_prompts(model_dir: str, dataset_path: str, out_path: str, condition_name: str,
-                 condition: dict, prompt_cfg: dict, prompt_format: str) -> None:
+                 condition: dict, prompt_cfg: dict, prompt_format: str, fewshot: int = 0,
+                 fewshot_path: str | None = None) -> None:
     from attnlab.models import context_length, load_tokenizer
     from attnlab.prompts import make_prompts as build
 
     tokenizer = load_tokenizer(model_dir)
     questions = io.read_parquet(dataset_path)
+    examples = pd.read_parquet(fewshot_path).head(fewshot) if fewshot else None
+    if examples is not None and len(examples) < fewshot:
+        log.warning("only %d of %d few-shot examples available", len(examples), fewshot)
     prompts = build(tokenizer, questions, condition_name, condition, prompt_cfg,
                     prompt_format, context_length(model_dir))
     io.write_parquet(prompts, out_path)
@@ -103,8 +115,8 @@ def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
     tokenizer = load_tokenizer(model_dir)
     started = time.perf_counter()
     with arm_applied(model, _arm(arm)):
-        out = generate_all(model, tokenizer, prompts, batch_size,
-                           generation["max_new_tokens"], generation["stop_strings"])
+        out = generate_all(model, tokenizer, prompts, batch_size, generation["max_new_tokens"],
+                           generation["stop_strings"], generation["engine"])
     elapsed = time.perf_counter() - started
     log.info("%d new tokens in %.1f s (%.1f tokens/s)", out["n_new_tokens"].sum(), elapsed,
              out["n_new_tokens"].sum() / max(elapsed, 1e-9))

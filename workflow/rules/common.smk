@@ -5,8 +5,8 @@ import sys
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
-from attnlab.plan import (comparison_pairs, has_length_sweep, has_placement_sweep, length_families,
-                          placements)
+from attnlab.plan import (check_fewshot, comparison_pairs, fewshot_shots, fewshot_spec, has_length_sweep,
+                          has_placement_sweep, length_families, placements)
 from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_template, check_heads,
                             check_layer, check_raw_template, prepared_has_chat_template,
                             prepared_model_shape)
@@ -26,6 +26,7 @@ DENSE_MODELS = [m for m in MODELS if m not in SPARSE_BASES]
 DATASETS = list(config["datasets"])
 CONDITIONS = list(config["conditions"])
 EXT = config["plots"]["format"]
+FEWSHOT = fewshot_shots(config["models"], config["prompt"])  # worked examples per model
 
 # Length sweep: conditions at the default placement without ARM; the plain ones are length 0.
 FAMILIES = length_families(config["conditions"])
@@ -51,6 +52,7 @@ def _check_config():
     """Cross-references the schema cannot express; fails before any job runs."""
     arm_used = any(spec["arm"] for spec in config["conditions"].values())
     check_sparse_models(config["models"])
+    check_fewshot(config["models"], config["datasets"], config["prompt"])
     check_raw_template(config["prompt"]["raw_template"])
     for name, dataset in config["datasets"].items():
         check_arithmetic_range(name, dataset["source"])
@@ -98,7 +100,8 @@ except (SourceError, ConfigError) as error:
 
 
 def _one_of(names):
-    return "|".join(re.escape(name) for name in names)
+    # An empty constraint would be no constraint: with no names, match nothing.
+    return "|".join(re.escape(name) for name in names) or "(?!)"
 
 
 wildcard_constraints:
@@ -151,6 +154,13 @@ def generation_settings(wildcards):
         **config["datasets"][wildcards.dataset].get("generation", {}),
         **config["models"][wildcards.model].get("generation", {}),
     }
+def fewshot_input(wildcards):
+    """The dataset's example pool, for a model that takes few-shot examples."""
+    if not FEWSHOT[wildcards.model]:
+        return {}
+    return {"fewshot": f"results/data/fewshot/{wildcards.dataset}.parquet"}
+
+
 
 
 def grade_keys(wildcards):
