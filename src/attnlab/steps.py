@@ -55,7 +55,7 @@ def prepare_fewshot(name: str, spec: dict, evaluated_path: str, out_path: str, s
     from attnlab.data import fewshot_pool
     from attnlab.plan import FEWSHOT_POOL
 
-    pool = fewshot_pool(name, spec, pd.read_parquet(evaluated_path), FEWSHOT_POOL, seed)
+    pool = fewshot_pool(name, spec, io.read_parquet(evaluated_path), FEWSHOT_POOL, seed)
     io.write_parquet(pool, out_path)
 
 
@@ -67,11 +67,11 @@ def make_prompts(model_dir: str, dataset_path: str, out_path: str, condition_nam
 
     tokenizer = load_tokenizer(model_dir)
     questions = io.read_parquet(dataset_path)
-    examples = pd.read_parquet(fewshot_path).head(fewshot) if fewshot else None
+    examples = io.read_parquet(fewshot_path).head(fewshot) if fewshot else None
     if examples is not None and len(examples) < fewshot:
         log.warning("only %d of %d few-shot examples available", len(examples), fewshot)
     prompts = build(tokenizer, questions, condition_name, condition, prompt_cfg,
-                    prompt_format, context_length(model_dir))
+                    prompt_format, context_length(model_dir), examples)
     io.write_parquet(prompts, out_path)
 
 
