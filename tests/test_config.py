@@ -16,14 +16,15 @@ def test_tiny_config_dry_run_counts_jobs(tmp_path):
     assert result.returncode == 0, result.stdout
     counts = job_counts(result.stdout)
     # 1 model x 2 datasets x 4 conditions (one placed at the end, one ARM); attention and
-    # the MLP analysis on 1 dataset, 1 configured head; pruning on 1 task; a placement
-    # table and one placement figure per dataset.
+    # the MLP analysis on 1 dataset, 1 configured head, 1 composite figure; pruning on 1 task;
+    # a placement table and one placement figure per dataset.
     assert counts == {"prepare_model": 1, "prepare_dataset": 2, "make_prompts": 8, "generate": 8,
                       "grade": 8, "accuracy_table": 1, "plot_accuracy": 2, "extract_attention": 4,
                       "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
+                      "plot_attention_figure": 1,
                       "mlp_activations": 4, "mlp_summary": 1, "placement_table": 2,
                       "plot_placement": 2, "score_heads": 1, "sweep_heads": 1, "plot_pruning": 1,
-                      "all": 1, "total": 50}
+                      "all": 1, "total": 51}
 
 
 def test_length_sweep_adds_one_figure_per_model_and_dataset(tmp_path):
@@ -131,10 +132,28 @@ def test_attention_cross_references_are_checked(tmp_path):
     assert result.returncode != 0 and "attention.datasets names ['math500']" in result.stdout
 
 
+def test_composite_figures_are_checked_before_any_job(tmp_path):
+    import json
+
+    config = _tiny()
+    config["attention"]["figures"][0]["panels"][0]["dataset"] = "gsm8k"
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and "panel 1: dataset 'gsm8k' has no attention files" in result.stdout
+    config = _tiny()
+    config["attention"]["figures"][0]["panels"][1]["layer"] = 30
+    assert _dry_run(tmp_path, config).returncode == 0  # the model's shape is not known yet
+    model = tmp_path / "resources/models/smollm2-135m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9}))
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and "has 30 layers x 9 heads" in result.stdout
+    assert "Fix attention.figures in the config" in result.stdout
+
+
 def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
     """5 hub models (no weights here) and 2 sparse copies of them, 2 datasets, 13 conditions
-    (length and placement sweeps, ARM), 5 plotted heads, 4 pruning tasks: one job per
-    model x dataset x condition at most."""
+    (length and placement sweeps, ARM), 5 plotted heads, 3 composite attention figures, 4 pruning
+    tasks: one job per model x dataset x condition at most."""
     started = time.perf_counter()
     result = snakemake("-n", "--cores", "1", "--configfile", str(REPO / "config/paper.yaml"),
                        workdir=tmp_path)
@@ -147,10 +166,10 @@ def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
         "make_prompts": cells, "generate": cells,
         "grade": cells, "accuracy_table": 1, "plot_accuracy": 2, "plot_length_sweep": models * 2,
         "placement_table": 2, "plot_placement": 2,
-        "extract_attention": models * 13, "plot_attention_head": models * 5,
+        "extract_attention": models * 13, "plot_attention_head": models * 5, "plot_attention_figure": 3,
         "rank_attention_heads": models, "lambda_summary": models, "mlp_activations": models * 13,
         "mlp_summary": models, "score_heads": models * 4, "sweep_heads": models * 4, "plot_pruning": 4,
-        "all": 1, "total": 877}
+        "all": 1, "total": 880}
     assert elapsed < 10, f"dry run of the paper config took {elapsed:.1f} s"
 
 

@@ -68,3 +68,58 @@ def test_fewshot_goes_to_base_models_and_needs_an_example_source():
     local = {"source": {"path": "x.jsonl"}, "question": ["q"], "answer": "a"}
     with pytest.raises(SourceError, match="datasets.local.fewshot.source"):
         check_fewshot(models, {"local": local}, {"fewshot": 3})
+
+
+# ---- composite attention figures ----
+
+FIGURE_CONDITIONS = {"none": _condition(), "mless": _condition("repeat", length=10, unit="/")}
+
+
+def _figure(**changes):
+    figure = {"name": "f", "view": "full", "zoom": False, "conditions": ["none", "mless"],
+              "panels": [{"model": "a", "layer": 0, "head": 1}, {"model": "b", "layer": 2, "head": 0, "dataset": "e"}]}
+    return {**figure, **changes}
+
+
+def _check(*figures, models=("a", "b"), datasets=("d", "e")):
+    from attnlab.plan import attention_figures, check_attention_figures
+
+    planned = attention_figures(list(figures), list(datasets))
+    check_attention_figures(planned, FIGURE_CONDITIONS, list(models), list(datasets))
+    return planned
+
+
+def test_figure_panels_default_to_the_first_attention_dataset_and_read_only_their_files():
+    from attnlab.plan import figure_files, figure_panels
+
+    figure, = _check(_figure())
+    assert [panel["dataset"] for panel in figure["panels"]] == ["d", "e"]
+    assert list(figure_files(figure).values()) == [
+        "results/attention/a/d/none.h5", "results/attention/a/d/mless.h5",
+        "results/attention/b/e/none.h5", "results/attention/b/e/mless.h5"]
+    assert figure_panels([figure], "b") == [{"model": "b", "layer": 2, "head": 0, "dataset": "e"}]
+
+
+@pytest.mark.parametrize("figures, kwargs, message", [
+    ([_figure(), _figure()], {}, "'f': the name is used twice"),
+    ([_figure(conditions=["none", "random"])], {}, r"conditions \['random'\] are not configured"),
+    ([_figure()], {"models": ("a",)}, "'f', panel 2: model 'b' is not configured"),
+    ([_figure()], {"datasets": ("d",)}, r"panel 2: dataset 'e' has no attention files; .* \['d'\]"),
+    ([_figure()], {"datasets": ()}, "but attention.datasets is empty"),
+    ([_figure(conditions=["none"], zoom=True)], {}, "zoom: true zooms on the inserted tokens"),
+])
+def test_figure_cross_references_are_checked(figures, kwargs, message):
+    from attnlab.checks import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _check(*figures, **kwargs)
+
+
+def test_figure_heads_are_checked_against_the_model_shape():
+    from attnlab.checks import HeadRangeError, check_heads
+    from attnlab.plan import figure_panels
+
+    figure, = _check(_figure())
+    check_heads(figure_panels([figure], "a"), 1, 2, "a", "attention.figures")
+    with pytest.raises(HeadRangeError, match=r"model 'b' has 2 layers .* Fix attention.figures"):
+        check_heads(figure_panels([figure], "b"), 2, 2, "b", "attention.figures")

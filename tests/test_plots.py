@@ -112,3 +112,45 @@ def test_question_random_prompts_shade_each_insertion(smollm2_tokenizer, tmp_pat
                         tmp_path / "head.png", dpi=50)
     assert (tmp_path / "head.png").stat().st_size > 5_000
     plt.close("all")
+
+
+# ---- composite attention figures ----
+
+
+def test_composite_figure_reads_only_its_panels_files_and_draws_every_layout(tmp_path, monkeypatch):
+    from attnlab import steps
+    from attnlab.plan import attention_figures, figure_files
+
+    monkeypatch.chdir(tmp_path)
+    figure = {"name": "heads", "view": "full", "zoom": True, "conditions": ["none", "mless_inside"],
+              "panels": [{"model": "a", "layer": 0, "head": 1}, {"model": "b", "layer": 1, "head": 2}]}
+    figure = attention_figures([figure], ["d"])[0]
+    files = figure_files(figure)
+    assert list(files) == [("a", "d", "none"), ("a", "d", "mless_inside"), ("b", "d", "none"),
+                           ("b", "d", "mless_inside")]
+    spans = {"none": [(5, 5)] * 3, "mless_inside": [(8, 12), (10, 14), (20, 24)]}
+    for (model, dataset, condition), path in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        _attention_file(tmp_path / path, _varying_prompts(spans[condition]), seed=len(model))
+    for name, view, zoom in (("zoomed", "full", True), ("aligned", "aligned", False)):
+        layout = {**figure, "name": name, "view": view, "zoom": zoom}
+        steps.plot_attention_figure(layout, list(files.values()), f"{name}.png",
+                                    {"drop_first": True, "per_prompt": 1}, dpi=60)
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+
+
+def test_composite_zoom_shows_the_inserted_positions(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from attnlab.attention_analysis import read_head
+    from attnlab.plots import _draw_conditions, _zoom_on_inserted
+
+    per_condition = {
+        "none": read_head(_attention_file(tmp_path / "none.h5", _varying_prompts([(5, 5)] * 3)), 0, 0),
+        "mless": read_head(_attention_file(tmp_path / "mless.h5", _varying_prompts([(10, 14)] * 3)), 0, 0)}
+    fig, ax = plt.subplots()
+    _draw_conditions(ax, per_condition, False, True, 0)
+    _zoom_on_inserted(ax, per_condition)
+    low, high = ax.get_xlim()
+    assert low < 9.5 and 13.5 < high and high - low < 15  # the 4 inserted positions, a margin
+    plt.close(fig)

@@ -118,6 +118,7 @@ def test_attention_figures_and_tables(tiny_run):
     figures = workdir / f"results/figures/attention/{MODEL}/svamp"
     assert (figures / "layer0_head0.png").stat().st_size > 10_000
     assert (figures / "lambda.png").is_file()
+    assert (workdir / "results/figures/attention/composite/head1_layers1-2.png").stat().st_size > 10_000
     ranked = pd.read_csv(workdir / f"results/tables/attention/{MODEL}/svamp/head_changes.csv")
     assert len(ranked) == 30 * 9 and ranked["score"].is_monotonic_decreasing
     top = ranked.iloc[0]
@@ -237,7 +238,7 @@ def test_rerun_after_a_condition_length_changes(tiny_run, tmp_path):
         "make_prompts": 2, "generate": 2, "grade": 2, "extract_attention": 1, "mlp_activations": 1,
         "accuracy_table": 1, "plot_accuracy": 2, "placement_table": 2, "plot_placement": 2,
         "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1, "mlp_summary": 1,
-        "all": 1}
+        "plot_attention_figure": 1, "all": 1}
 
 
 def test_rerun_after_a_plot_option_changes(tiny_run, tmp_path):
@@ -245,7 +246,7 @@ def test_rerun_after_a_plot_option_changes(tiny_run, tmp_path):
         config["plots"] = {"dpi": 100}
     assert _planned(tiny_run, tmp_path, edit) == {
         "plot_accuracy": 2, "plot_placement": 2, "plot_attention_head": 1, "rank_attention_heads": 1,
-        "lambda_summary": 1, "mlp_summary": 1, "plot_pruning": 1, "all": 1}
+        "lambda_summary": 1, "mlp_summary": 1, "plot_pruning": 1, "plot_attention_figure": 1, "all": 1}
 
 
 def test_rerun_after_a_subset_size_changes(tiny_run, tmp_path):
@@ -278,7 +279,7 @@ def test_rerun_after_the_extraction_script_changes(tiny_run, tmp_path):
         script.write_text(original)
         os.utime(script, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert planned == {"extract_attention": 4, "plot_attention_head": 1, "rank_attention_heads": 1,
-                       "lambda_summary": 1, "all": 1}
+                       "lambda_summary": 1, "plot_attention_figure": 1, "all": 1}
     assert _planned(tiny_run, tmp_path) == {}
 
 
@@ -310,6 +311,7 @@ def test_report_holds_every_figure_and_table_with_definitions(tiny_run):
     expected = [f"results/figures/accuracy/{d}.png" for d in DATASETS]
     expected += [f"results/figures/placement/{d}.png" for d in DATASETS]
     expected += [f"results/figures/attention/{MODEL}/svamp/{name}.png" for name in ("layer0_head0", "lambda")]
+    expected += ["results/figures/attention/composite/head1_layers1-2.png"]
     expected += [f"results/figures/mlp/{MODEL}/svamp.png", "results/figures/pruning/ioi.png",
                  "results/tables/accuracy.csv", f"results/tables/mlp/{MODEL}/svamp.csv"]
     expected += [f"results/tables/placement/{d}.csv" for d in DATASETS]

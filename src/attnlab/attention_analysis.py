@@ -44,11 +44,12 @@ def runs_of(flags: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
 
 
-def read_head(path, layer: int, head: int, name: str = "received") -> dict:
-    """One head across all prompts (a single chunk read), with spans and lengths."""
+def read_head(path, layer: int, head: int, name: str = "received", key: str = "attention.heads") -> dict:
+    """One head across all prompts (a single chunk read), with spans and lengths; ``key`` is
+    where the head is configured, for the message when it is out of range."""
     with open_attention(path) as h5:
         check_heads([{"layer": layer, "head": head}], int(h5.attrs["n_layers"]),
-                    int(h5.attrs["n_heads"]), str(h5.attrs.get("model", path)))
+                    int(h5.attrs["n_heads"]), str(h5.attrs.get("model", path)), key)
         return {"values": h5[f"{name}/layer_{layer:02d}"][head], "spans": h5["spans"][:],
                 "lengths": h5["lengths"][:], "ids": h5["ids"].asstr()[:]}
 

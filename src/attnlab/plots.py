@@ -152,6 +152,64 @@ def plot_attention_head(per_condition: dict[str, dict], model: str, dataset: str
     _save(fig, out_path, dpi)
 
 
+def _panel_title(panel: dict) -> str:
+    return (f"{panel['model']}: Layer {panel['layer'] + 1}, Head {panel['head'] + 1}\n"
+            f"(layer index {panel['layer']}, head index {panel['head']}; {panel['dataset']})")
+
+
+def _zoom_on_inserted(ax, per_condition: dict[str, dict]) -> None:
+    """Limit the x axis to where any condition inserts tokens (plus a margin), and the y axis
+    to what is drawn there: the inserted tokens' values are often far from the rest."""
+    from attnlab.attention_analysis import inserted_share
+
+    width = max(int(data["lengths"].max()) for data in per_condition.values())
+    inserted = np.flatnonzero(np.any([inserted_share(data["spans"], width) > 0
+                                      for data in per_condition.values()], 0))
+    if not len(inserted):
+        return
+    margin = max(3, (inserted[-1] - inserted[0]) // 5)
+    low, high = inserted[0] - margin - 0.5, inserted[-1] + margin + 0.5
+    ax.set_xlim(low, high)
+    drawn = [line.get_xydata() for line in ax.get_lines()]
+    drawn += [path.vertices for band in ax.collections for path in band.get_paths()]
+    points = np.concatenate(drawn)
+    y = points[(points[:, 0] >= low) & (points[:, 0] <= high), 1]
+    y = y[np.isfinite(y)]
+    if len(y):
+        pad = 0.05 * (y.max() - y.min()) or 0.05 * abs(y.max()) or 0.01
+        ax.set_ylim(y.min() - pad, y.max() + pad)
+
+
+def plot_attention_figure(panels: list[dict], name: str, view: str, zoom: bool, out_path,
+                          drop_first: bool = True, per_prompt: int = 0, dpi: int = 150) -> None:
+    """A composite figure: panels side by side, each one model x layer x head with the same
+    conditions overlaid (``panel["per_condition"]``, drawn as in the single-head figure); with
+    ``zoom``, a second row shows each panel's full sequence zoomed on the inserted tokens."""
+    rows = 2 if zoom else 1
+    fig, axes = plt.subplots(rows, len(panels), figsize=(1.2 + 4.8 * len(panels), 0.9 + 3.4 * rows),
+                             squeeze=False)
+    for column, panel in enumerate(panels):
+        top = axes[0, column]
+        _draw_conditions(top, panel["per_condition"], view == "aligned", drop_first, per_prompt)
+        top.set_title(_panel_title(panel), fontsize=9)
+        top.legend(fontsize=7, loc="upper right")
+        if zoom:
+            bottom = axes[1, column]
+            _draw_conditions(bottom, panel["per_condition"], False, drop_first, per_prompt)
+            _zoom_on_inserted(bottom, panel["per_condition"])
+            bottom.set_title("zoomed on the inserted tokens", fontsize=9)
+    for ax in axes.flat:
+        _label_position_axes(ax, drop_first=False)  # the sink note goes in the title: panels are narrow
+    for ax in axes[:, 1:].flat:
+        ax.set_ylabel("")
+    shown = ALIGNED_TITLE if view == "aligned" else f"full sequence; {SHADING_NOTE}"
+    sink = "; position 0 (the attention sink) not shown" if drop_first else ""
+    fig.suptitle(f"{name}: attention received vs position, mean over prompts with 95% band{sink}\n"
+                 f"{'top row: ' if zoom else ''}{shown}", fontsize=10)
+    fig.tight_layout()
+    _save(fig, out_path, dpi)
+
+
 def plot_lambda_heatmap(table: pd.DataFrame, model: str, dataset: str, out_path, dpi: int = 150) -> None:
     """Mean λ (attention mass kept on original tokens) per layer x head, a panel per condition."""
     conditions = list(dict.fromkeys(table["condition"]))

@@ -213,6 +213,21 @@ def plot_attention_head(paths: dict[str, str], out_path: str, model: str, datase
               plot["per_prompt"], dpi)
 
 
+def plot_attention_figure(figure: dict, paths: list[str], out_path: str, plot: dict, dpi: int) -> None:
+    """One composite figure; ``paths`` are the files ``plan.figure_files`` names, in its order."""
+    from attnlab.attention_analysis import read_head
+    from attnlab.plan import figure_files
+    from attnlab.plots import plot_attention_figure as draw
+
+    files = dict(zip(figure_files(figure), paths))
+    panels = [{**panel, "per_condition": {
+        condition: read_head(files[panel["model"], panel["dataset"], condition], panel["layer"],
+                             panel["head"], key="attention.figures")
+        for condition in figure["conditions"]}} for panel in figure["panels"]]
+    draw(panels, figure["name"], figure["view"], figure["zoom"], out_path, plot["drop_first"],
+         plot["per_prompt"], dpi)
+
+
 def rank_attention_heads(paths: dict[str, str], table_path: str, figure_dir: str, model: str,
                          dataset: str, top: dict, plot: dict, ext: str, dpi: int) -> None:
     """Heads whose received attention changes most between two conditions, and their plots."""

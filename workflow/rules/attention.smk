@@ -48,6 +48,29 @@ rule plot_attention_head:
         "../scripts/plot_attention_head.py"
 
 
+rule plot_attention_figure:
+    """One configured composite figure (attention.figures), from the existing attention files."""
+    input:
+        composite_figure_files,
+    output:
+        report(
+            "results/figures/attention/composite/{figure}.{ext}",
+            caption="../report/attention_figure.rst",
+            category="Attention",
+            subcategory="composite figures",
+        ),
+    params:
+        figure=composite_figure,
+        plot=config["attention"]["plot"],
+        dpi=config["plots"]["dpi"],
+    log:
+        "results/logs/plot_attention_figure/{figure}.{ext}.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/plot_attention_figure.py"
+
+
 rule rank_attention_heads:
     """Heads ranked by how much their received attention changes between two conditions."""
     input:

@@ -5,6 +5,7 @@ import sys
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
+from attnlab.plan import attention_figures, check_attention_figures, figure_files, figure_panels
 from attnlab.plan import (check_fewshot, comparison_pairs, fewshot_shots, fewshot_spec, has_length_sweep,
                           has_placement_sweep, length_families, placements)
 from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_template, check_heads,
@@ -40,6 +41,8 @@ ATTENTION = config["attention"]
 # A selection of null means all, an empty list none.
 ATTENTION_DATASETS = selected(ATTENTION["datasets"], DATASETS) if ATTENTION["enabled"] else []
 HEADS = ATTENTION["heads"]
+# Composite figures read the attention files, so they are drawn only with attention on.
+ATTENTION_FIGURES = attention_figures(ATTENTION["figures"], ATTENTION_DATASETS) if ATTENTION["enabled"] else []
 PRUNING = config["pruning"]
 PRUNING_MODELS = selected(PRUNING["models"], MODELS) if PRUNING["enabled"] else []
 TASKS = list(PRUNING["tasks"]) if PRUNING_MODELS else []
@@ -52,6 +55,7 @@ def _check_config():
     """Cross-references the schema cannot express; fails before any job runs."""
     arm_used = any(spec["arm"] for spec in config["conditions"].values())
     check_sparse_models(config["models"])
+    check_attention_figures(ATTENTION_FIGURES, config["conditions"], MODELS, ATTENTION_DATASETS)
     check_fewshot(config["models"], config["datasets"], config["prompt"])
     check_raw_template(config["prompt"]["raw_template"])
     for name, dataset in config["datasets"].items():
@@ -63,6 +67,8 @@ def _check_config():
         shape = prepared_model_shape(prepared)
         if shape and ATTENTION_DATASETS:
             check_heads(HEADS, *shape, name)
+        if shape:
+            check_heads(figure_panels(ATTENTION_FIGURES, name), *shape, name, "attention.figures")
         if shape and arm_used:
             check_layer(model["arm"]["layer"], shape[0], name, f"models.{name}.arm.layer")
         if shape and MLP_DATASETS:
@@ -112,6 +118,7 @@ wildcard_constraints:
     task=_one_of(TASKS),
     layer=r"\d+",
     head=r"\d+",
+    figure=_one_of([figure["name"] for figure in ATTENTION_FIGURES]),
 
 
 # ---- parameter slices: each rule gets only the config it uses ----
@@ -216,6 +223,16 @@ def attention_files(wildcards):
                   model=wildcards.model, dataset=wildcards.dataset, condition=CONDITIONS)
 
 
+def composite_figure(wildcards):
+    """One configured composite figure: its panels (datasets filled in), conditions and layout."""
+    return next(figure for figure in ATTENTION_FIGURES if figure["name"] == wildcards.figure)
+
+
+def composite_figure_files(wildcards):
+    """The attention files one composite figure reads, and only those."""
+    return list(figure_files(composite_figure(wildcards)).values())
+
+
 def scoring_settings(wildcards):
     """What score_heads reads: the task, the ablation and the ranking (not the sweep's grid)."""
     keys = ("seed", "ablation", "ranking", "exact", "batch_size", "device")
@@ -274,6 +291,7 @@ def attention_targets():
             targets += [f"{tables}/lambda.csv", f"{figures}/lambda.{ext}"]
             if ATTENTION["top_changed"]["k"]:
                 targets += [f"{tables}/head_changes.csv", f"{figures}/top_changed"]
+    targets += [f"results/figures/attention/composite/{figure['name']}.{ext}" for figure in ATTENTION_FIGURES]
     return targets
 
 

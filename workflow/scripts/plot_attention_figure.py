@@ -1,0 +1,13 @@
+import sys
+
+sys.path.insert(0, f"{snakemake.scriptdir}/../../src")  # attnlab, installed or not
+from attnlab import steps  # noqa: E402
+
+steps.setup_logging(snakemake.log[0])
+steps.plot_attention_figure(
+    figure=snakemake.params.figure,
+    paths=list(snakemake.input),
+    out_path=snakemake.output[0],
+    plot=snakemake.params.plot,
+    dpi=snakemake.params.dpi,
+)
