@@ -26,8 +26,8 @@ SPARSE_BASES = sparse_bases(config["models"])  # sparse copy -> its dense base
 DENSE_MODELS = [m for m in MODELS if m not in SPARSE_BASES]
 DATASETS = list(config["datasets"])
 CONDITIONS = list(config["conditions"])
-EXT = config["plots"]["format"]
 FEWSHOT = fewshot_shots(config["models"], config["prompt"])  # worked examples per model
+EXT = config["plots"]["format"]
 
 # Length sweep: conditions at the default placement without ARM; the plain ones are length 0.
 FAMILIES = length_families(config["conditions"])
@@ -56,10 +56,10 @@ def _check_config():
     arm_used = any(spec["arm"] for spec in config["conditions"].values())
     check_sparse_models(config["models"])
     check_attention_figures(ATTENTION_FIGURES, config["conditions"], MODELS, ATTENTION_DATASETS)
-    check_fewshot(config["models"], config["datasets"], config["prompt"])
     check_raw_template(config["prompt"]["raw_template"])
     for name, dataset in config["datasets"].items():
         check_arithmetic_range(name, dataset["source"])
+    check_fewshot(config["models"], config["datasets"], config["prompt"])
     for name, model in config["models"].items():
         check_model_source(name, model["source"])
         prepared = f"resources/models/{name}"
@@ -154,13 +154,6 @@ def prompt_format(wildcards):
     return config["models"][wildcards.model]["prompt_format"]
 
 
-def generation_settings(wildcards):
-    """Top-level generation settings, then the dataset's, then the model's overrides."""
-    return {
-        **config["generation"],
-        **config["datasets"][wildcards.dataset].get("generation", {}),
-        **config["models"][wildcards.model].get("generation", {}),
-    }
 def fewshot_input(wildcards):
     """The dataset's example pool, for a model that takes few-shot examples."""
     if not FEWSHOT[wildcards.model]:
@@ -168,6 +161,13 @@ def fewshot_input(wildcards):
     return {"fewshot": f"results/data/fewshot/{wildcards.dataset}.parquet"}
 
 
+def generation_settings(wildcards):
+    """Top-level generation settings, then the dataset's, then the model's overrides."""
+    return {
+        **config["generation"],
+        **config["datasets"][wildcards.dataset].get("generation", {}),
+        **config["models"][wildcards.model].get("generation", {}),
+    }
 
 
 def grade_keys(wildcards):
