@@ -56,6 +56,29 @@ def test_every_declared_output_exists(tiny_run):
     assert not [p for p in workdir.rglob("*.tmp-*")]
 
 
+def test_continuous_engine_gives_the_tiny_runs_tokens(tiny_run):
+    """Every cell of the tiny run (static engine) generated again with generation.engine:
+    continuous, ARM on for the ARM condition: the same token ids for every prompt."""
+    import torch
+
+    from attnlab.generation import generate_all
+    from attnlab.mlp import ArmSettings, arm_applied
+    from attnlab.models import load_model, load_tokenizer
+
+    workdir, config, _ = tiny_run
+    settings = yaml.safe_load(config.read_text())["generation"]
+    folder = workdir / f"resources/models/{MODEL}"
+    model, tokenizer = load_model(folder, torch.device("cpu"), torch.float32), load_tokenizer(folder)
+    for dataset, condition in _cells():
+        prompts = pd.read_parquet(workdir / f"results/prompts/{MODEL}/{dataset}/{condition}.parquet")
+        static = pd.read_parquet(workdir / f"results/generations/{MODEL}/{dataset}/{condition}.parquet")
+        with arm_applied(model, ArmSettings() if condition == "arm" else None):
+            continuous = generate_all(model, tokenizer, prompts, settings["batch_size"],
+                                      settings["max_new_tokens"], engine="continuous")
+        assert [list(ids) for ids in static["new_token_ids"]] == continuous["new_token_ids"].tolist(), (
+            dataset, condition)
+
+
 def test_outputs_are_consistent(tiny_run):
     workdir, *_ = tiny_run
     table = pd.read_csv(workdir / "results/tables/accuracy.csv")
