@@ -1,4 +1,4 @@
-"""Batched greedy decoding with left padding and the KV cache."""
+"""Greedy decoding: static batches (left padding, KV cache) or continuous batching."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def _generate_continuous(model, tokenizer, prompts: pd.DataFrame, batch_size: in
     config = greedy_config(model, tokenizer, max_new_tokens, [])
     ids = [np.asarray(row).tolist() for row in prompts["input_ids"]]
     longest = max(len(row) for row in ids) + max_new_tokens
-    page = 64
+    page = 64  # tokens per cache page: small pages waste little on short prompts
     # KV cache for batch_size rows of the longest sequence: the memory budget scales with the
     # (attempt-halved) batch size, as the static engine's does.
     cb_config = ContinuousBatchingConfig(
@@ -136,7 +136,9 @@ def _generate_continuous(model, tokenizer, prompts: pd.DataFrame, batch_size: in
                     continue  # a cancelled row's last streamed tokens
                 if result.error is not None:
                     raise ContinuousBatchingFailed(result.error)
-                stopped = stop_strings and any(s in tokenizer.decode(result.generated_tokens) for s in stop_strings)
+                # as model.generate's StopStringCriteria: the text so far ends with a stop string
+                text = tokenizer.decode(result.generated_tokens) if stop_strings else ""
+                stopped = any(text.endswith(s) for s in stop_strings)
                 if result.is_finished() or stopped:
                     if not result.is_finished():
                         manager.cancel_request(result.request_id)
