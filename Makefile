@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.attnlab-installed
 
-.PHONY: install run mechanism sparse test test-fast lint dry-run report clean
+.PHONY: install run mechanism sparse test test-fast lint dry-run report clean bench-peers
 
 install: $(STAMP)
 
@@ -40,6 +40,26 @@ dry-run: install
 
 report: install
 	$(BIN)/snakemake --cores 1 --report results/report.html
+
+# attnlab side by side with TransformerLens and nnsight (benchmarks/peers.py). The peers
+# live in their own virtualenv, never in the project's: torch first (the pinned build),
+# then the peers with constraints that keep torch and transformers at the project's pins.
+PEERS_VENV  ?= .venv-peers
+PEERS_STAMP  = $(PEERS_VENV)/.peers-installed
+PEERS_MODELS = resources/models/smollm2-135m resources/models/gemma3-270m
+
+$(PEERS_STAMP): benchmarks/peers-requirements.txt benchmarks/peers-constraints.txt
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(PEERS_VENV)/bin/python -m pip install --quiet -r benchmarks/peers-requirements.txt -c benchmarks/peers-constraints.txt
+	touch $@
+
+$(PEERS_MODELS): | $(STAMP)
+	$(BIN)/snakemake --cores 1 $@
+
+bench-peers: install $(PEERS_STAMP) $(PEERS_MODELS)
+	$(BIN)/python benchmarks/peers.py --peer-python $(PEERS_VENV)/bin/python $(PEERS_ARGS)
 
 clean:
 	rm -rf results/* resources .snakemake
