@@ -228,7 +228,7 @@ def test_unknown_key_prints_the_allowed_keys_not_the_schema(tmp_path):
     result = _dry_run(tmp_path, config)
     assert result.returncode != 0
     assert ("unknown config key generation.max_new_tokenz" in result.stdout
-            and "Allowed keys under generation: batch_size, device, dtype, max_new_tokens, seed, "
+            and "Allowed keys under generation: batch_size, device, dtype, engine, max_new_tokens, seed, "
                 "stop_strings." in result.stdout)
     assert "$defs" not in result.stdout and len(result.stdout.splitlines()) < 10, result.stdout
 
