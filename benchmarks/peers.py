@@ -26,7 +26,7 @@ as the project), all on the prepared models in resources/models/, offline.
    rank agreement (Spearman, Kendall) with attnlab's exact patching.
 
 The first model gets the full measurement; later ones (Gemma-3) a smaller one
-(--check-batch, --check-pairs, --check-repeats), to show whether each tool
+(--check-batch, --check-length, --check-pairs, --check-repeats), to show whether each tool
 loads and agrees. A tool that fails is
 recorded with its error. Writes benchmarks/out/peers.{md,json}, per-process
 files and logs under benchmarks/out/peers/.
@@ -71,10 +71,10 @@ SCORING = [
     ("scoring:attnlab_attribution", "**attnlab** attribution (gates, 1 corrupted + 1 clean forward + 1 backward)",
      "project"),
     ("scoring:attnlab_exact", "**attnlab** exact patching (one forward per head)", "project"),
-    ("scoring:transformerlens_exact", "TransformerLens `get_act_patch_attn_head_out_all_pos`, "
-     "clean run patched from the corrupted cache (attnlab's quantity)", "peers"),
-    ("scoring:transformerlens_exact_denoising", "TransformerLens `get_act_patch_attn_head_out_all_pos`, "
-     "its own direction (corrupted run patched from the clean cache)", "peers"),
+    ("scoring:transformerlens_exact_denoising", "TransformerLens `get_act_patch_attn_head_out_all_pos` "
+     "(its direction: the corrupted run patched from the clean cache)", "peers"),
+    ("scoring:transformerlens_exact", "TransformerLens `generic_activation_patch`, attnlab's direction "
+     "(the clean run patched from the corrupted cache)", "peers"),
     ("scoring:transformerlens_attribution", "TransformerLens `attribution_patch` (node scores of each head "
      "summed over positions; gradient at the corrupted run)", "peers"),
 ]
@@ -133,8 +133,10 @@ def finite_max_diff(a: np.ndarray, b: np.ndarray) -> dict:
 
 
 def rank_agreement(a: np.ndarray, b: np.ndarray) -> dict:
-    return {"spearman": float(spearmanr(a.ravel(), b.ravel()).statistic),
-            "kendall": float(kendalltau(a.ravel(), b.ravel()).statistic)}
+    """Over the heads both scored (a check run scores a subset; the rest is NaN)."""
+    both = np.isfinite(a) & np.isfinite(b)
+    return {"spearman": float(spearmanr(a[both], b[both]).statistic),
+            "kendall": float(kendalltau(a[both], b[both]).statistic), "heads": int(both.sum())}
 
 
 def load_result(out: Path, tool: str):
@@ -150,8 +152,9 @@ def measure_model(name: str, args, full: bool) -> dict:
     out = OUT / "peers" / name
     out.mkdir(parents=True, exist_ok=True)
     size = argparse.Namespace(batch=args.batch, length=args.length, pairs=args.pairs) if full else \
-        argparse.Namespace(batch=args.check_batch, length=args.length, pairs=args.check_pairs)
+        argparse.Namespace(batch=args.check_batch, length=args.check_length, pairs=args.check_pairs)
     inputs = inputs_for(model_dir, size)
+    inputs["ioi"]["same_direction_every"] = args.same_direction_every if full else 1
     (out / "inputs.json").write_text(json.dumps(inputs))
     repeats = args.repeats if full else args.check_repeats
     print(f"{name}: {size.batch} x {size.length} tokens, {size.pairs} IOI pairs, {repeats} timed run(s) each",
@@ -184,14 +187,15 @@ def measure_model(name: str, args, full: bool) -> dict:
     tl_exact = load_result(out, "scoring:transformerlens_exact")
     if tl_exact is not None and exact is not None:
         reports["scoring:transformerlens_exact"]["max_abs_diff_vs_attnlab_exact"] = \
-            float(np.abs(tl_exact - exact).max())
+            float(np.nanmax(np.abs(tl_exact - exact)))
     attribution, tl_attribution = (load_result(out, "scoring:attnlab_attribution"),
                                    load_result(out, "scoring:transformerlens_attribution"))
     if attribution is not None and tl_attribution is not None:
         reports["scoring:transformerlens_attribution"]["vs_attnlab_attribution"] = \
             rank_agreement(tl_attribution, attribution)
+    heads = exact.size if exact is not None else None
     return {"model": name, "repeats": repeats, "batch": size.batch, "length": size.length,
-            "pairs": size.pairs, "tools": reports}
+            "pairs": size.pairs, "heads": heads, "tools": reports}
 
 
 # ---------------------------------------------------------------- report
@@ -250,6 +254,9 @@ def scoring_table(result: dict) -> list[str]:
         if not r.get("ok"):
             lines.append(f"| {label} | {_error(r)} | | | | |")
             continue
+        heads = r.get("heads_patched")
+        if heads is not None and result.get("heads") and heads < result["heads"]:
+            label += f", {heads} of {result['heads']} heads"
         lines.append(f"| {label} | {_num(r.get('median_s'), 1)} | {_num(r.get('forward_equivalents'), 1)} | "
                      f"{_num(r.get('peak_above_model_mib'), 0)} | "
                      f"{_agreement(r, 'vs_attnlab_exact', tool == EXACT)} | "
@@ -277,8 +284,8 @@ def markdown(results: list[dict], args, started: str, wall: float) -> str:
     if unit:
         notes.append(f"unit forward (sdpa, {first['pairs']} clean prompts, all logits): {unit:.3f} s")
     if "max_abs_diff_vs_attnlab_exact" in tl_exact:
-        notes.append(f"TransformerLens exact vs attnlab exact: max abs diff "
-                     f"{tl_exact['max_abs_diff_vs_attnlab_exact']:.1e}")
+        notes.append(f"TransformerLens patching in attnlab's direction vs attnlab exact: max abs diff "
+                     f"{tl_exact['max_abs_diff_vs_attnlab_exact']:.1e} over {tl_exact.get('heads_patched')} heads")
     tl_attr = tools["scoring:transformerlens_attribution"].get("vs_attnlab_attribution")
     if tl_attr:
         notes.append(f"TransformerLens attribution vs attnlab attribution: Spearman {tl_attr['spearman']:.3f}")
@@ -302,8 +309,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--check-repeats", type=int, default=1, help="timed runs for the later models")
     parser.add_argument("--check-batch", type=int, default=1, help="attention batch for the later models")
+    parser.add_argument("--check-length", type=int, default=128, help="attention length for the later models")
     parser.add_argument("--check-pairs", type=int, default=8, help="IOI pairs for the later models")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    parser.add_argument("--same-direction-every", type=int, default=10,
+                        help="TransformerLens patching in attnlab's direction on every n-th head of the first "
+                             "model (a check that the numbers agree; later models: every head)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds before a tool's process is stopped")
     parser.add_argument("--peer-python", type=Path, default=PEERS_PYTHON)
     args = parser.parse_args()

@@ -14,8 +14,8 @@ Attention runs: one warm-up, then --repeats timed runs of the whole job
 (forward pass and the reduction of the maps to received attention), all
 under torch.no_grad(); the full-vocabulary LM head is skipped wherever the
 tool allows it (decoder only, or logits_to_keep=1). The unit is a plain sdpa
-decoder forward of the same batch, timed in the same process before each run
-and after the last. Peak memory: the growth of the resident set (VmHWM, reset
+decoder forward of the same batch, timed in the same process before the first
+run and after the last. Peak memory: the growth of the resident set (VmHWM, reset
 before each run) above what the process held after the warm-up, with freed
 memory returned to the system (model, inputs, buffers), on CPU; torch's peak
 allocation on CUDA.
@@ -99,8 +99,8 @@ def settle() -> int:
 
 def measure(run, unit, repeats: int, warm_up: bool = True, unit_each: int = 1) -> tuple[object, dict]:
     """Time run() `repeats` times (after one warm-up), with the unit forward timed
-    `unit_each` times before each run and after the last, so that the ratio of the
-    medians sees the same machine load.
+    before the first run and after the last (`unit_each` times before each run and
+    after the last when more than 1), so the ratio of the medians sees the same load.
 
     Returns run()'s last result and times, the unit's median and the peak held during
     run() above what the process held after the warm-up (model, inputs, buffers).
@@ -115,8 +115,9 @@ def measure(run, unit, repeats: int, warm_up: bool = True, unit_each: int = 1) -
     def time_unit():
         if unit is not None:
             unit_times.extend(timed_with_peak(unit)[1] for _ in range(unit_each))
-    for _ in range(repeats):
-        time_unit()
+    for index in range(repeats):
+        if index == 0 or unit_each > 1:
+            time_unit()
         result = None
         settle()
         result, seconds, peak = timed_with_peak(run)
@@ -336,13 +337,17 @@ def scoring_attnlab(model_dir, ioi, method):
             patcher.close()
         return scores.numpy()
 
+    def warm():  # one forward: weights resident, kernels built, before memory is counted
+        with torch.no_grad():
+            model(input_ids=batch.clean.to(DEVICE), attention_mask=batch.mask.to(DEVICE), use_cache=False)
+
     def metrics():  # untimed
         patcher = Patcher(model, batch, "corrupted", batch_size=512)
         try:
             return {"clean_metric": patcher.metric(), "corrupted_metric": patcher.corrupted_metric()}
         finally:
             patcher.close()
-    return run, {"pairs": check, "metrics": metrics}
+    return run, {"pairs": check, "metrics": metrics, "warm": warm}
 
 
 def _ioi_tensors(ioi):
@@ -371,17 +376,27 @@ def scoring_transformerlens(model_dir, ioi, method):
         return (final[rows, answers] - final[rows, wrong]).mean()
 
     def exact():
-        from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
+        import pandas as pd
+        from transformer_lens.patching import generic_activation_patch, layer_head_vector_patch_setter
 
         names = [f"blocks.{layer}.attn.hook_z" for layer in range(layers)]
+        # Every `every`-th head (all when 1): a check that the numbers are attnlab's.
+        every = ioi.get("same_direction_every", 1)
+        heads_patched = [(l, h) for l in range(layers) for h in range(heads) if (l * heads + h) % every == 0]
         with torch.no_grad():
             full = metric(bridge(clean))
             _, corrupted_cache = bridge.run_with_cache(corrupted, names_filter=names)
             # TransformerLens patches a run with another run's cached activations. To get
             # attnlab's quantity (ablate a head of the clean run by giving it the corrupted
             # run's output), the clean run is the one patched, from the corrupted cache.
-            patched = get_act_patch_attn_head_out_all_pos(bridge, clean, corrupted_cache, metric)
-        return (full - patched).cpu().numpy()
+            # (get_act_patch_attn_head_out_all_pos is this call over every (layer, head).)
+            patched = generic_activation_patch(
+                bridge, clean, corrupted_cache, metric, layer_head_vector_patch_setter, "z",
+                index_df=pd.DataFrame(heads_patched, columns=["layer", "head"]))
+        scores = np.full((layers, heads), np.nan, np.float32)
+        for (layer, head), value in zip(heads_patched, (full - patched).cpu().numpy()):
+            scores[layer, head] = value
+        return scores
 
     def exact_denoising():
         """TransformerLens's own direction: each head's clean output patched into the
@@ -414,8 +429,12 @@ def scoring_transformerlens(model_dir, ioi, method):
         with torch.no_grad():
             return {"clean_metric": float(metric(bridge(clean))),
                     "corrupted_metric": float(metric(bridge(corrupted)))}
+    def warm():
+        with torch.no_grad():
+            bridge(clean)
+
     methods = {"exact": exact, "exact_denoising": exact_denoising, "attribution": attribution}
-    return methods[method], {"metrics": metrics}
+    return methods[method], {"metrics": metrics, "warm": warm}
 
 
 TOOLS = {
@@ -471,9 +490,11 @@ def main() -> None:
         elif kind == "attention" or args.tool.endswith("attribution"):
             result, stats = measure(run, unit, args.repeats)
             report.update(stats)
-        else:  # exact patching: hundreds of forwards in one run
+        else:  # exact patching: hundreds of forwards in one run, after one plain forward
+            extra["warm"]()
             result, stats = measure(run, unit, 1, warm_up=False, unit_each=3)
             report.update(stats)
+            report["heads_patched"] = int(np.isfinite(result).sum())
         if kind == "scoring":
             report["forward_equivalents"] = report["unit_ratio"]
             stage = "metrics"
