@@ -5,31 +5,35 @@
 
 Every tool runs in its own process (benchmarks/peers_worker.py): attnlab and
 plain transformers with the project's .venv, TransformerLens and nnsight with
-.venv-peers (benchmarks/peers-requirements.txt; same torch and transformers
-as the project), all on the prepared models in resources/models/, offline.
+.venv-peers (benchmarks/peers-requirements.txt; the project's torch and
+transformers), all on the prepared models in resources/models/, offline.
 
 1. Received attention (mean over i > j of A[i, j], every layer and head) of
    --batch x --length tokens of MATH-500 text: attnlab's extraction,
    TransformerLens run_with_cache on the hook_pattern hooks, nnsight saving each
-   layer's attention weights, transformers output_attentions=True (eager: the
-   reference), and a plain sdpa decoder forward (the limit: no attention
-   returned). Median of --repeats after a warm-up; peak memory above the loaded
-   model; max abs difference from the float32 eager reference (and, for scale,
-   from the same reference computed in float64).
+   layer's attention weights, the same two reducing each layer as it comes
+   (a hook, the trace), transformers output_attentions=True (eager: the
+   reference) and a plain sdpa decoder forward (the limit: no attention
+   returned, and every process's unit). Median of --repeats after a warm-up;
+   peak memory above the loaded model; max abs difference from the float32
+   eager reference (and, for scale, from the reference computed in float64).
 2. Scoring every head on --pairs IOI pairs (attnlab.tasks, corrupted = ABC
    names, metric logit[IO] - logit[S]): attnlab's attribution and exact
-   patching; TransformerLens's per-head activation patching
-   (get_act_patch_attn_head_out_all_pos, the clean run patched from the
-   corrupted cache: attnlab's quantity) and its attribution_patch (node
+   patching (a head of the clean run ablated with its corrupted output);
+   TransformerLens's per-head activation patching in its own direction
+   (get_act_patch_attn_head_out_all_pos: the corrupted run patched from the
+   clean cache) and in attnlab's (every --same-direction-every-th head, a
+   check that the numbers are attnlab's), and its attribution_patch (node
    scores of attn_head_out summed over positions). Seconds, forward-pass
-   equivalents (per process: the unit forward is timed around each run) and
-   rank agreement (Spearman, Kendall) with attnlab's exact patching.
+   equivalents (the unit forward is timed in the same process, around the
+   run) and rank agreement (Spearman / Kendall) with the exact scores of
+   both directions.
 
 The first model gets the full measurement; later ones (Gemma-3) a smaller one
-(--check-batch, --check-length, --check-pairs, --check-repeats), to show whether each tool
-loads and agrees. A tool that fails is
-recorded with its error. Writes benchmarks/out/peers.{md,json}, per-process
-files and logs under benchmarks/out/peers/.
+(--check-batch, --check-length, --check-pairs, --check-repeats) that shows
+whether each tool loads and agrees. A tool that fails is recorded with its
+error. Writes benchmarks/out/peers.{md,json}, per-process files and logs under
+benchmarks/out/peers/.
 """
 
 from __future__ import annotations
@@ -154,7 +158,7 @@ def measure_model(name: str, args, full: bool) -> dict:
     size = argparse.Namespace(batch=args.batch, length=args.length, pairs=args.pairs) if full else \
         argparse.Namespace(batch=args.check_batch, length=args.check_length, pairs=args.check_pairs)
     inputs = inputs_for(model_dir, size)
-    inputs["ioi"]["same_direction_every"] = args.same_direction_every if full else 1
+    inputs["ioi"]["same_direction_every"] = args.same_direction_every
     (out / "inputs.json").write_text(json.dumps(inputs))
     repeats = args.repeats if full else args.check_repeats
     print(f"{name}: {size.batch} x {size.length} tokens, {size.pairs} IOI pairs, {repeats} timed run(s) each",
@@ -292,6 +296,8 @@ def markdown(results: list[dict], args, started: str, wall: float) -> str:
     metric = tools[EXACT]
     if "clean_metric" in metric:
         notes.append(f"IOI metric clean {metric['clean_metric']:.2f}, corrupted {metric['corrupted_metric']:.2f}")
+    notes += [f"**warning** ({r['model']}): {r['tools'][EXACT]['warning']}"
+              for r in results if "warning" in r["tools"][EXACT]]
     lines += ["; ".join(notes) + ".", ""] if notes else []
     for other in results[1:]:
         lines += [f"## {other['model']}: does each tool load and agree? ({other['batch']} × {other['length']} "
@@ -310,11 +316,13 @@ def main() -> None:
     parser.add_argument("--check-repeats", type=int, default=1, help="timed runs for the later models")
     parser.add_argument("--check-batch", type=int, default=1, help="attention batch for the later models")
     parser.add_argument("--check-length", type=int, default=128, help="attention length for the later models")
-    parser.add_argument("--check-pairs", type=int, default=8, help="IOI pairs for the later models")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    parser.add_argument("--check-pairs", type=int, default=4, help="IOI pairs for the later models")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per process (0: torch's default). One by default: on a shared "
+                             "machine more threads than free cores slow small forwards several-fold")
     parser.add_argument("--same-direction-every", type=int, default=10,
-                        help="TransformerLens patching in attnlab's direction on every n-th head of the first "
-                             "model (a check that the numbers agree; later models: every head)")
+                        help="TransformerLens patching in attnlab's direction on every n-th head only "
+                             "(a check that the numbers agree)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds before a tool's process is stopped")
     parser.add_argument("--peer-python", type=Path, default=PEERS_PYTHON)
     args = parser.parse_args()

@@ -184,8 +184,8 @@ def attention_sdpa(model_dir, ids, _):
     return run
 
 
-def attention_output_attentions(model_dir, ids, _, dtype=torch.float32):
-    model = _load_hf(model_dir, "eager", dtype)
+def attention_output_attentions(model_dir, ids, _):
+    model = _load_hf(model_dir, "eager")
 
     def run():
         with torch.no_grad():
@@ -194,15 +194,14 @@ def attention_output_attentions(model_dir, ids, _, dtype=torch.float32):
     return run
 
 
-def attention_eager64(model_dir, ids, inputs):
-    """The float64 eager reference (untimed context for the float32 differences)."""
+def attention_eager64(model_dir, ids, _):
+    """The eager reference in float64 (untimed: the scale of float32 rounding)."""
     model = _load_hf(model_dir, "eager", torch.float64)
 
     def run():
         with torch.no_grad():
             out = model.model(input_ids=ids, use_cache=False, output_attentions=True)
-            maps = out.attentions
-        return received_from_maps(maps)
+            return received_from_maps(out.attentions)
     return run
 
 
