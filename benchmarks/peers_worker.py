@@ -428,6 +428,7 @@ def scoring_transformerlens(model_dir, ioi, method):
         with torch.no_grad():
             return {"clean_metric": float(metric(bridge(clean))),
                     "corrupted_metric": float(metric(bridge(corrupted)))}
+
     def warm():
         with torch.no_grad():
             bridge(clean)
@@ -494,12 +495,12 @@ def main() -> None:
             result, stats = measure(run, unit, 1, warm_up=False, unit_each=3)
             report.update(stats)
             report["heads_patched"] = int(np.isfinite(result).sum())
+        if result is not None:
+            np.save(out.with_suffix(".npy"), result)
         if kind == "scoring":
             report["forward_equivalents"] = report["unit_ratio"]
             stage = "metrics"
             report.update(extra["metrics"]())
-        if result is not None:
-            np.save(out.with_suffix(".npy"), result)
         report["ok"] = True
     except Exception as error:  # noqa: BLE001 - a tool that fails is a result
         first = str(error).strip().splitlines()[0][:400] if str(error).strip() else ""
