@@ -184,8 +184,8 @@ def attention_sdpa(model_dir, ids, _):
     return run
 
 
-def attention_output_attentions(model_dir, ids, _):
-    model = _load_hf(model_dir, "eager")
+def attention_output_attentions(model_dir, ids, _, dtype=torch.float32):
+    model = _load_hf(model_dir, "eager", dtype)
 
     def run():
         with torch.no_grad():
@@ -196,13 +196,7 @@ def attention_output_attentions(model_dir, ids, _):
 
 def attention_eager64(model_dir, ids, _):
     """The eager reference in float64 (untimed: the scale of float32 rounding)."""
-    model = _load_hf(model_dir, "eager", torch.float64)
-
-    def run():
-        with torch.no_grad():
-            out = model.model(input_ids=ids, use_cache=False, output_attentions=True)
-            return received_from_maps(out.attentions)
-    return run
+    return attention_output_attentions(model_dir, ids, _, torch.float64)
 
 
 def attention_attnlab(model_dir, ids, _):

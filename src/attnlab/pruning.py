@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from attnlab.models import left_pad
 from attnlab.tasks import TaskError, TaskPrompts, year_continuations
 
 log = logging.getLogger(__name__)
@@ -84,16 +85,6 @@ class TaskBatch:
         return len(self.clean) // self.rows_per_prompt
 
 
-def _pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
 def build_batch(prompts: TaskPrompts, tokenizer) -> TaskBatch:
     clean = [tokenizer(p).input_ids for p in prompts.clean]
     corrupted = [tokenizer(p).input_ids for p in prompts.corrupted]
@@ -110,8 +101,8 @@ def build_batch(prompts: TaskPrompts, tokenizer) -> TaskBatch:
             wrong = last.gather(1, distractors[prompts].to(last.device)).max(dim=1).values
             return right - wrong
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    clean_ids, mask = _pad(clean, pad)
-    corrupted_ids, corrupted_mask = _pad(corrupted, pad)
+    clean_ids, mask, _ = left_pad(clean, pad)
+    corrupted_ids, corrupted_mask, _ = left_pad(corrupted, pad)
     if not torch.equal(mask, corrupted_mask):
         raise TaskError(f"{prompts.task}: clean and corrupted prompts differ in token length")
     rows_per_prompt = len(clean) // len(prompts.clean)

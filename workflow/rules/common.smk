@@ -5,14 +5,13 @@ import sys
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
-from attnlab.plan import attention_figures, check_attention_figures, figure_files, figure_panels
-from attnlab.plan import (check_fewshot, comparison_pairs, fewshot_shots, fewshot_spec, has_length_sweep,
-                          has_placement_sweep, length_families, placements)
+from attnlab.plan import (attention_figures, check_attention_figures, check_fewshot, comparison_pairs,
+                          fewshot_shots, fewshot_spec, figure_files, figure_panels, has_length_sweep,
+                          has_placement_sweep, length_families, placements, selected)
 from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_template, check_heads,
                             check_layer, check_raw_template, prepared_has_chat_template,
                             prepared_model_shape)
 from attnlab.config import validate_config
-from attnlab.plan import selected
 from attnlab.sources import SourceError, check_model_source, check_sparse_models, sparse_bases
 
 
