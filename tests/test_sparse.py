@@ -1,6 +1,7 @@
 """Edge-gated attention and sparse post-training (arXiv 2512.05865, DESIGN.md 1c)."""
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -100,6 +101,23 @@ def test_training_penalty_is_the_mean_sigmoid_over_causal_edges():
     by_hand.backward()
     assert torch.allclose(penalty, by_hand, atol=1e-6)
     assert torch.allclose(grad, query.grad, atol=1e-7)
+
+
+def test_multiplier_moves_symmetrically_and_at_most_a_factor_exp_lr_per_step():
+    settings = {"ema": 0.5, "lr": 0.25, "min": 1e-3, "max": 1e3}
+    state = sparsify.TrainState(lam=1.0)
+    sparsify.update_multiplier(state, 0.05, slack=0.1, multiplier=settings)  # first C: no averaging
+    assert state.c_ema == 0.05 and state.lam == pytest.approx(math.exp(0.25 * 0.5))
+    sparsify.update_multiplier(state, 10.0, slack=0.1, multiplier=settings)  # far over: clipped to +1
+    assert state.c_ema == pytest.approx(5.025)
+    assert state.lam == pytest.approx(math.exp(0.25 * 1.5))
+    state = sparsify.TrainState(lam=1.0)
+    for constraint in (0.3, -0.1):  # 3 slacks over, then fully met: the same step each way
+        sparsify.update_multiplier(state, constraint, slack=0.1, multiplier={**settings, "ema": 0.0})
+    assert state.lam == pytest.approx(1.0)
+    state = sparsify.TrainState(lam=999.0)
+    sparsify.update_multiplier(state, 1.0, slack=0.1, multiplier=settings)
+    assert state.lam == 1e3  # capped
 
 
 def test_generation_with_a_kv_cache_matches_the_full_forward():

