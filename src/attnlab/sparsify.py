@@ -195,8 +195,7 @@ def update_multiplier(state: TrainState, constraint: float, slack: float, multip
     state.c_ema = constraint if state.c_ema is None else alpha * state.c_ema + (1 - alpha) * constraint
     # The violation relative to the slack, clipped to +-1: a step moves lambda by at most a
     # factor exp(lr) either way. With the raw C, a violation of several slacks raised lambda
-    # far faster than a met constraint (C >= -slack) could lower it, and lambda ratcheted to
-    # its cap while density crept back up (README, sparse post-training).
+    # far faster than a met constraint (C >= -slack) could ever lower it.
     relative = max(-1.0, min(1.0, state.c_ema / slack))
     lam = state.lam * math.exp(multiplier["lr"] * relative)
     state.lam = float(min(max(lam, multiplier["min"]), multiplier["max"]))
