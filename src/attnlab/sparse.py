@@ -103,6 +103,11 @@ class GateTracker:
     def training_density(self) -> float:
         return self.sampled_open / self.edges
 
+    def inference_density(self) -> float:
+        """Share of allowed edges open under the deterministic gate, over every layer and head."""
+        opened = sum(float(v.sum()) for v in self.open_per_head.values())
+        return opened / sum(float(v.sum()) for v in self.edges_per_head.values())
+
     def density_per_head(self) -> dict[int, torch.Tensor]:
         return {layer: self.open_per_head[layer] / self.edges_per_head[layer]
                 for layer in sorted(self.open_per_head)}

@@ -350,10 +350,7 @@ class Trainer:
         self.student.train()
         if self.control is not None:
             self.control.train()
-        per_head = density_table(tracker)
-        opened = sum(float(v.sum()) for v in tracker.open_per_head.values())
-        edges = sum(float(v.sum()) for v in tracker.edges_per_head.values())
-        return {**totals, "density": opened / edges}, per_head
+        return {**totals, "density": tracker.inference_density()}, density_table(tracker)
 
     # ---- checkpoints
 
