@@ -76,6 +76,32 @@ def test_continuous_batching_gives_the_static_engine_tokens(model_name, request)
         assert (~static["hit_token_limit"]).all() and static["response"].str.contains("boxed").all()
 
 
+def test_stop_strings_end_rows_where_transformers_own_criterion_does(gemma3_dir):
+    """StopOnStrings (ours: decodes each row's new tokens) stops at exactly the tokens where
+    transformers' StopStringCriteria (``stop_strings``: a table over the vocabulary) stops: a
+    one-token stop string, one spread over several tokens, and one that a token runs past."""
+    from transformers import GenerationConfig
+
+    from attnlab.models import load_tokenizer
+
+    tokenizer = load_tokenizer(gemma3_dir)
+    model = load_model(gemma3_dir, torch.device("cpu"), torch.float32)
+    prompts = _arithmetic_prompts(tokenizer, "raw", fewshot=2, n=4)  # " The answer is \\boxed{12}.\n\n..."
+    batch = tokenizer.pad({"input_ids": [list(ids) for ids in prompts["input_ids"]]}, return_tensors="pt")
+    for stops in (["boxed{1", "What"], ["}", "\n\n"]):  # "}" ends inside the token "}."
+        ours = generate_all(model, tokenizer, prompts, 4, 16, stops)
+        config = GenerationConfig(max_new_tokens=16, do_sample=False, stop_strings=stops,
+                                  pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=model.generation_config.eos_token_id)
+        with torch.inference_mode():
+            library = model.generate(**batch, generation_config=config, tokenizer=tokenizer)
+        library = library[:, batch["input_ids"].shape[1]:].tolist()
+        assert (ours["n_new_tokens"] < 16).all(), stops
+        for row, theirs in zip(ours["new_token_ids"], library):
+            assert list(row) == theirs[:len(row)], stops
+            assert all(t == tokenizer.pad_token_id for t in theirs[len(row):]), stops
+
+
 def test_arm_changes_decoding_steps_under_continuous_batching(smollm2_dir, smollm2_tokenizer):
     """ARM's hook sees every decoding step of the engine (not only the prefill), with the
     positions that key its draws: the ARM generations equal the static engine's ARM ones."""
