@@ -9,7 +9,7 @@ rule extract_attention:
         settings=extraction_settings,
         attrs=grade_keys,
         arm=arm_settings,
-    threads: model_threads
+    threads: 8
     log:
         "results/logs/extract_attention/{model}/{dataset}/{condition}.log",
     benchmark:

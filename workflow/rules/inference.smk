@@ -8,7 +8,7 @@ rule generate:
     params:
         generation=generation_settings,
         arm=arm_settings,
-    threads: model_threads
+    threads: 8
     log:
         "results/logs/generate/{model}/{dataset}/{condition}.log",
     benchmark:
