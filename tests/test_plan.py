@@ -123,3 +123,11 @@ def test_figure_heads_are_checked_against_the_model_shape():
     check_heads(figure_panels([figure], "a"), 1, 2, "a", "attention.figures")
     with pytest.raises(HeadRangeError, match=r"model 'b' has 2 layers .* Fix attention.figures"):
         check_heads(figure_panels([figure], "b"), 2, 2, "b", "attention.figures")
+
+
+def test_model_jobs_take_half_the_local_cores_and_eight_on_a_cluster():
+    from attnlab.plan import model_job_threads
+
+    assert [model_job_threads(cores, local=True) for cores in (1, 2, 3, 7, 16, 64)] == [1, 1, 1, 3, 8, 8]
+    assert model_job_threads(None, local=True) == 8  # --cores not given (remote submission)
+    assert model_job_threads(2, local=False) == 8    # SLURM: the job's own allocation

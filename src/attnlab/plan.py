@@ -188,3 +188,15 @@ def figure_files(figure: dict) -> dict[tuple[str, str, str], str]:
             key = (panel["model"], panel["dataset"], condition)
             files[key] = ATTENTION_FILE.format(model=key[0], dataset=key[1], condition=condition)
     return files
+
+
+def model_job_threads(cores: int | None, local: bool, most: int = 8) -> int:
+    """Threads of a job that runs a model (generation, extraction, MLP analysis, pruning).
+
+    Run locally, half of ``--cores`` (1 to ``most``): such a job spends its first seconds on
+    one core (imports, loading the model and tokenizer: about 8 s of a typical 20 s job of the
+    embedded default), so two at a time keep every core busy. On a cluster: ``most``.
+    """
+    if not local or not cores:
+        return most
+    return max(1, min(most, cores // 2))

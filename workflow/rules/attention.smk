@@ -9,7 +9,7 @@ rule extract_attention:
         settings=extraction_settings,
         attrs=grade_keys,
         arm=arm_settings,
-    threads: 8
+    threads: model_threads
     log:
         "results/logs/extract_attention/{model}/{dataset}/{condition}.log",
     benchmark:

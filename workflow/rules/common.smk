@@ -7,7 +7,8 @@ import sys
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 from attnlab.plan import (attention_figures, check_attention_figures, check_fewshot, comparison_pairs,
                           fewshot_shots, fewshot_spec, figure_files, figure_panels, has_length_sweep,
-                          has_placement_sweep, length_families, placements, selected)
+                          has_placement_sweep, length_families, model_job_threads, placements,
+                          selected)
 from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_template, check_heads,
                             check_layer, check_raw_template, prepared_has_chat_template,
                             prepared_model_shape)
@@ -129,6 +130,12 @@ def model_source(wildcards):
 
 def sparse_base_dir(wildcards):
     return f"resources/models/{SPARSE_BASES[wildcards.model]}"
+
+
+def model_threads(wildcards):
+    """Threads of a model-running job: half of --cores locally (see attnlab.plan)."""
+    cores = workflow.global_resources.get("_cores")  # a Resource once parsed, None when not given
+    return model_job_threads(getattr(cores, "value", cores), workflow.local_exec)
 
 
 def sparsify_settings(wildcards):

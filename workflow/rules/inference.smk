@@ -8,7 +8,7 @@ rule generate:
     params:
         generation=generation_settings,
         arm=arm_settings,
-    threads: 8
+    threads: model_threads
     log:
         "results/logs/generate/{model}/{dataset}/{condition}.log",
     benchmark:

@@ -9,7 +9,7 @@ rule mlp_activations:
     params:
         settings=mlp_settings,
         arm=arm_settings,
-    threads: 8
+    threads: model_threads
     log:
         "results/logs/mlp_activations/{model}/{dataset}/{condition}.log",
     benchmark:

@@ -8,7 +8,7 @@ rule score_heads:
         summary="results/pruning/{model}/{task}/scores.json",
     params:
         settings=scoring_settings,
-    threads: 8
+    threads: model_threads
     log:
         "results/logs/score_heads/{model}/{task}.log",
     benchmark:
@@ -35,7 +35,7 @@ rule sweep_heads:
         summary="results/pruning/{model}/{task}/sweep.json",
     params:
         settings=sweep_settings,
-    threads: 8
+    threads: model_threads
     log:
         "results/logs/sweep_heads/{model}/{task}.log",
     benchmark:
