@@ -9,6 +9,9 @@ rule score_heads:
     params:
         settings=scoring_settings,
     threads: model_threads
+    # Scoring and the long sweeps start as soon as their model is ready, so that locally
+    # they run beside the many short generation jobs rather than alone at the end.
+    priority: 1
     log:
         "results/logs/score_heads/{model}/{task}.log",
     benchmark:
@@ -36,6 +39,7 @@ rule sweep_heads:
     params:
         settings=sweep_settings,
     threads: model_threads
+    priority: 1
     log:
         "results/logs/sweep_heads/{model}/{task}.log",
     benchmark:
