@@ -110,7 +110,13 @@ def main() -> None:
             "speedup": round(continuous["useful_tokens_per_s"] / static["useful_tokens_per_s"], 2)}
         print(json.dumps({name: results["models"][name]}, indent=2), flush=True)
     OUT.mkdir(exist_ok=True)
-    (OUT / "generation_engines.json").write_text(json.dumps(results, indent=2))
+    path = OUT / "generation_engines.json"
+    if path.exists() and set(args.models) != set(MODELS):  # a subset rerun keeps the other models' runs
+        previous = json.loads(path.read_text())
+        if {k: previous.get(k) for k in ("device", "items", "new_tokens", "batch")} == \
+                {k: results[k] for k in ("device", "items", "new_tokens", "batch")}:
+            results["models"] = {**previous["models"], **results["models"]}
+    path.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,21 @@ def test_straight_through_gradient_is_the_expected_density_gradient():
     assert (draws - expected.detach()).abs().mean() < 0.03
 
 
+def test_noisy_straight_through_gradient_is_that_of_the_sampled_logit():
+    """gate_gradient: noisy differentiates σ(s + b + L) with the very noise L of the sample."""
+    logits = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    gate, _ = sparse.stochastic_gate(logits, 0.5, torch.Generator().manual_seed(1), "noisy")
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
+    (gate * weights).sum().backward()
+    uniform = torch.rand(logits.shape, generator=torch.Generator().manual_seed(1)).clamp_(1e-6, 1 - 1e-6)
+    noisy = logits.detach() + 0.5 + torch.log(uniform) - torch.log1p(-uniform)
+    assert torch.equal(gate.detach(), (noisy > 0).float())  # the same draw as the forward pass
+    slope = torch.sigmoid(noisy) * (1 - torch.sigmoid(noisy))
+    assert torch.allclose(logits.grad, slope * weights, atol=1e-6)
+    with pytest.raises(ValueError, match="gate gradient must be one of"):
+        sparse.stochastic_gate(logits, 0.5, None, "gumbel")
+
+
 def test_training_penalty_is_the_mean_sigmoid_over_causal_edges():
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(2, 2, 7, 8, generator=generator, requires_grad=True)

@@ -5,7 +5,7 @@ soft-capping, before masks), every edge (i, j) has a gate on ``s_ij + b``
 (arXiv 2512.05865; DESIGN.md 1c):
 
 - training: ``e_ij ~ Bernoulli(σ(s_ij + b))``, drawn as ``1[s_ij + b + logistic noise > 0]``,
-  with the straight-through estimator ``e + σ − stopgrad(σ)``;
+  with the straight-through estimator ``e + σ − stopgrad(σ)`` (σ of the noisy logit as an option);
 - inference: ``e_ij = 1[s_ij + b > 0]``;
 - output ``y_i = Σ_j softmax(s)_ij · e_ij · v_j``: the softmax runs over every
   causal key and is *not* renormalised after gating.
@@ -64,16 +64,27 @@ def deterministic_gate(logits: torch.Tensor, bias: float) -> torch.Tensor:
     return (logits + bias > 0).to(logits.dtype)
 
 
-def stochastic_gate(logits: torch.Tensor, bias: float,
-                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(straight-through gate, σ(s + b)): a Bernoulli(σ) sample whose gradient is σ's."""
+GATE_GRADIENTS = ("expected", "noisy")
+
+
+def stochastic_gate(logits: torch.Tensor, bias: float, generator: torch.Generator | None,
+                    gradient: str = "expected") -> tuple[torch.Tensor, torch.Tensor]:
+    """(straight-through gate, σ(s + b)): a Bernoulli(σ(s + b)) sample, exactly 0/1 forward.
+
+    Its gradient is that of σ(s + b) (``expected``, DESIGN.md 1c) or of σ(s + b + noise), the
+    sample's own logistic noise (``noisy``, as in a co-author's public kernel): the latter
+    reaches edges far from the threshold more strongly.
+    """
+    if gradient not in GATE_GRADIENTS:
+        raise ValueError(f"gate gradient must be one of {GATE_GRADIENTS}, not {gradient!r}")
     gate_logits = logits + bias
     expected = torch.sigmoid(gate_logits)
     uniform = torch.rand(gate_logits.shape, generator=generator, device=logits.device,
                          dtype=logits.dtype).clamp_(1e-6, 1 - 1e-6)
     noise = torch.log(uniform) - torch.log1p(-uniform)  # logistic: P(x + noise > 0) = σ(x)
     hard = (gate_logits + noise > 0).to(logits.dtype)
-    return hard + (expected - expected.detach()), expected  # exactly 0/1 forward, σ' backward
+    surrogate = expected if gradient == "expected" else torch.sigmoid(gate_logits + noise)
+    return hard + (surrogate - surrogate.detach()), expected
 
 
 @dataclass
@@ -87,6 +98,7 @@ class GateTracker:
 
     training: bool = False
     generator: torch.Generator | None = None
+    gradient: str = "expected"  # the straight-through surrogate (stochastic_gate)
     # Generator state before each layer's draw: a recomputation of the layer (gradient
     # checkpointing, in the backward pass) replays exactly the gates of the forward pass.
     noise_states: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -187,7 +199,7 @@ def _training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias:
         generator.set_state(tracker.noise_states[layer])
     else:
         tracker.noise_states[layer] = generator.get_state()
-    gate, expected = stochastic_gate(logits, bias, generator)
+    gate, expected = stochastic_gate(logits, bias, generator, tracker.gradient)
     allowed = allowed.expand_as(gate)
     expected_sum = (expected * allowed).sum()
     if recomputing:

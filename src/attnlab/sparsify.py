@@ -274,7 +274,7 @@ class Trainer:
         target = None
         if self.control is not None:
             target = self._control_step(ids, state.step)
-        tracker = sparse.GateTracker(training=True, generator=self.generator)
+        tracker = sparse.GateTracker(training=True, generator=self.generator, gradient=settings["gate_gradient"])
         with sparse.tracking(tracker):  # also around backward: checkpointed layers replay their gates
             with _autocast(self.device, settings["dtype"]):
                 logits = self.student(input_ids=ids, use_cache=False).logits
