@@ -193,7 +193,7 @@ def tiny_base(tmp_path_factory, smollm2_dir):
 
 def _settings(corpus, **changes):
     settings = {
-        "base": "tiny-base", "gate_bias": 1.0, "train": "all",
+        "base": "tiny-base", "gate_bias": 1.0, "gate_gradient": "expected", "train": "all",
         "lora": {"rank": 4, "alpha": 8, "modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 2, "steps": 6, "batch_size": 2, "seq_len": 16,
         "grad_clip": 1.0, "constraint": {"type": "kl", "slack": 0.05},

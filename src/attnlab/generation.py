@@ -39,21 +39,34 @@ def stop_string_at(text: str, stop_strings: list[str]) -> int | None:
     return min(found) if found else None
 
 
-class StopOnStrings(StoppingCriteria):
-    """Ends a row once its generated text (decoded as the response is) holds a stop string.
+def stop_window(stop_strings: list[str]) -> int:
+    """How many trailing tokens to decode to see a stop string that the last token completed:
+    it starts within the last ``len(s)`` tokens when every token decodes to a character or
+    more; the margin covers tokens that decode to none (skipped special tokens)."""
+    return 4 * max(len(s) for s in stop_strings) + 8
 
-    transformers' ``stop_strings`` (StopStringCriteria) stops at the same tokens, but builds
-    a table over the whole vocabulary on every ``generate`` call: about 9 s per batch for
-    Gemma-3's 262k tokens on a laptop CPU, more than the batch's decoding. Decoding the few
-    generated tokens of each row costs milliseconds.
+
+def holds_stop_string(tokenizer, tokens: list[int], stop_strings: list[str]) -> bool:
+    """Whether the generated ``tokens`` (decoded as the response is) now hold a stop string,
+    checked on their tail (``stop_window``) so that each step costs the same."""
+    tail = tokenizer.decode(tokens[-stop_window(stop_strings):], skip_special_tokens=True)
+    return stop_string_at(tail, stop_strings) is not None
+
+
+class StopOnStrings(StoppingCriteria):
+    """Ends a row once its generated text holds a stop string (``holds_stop_string``).
+
+    transformers' ``stop_strings`` (StopStringCriteria) stops at the same tokens (tested),
+    but first builds a table over the whole vocabulary, once per process: about 9 s for
+    Gemma-3's 262k tokens on a laptop CPU, more than a short job's decoding.
     """
 
     def __init__(self, tokenizer, stop_strings: list[str], prompt_width: int):
         self.tokenizer, self.stop_strings, self.prompt_width = tokenizer, stop_strings, prompt_width
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        done = [stop_string_at(self.tokenizer.decode(row, skip_special_tokens=True), self.stop_strings)
-                is not None for row in input_ids[:, self.prompt_width:].tolist()]
+        done = [holds_stop_string(self.tokenizer, row, self.stop_strings)
+                for row in input_ids[:, self.prompt_width:].tolist()]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
@@ -163,8 +176,8 @@ def _generate_continuous(model, tokenizer, prompts: pd.DataFrame, batch_size: in
                 if result.error is not None:
                     raise ContinuousBatchingFailed(result.error)
                 # as the static engine's StopOnStrings
-                stopped = bool(stop_strings) and stop_string_at(
-                    tokenizer.decode(result.generated_tokens, skip_special_tokens=True), stop_strings) is not None
+                stopped = bool(stop_strings) and holds_stop_string(tokenizer, list(result.generated_tokens),
+                                                                   stop_strings)
                 if result.is_finished() or stopped:
                     if not result.is_finished():
                         manager.cancel_request(result.request_id)
