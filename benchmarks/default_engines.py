@@ -1,0 +1,61 @@
+"""Static vs continuous batching on the embedded default's own generation prompts.
+
+    .venv/bin/python benchmarks/default_engines.py WORKDIR
+
+WORKDIR: a finished run of the embedded default (the path printed by
+benchmarks/end_to_end.sh). Every prompt file of both models is generated with both
+engines in one process, as the default's config does (batch 16; 96 new tokens, 64 for
+the arithmetic set; Gemma-3's stop strings), timing the generation alone (no job start-up).
+Checks that both engines give the same token ids. Writes benchmarks/out/default_engines.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import time
+
+import torch
+
+from attnlab import io
+from attnlab.generation import generate_all
+from attnlab.models import load_model, load_tokenizer
+from common import OUT
+
+MODELS = {"smollm2-135m": [], "gemma3-270m": ["\n\n", "Problem:", "Question:"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workdir")
+    args = parser.parse_args()
+    results = {"threads": torch.get_num_threads(), "models": {}}
+    for name, stops in MODELS.items():
+        folder = f"{args.workdir}/resources/models/{name}"
+        tokenizer = load_tokenizer(folder)
+        model = load_model(folder, torch.device("cpu"), torch.float32)
+        files = sorted(glob.glob(f"{args.workdir}/results/prompts/{name}/*/*.parquet"))
+        generate_all(model, tokenizer, io.read_parquet(files[0]).head(2), 2, 4, stops, engine="continuous")  # warm-up
+        seconds, same, tokens = {"static": 0.0, "continuous": 0.0}, True, 0
+        for path in files:
+            prompts = io.read_parquet(path)
+            new_tokens = 64 if "/arithmetic/" in path else 96
+            out = {}
+            for engine in seconds:
+                started = time.perf_counter()
+                out[engine] = generate_all(model, tokenizer, prompts, 16, new_tokens, stops, engine=engine)
+                seconds[engine] += time.perf_counter() - started
+            same &= out["static"]["new_token_ids"].map(list).tolist() == out["continuous"]["new_token_ids"].map(list).tolist()
+            tokens += int(out["static"]["n_new_tokens"].sum())
+        results["models"][name] = {
+            "prompt_files": len(files), "new_tokens": tokens, "same_tokens": same,
+            "static_s": round(seconds["static"], 1), "continuous_s": round(seconds["continuous"], 1),
+            "speedup": round(seconds["static"] / seconds["continuous"], 2)}
+        print(json.dumps({name: results["models"][name]}), flush=True)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "default_engines.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
