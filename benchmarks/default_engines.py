@@ -4,8 +4,9 @@
 
 WORKDIR: a finished run of the embedded default (the path printed by
 benchmarks/end_to_end.sh). Every prompt file of both models is generated with both
-engines in one process, as the default's config does (batch 16; 96 new tokens, 64 for
-the arithmetic set; Gemma-3's stop strings), timing the generation alone (no job start-up).
+engines in one process, with the generation settings config/config.yaml gives that
+model and dataset (batch, new tokens, stop strings), timing the generation alone
+(no job start-up).
 Checks that both engines give the same token ids. Writes benchmarks/out/default_engines.json.
 """
 
@@ -17,34 +18,38 @@ import json
 import time
 
 import torch
+import yaml
 
 from attnlab import io
+from attnlab.config import validate_config
 from attnlab.generation import generate_all
 from attnlab.models import load_model, load_tokenizer
-from common import OUT
-
-MODELS = {"smollm2-135m": [], "gemma3-270m": ["\n\n", "Problem:", "Question:"]}
+from attnlab.plan import cell_generation
+from common import OUT, REPO
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workdir")
     args = parser.parse_args()
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    validate_config(config, REPO / "config" / "schema.yaml")  # fills in the defaults
     results = {"threads": torch.get_num_threads(), "models": {}}
-    for name, stops in MODELS.items():
+    for name in config["models"]:
         folder = f"{args.workdir}/resources/models/{name}"
         tokenizer = load_tokenizer(folder)
         model = load_model(folder, torch.device("cpu"), torch.float32)
         files = sorted(glob.glob(f"{args.workdir}/results/prompts/{name}/*/*.parquet"))
-        generate_all(model, tokenizer, io.read_parquet(files[0]).head(2), 2, 4, stops, engine="continuous")  # warm-up
+        generate_all(model, tokenizer, io.read_parquet(files[0]).head(2), 2, 4, engine="continuous")  # warm-up
         seconds, same, tokens = {"static": 0.0, "continuous": 0.0}, True, 0
         for path in files:
             prompts = io.read_parquet(path)
-            new_tokens = 64 if "/arithmetic/" in path else 96
+            cell = cell_generation(config, name, path.split("/")[-2])
             out = {}
             for engine in seconds:
                 started = time.perf_counter()
-                out[engine] = generate_all(model, tokenizer, prompts, 16, new_tokens, stops, engine=engine)
+                out[engine] = generate_all(model, tokenizer, prompts, cell["batch_size"], cell["max_new_tokens"],
+                                           cell["stop_strings"], engine=engine)
                 seconds[engine] += time.perf_counter() - started
             same &= out["static"]["new_token_ids"].map(list).tolist() == out["continuous"]["new_token_ids"].map(list).tolist()
             tokens += int(out["static"]["n_new_tokens"].sum())

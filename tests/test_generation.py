@@ -77,7 +77,7 @@ def test_continuous_batching_gives_the_static_engine_tokens(model_name, request)
 
 
 def test_stop_strings_end_rows_where_transformers_own_criterion_does(gemma3_dir):
-    """StopOnStrings (ours: decodes each row's new tokens) stops at exactly the tokens where
+    """StopOnStrings (ours: decodes the tail of each row's new tokens) stops at exactly the tokens where
     transformers' StopStringCriteria (``stop_strings``: a table over the vocabulary) stops: a
     one-token stop string, one spread over several tokens, and one that a token runs past."""
     from transformers import GenerationConfig

@@ -200,3 +200,10 @@ def model_job_threads(cores: int | None, local: bool, most: int = 8) -> int:
     if not local or not cores:
         return most
     return max(1, min(most, cores // 2))
+
+
+def cell_generation(config: dict, model: str, dataset: str) -> dict:
+    """Generation settings of one model x dataset: the top-level ones, then the dataset's,
+    then the model's overrides."""
+    return {**config["generation"], **config["datasets"][dataset].get("generation", {}),
+            **config["models"][model].get("generation", {})}

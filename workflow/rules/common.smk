@@ -5,7 +5,8 @@ import sys
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
-from attnlab.plan import (attention_figures, check_attention_figures, check_fewshot, comparison_pairs,
+from attnlab.plan import (attention_figures, cell_generation, check_attention_figures, check_fewshot,
+                          comparison_pairs,
                           fewshot_shots, fewshot_spec, figure_files, figure_panels, has_length_sweep,
                           has_placement_sweep, length_families, model_job_threads, placements,
                           selected)
@@ -168,12 +169,7 @@ def fewshot_input(wildcards):
 
 
 def generation_settings(wildcards):
-    """Top-level generation settings, then the dataset's, then the model's overrides."""
-    return {
-        **config["generation"],
-        **config["datasets"][wildcards.dataset].get("generation", {}),
-        **config["models"][wildcards.model].get("generation", {}),
-    }
+    return cell_generation(config, wildcards.model, wildcards.dataset)
 
 
 def grade_keys(wildcards):
