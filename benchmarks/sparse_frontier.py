@@ -1,6 +1,7 @@
 """What sparsity costs before any training: density vs KL on the post-training's held-out text.
 
     .venv/bin/python benchmarks/sparse_frontier.py [--trained results/sparsify/NAME/eval.csv ...]
+                                                   [--trained-models resources/models/NAME ...]
 
 On SmolLM2-135M-Instruct and the held-out slice that `sparsify` reports on (same corpus,
 sequence length, seed), KL(dense ‖ gated) in nats per token and density (share of causal
@@ -15,6 +16,10 @@ The last two are oracles the gate can only reach by learning: softmax is invaria
 per-row shift of the logits, so a model that learned to shift each row by the right amount
 would gate like them (DESIGN.md 1c). They bound what the trained copy should approach, and
 ``--trained`` adds the held-out points of post-training runs for comparison.
+``--trained-models`` measures the frontier of post-trained copies themselves: each copy's
+gate at several biases b' (its training bias and others), KL against the same dense
+reference, so a trained copy and the untrained gate can be compared at equal KL; b' = 100
+opens every gate and leaves what the change of the weights alone costs.
 Writes benchmarks/out/sparse_frontier.{json,md}.
 """
 
@@ -71,6 +76,12 @@ class Frontier:
             self.reference = self.student(input_ids=self.ids, use_cache=False).logits
         sparse.make_sparse(self.student, 0.0)
 
+    def gate_model(self, model_dir) -> None:
+        """Measure the gates of a post-trained sparse copy from now on (same reference and text)."""
+        self.student = load_model(model_dir, torch.device("cpu"), torch.float32)
+        if not sparse.is_sparse(self.student):
+            raise SystemExit(f"{model_dir} is not a sparse copy (no gate bias in its config.json)")
+
     def point(self, gate_bias: float, gate=None) -> dict:
         """Held-out KL and density with the gate bias, or with ``gate`` replacing the gate rule."""
         for config in (self.student.config, self.student.config.get_text_config()):
@@ -89,6 +100,8 @@ def main() -> None:
     parser.add_argument("--heldout-sequences", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trained", nargs="*", default=[], help="eval.csv files of sparsify runs")
+    parser.add_argument("--trained-models", nargs="*", default=[],
+                        help="folders of sparse copies (resources/models/NAME) to gate at several biases")
     args = parser.parse_args()
     frontier = Frontier(embedded_model("smollm2-135m"), args.seq_len, args.heldout_sequences, args.seed)
     rows = []
@@ -105,6 +118,14 @@ def main() -> None:
         final = pd.read_csv(path).iloc[-1]
         rows.append({"selection": f"trained gate ({path})", "setting": f"{int(final['tokens'])} tokens",
                      "density": float(final["density"]), "kl": float(final["kl"])})
+    for model_dir in args.trained_models:
+        frontier.gate_model(model_dir)
+        trained_bias = sparse.gate_bias(frontier.student.model.layers[0].self_attn)
+        # b' = 100 opens every gate: what the weights' own change costs, without any gating
+        for bias in sorted({trained_bias, 100.0, 6.0, 4.0, 2.0, 1.0, 0.0}, reverse=True):
+            rows.append({"selection": f"trained copy {model_dir}, its gate at b'",
+                         "setting": f"b' = {bias:g}" + (" (trained)" if bias == trained_bias else ""),
+                         **frontier.point(bias)})
     table = pd.DataFrame(rows)
     OUT.mkdir(exist_ok=True)
     (OUT / "sparse_frontier.json").write_text(json.dumps(

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -135,6 +136,17 @@ def test_multiplier_moves_symmetrically_and_at_most_a_factor_exp_lr_per_step():
     assert state.lam == 1e3  # capped
 
 
+def test_learning_rate_warms_up_then_stays_or_decays_by_cosine_to_zero():
+    settings = {"lr": 1.0, "warmup_steps": 2, "steps": 6, "lr_schedule": "constant"}
+    assert [sparsify.learning_rate(settings, step) for step in range(6)] == [0.5, 1, 1, 1, 1, 1]
+    settings["lr_schedule"] = "cosine"
+    rates = [sparsify.learning_rate(settings, step) for step in range(7)]
+    assert rates[:2] == [0.5, 1.0]
+    expected = [0.5 * (1 + math.cos(math.pi * k / 5)) for k in range(1, 6)]  # 5 steps after warm-up
+    assert rates[2:6] == pytest.approx(expected[:4]) and rates[5] > 0
+    assert rates[6] == pytest.approx(0.0, abs=1e-12)  # a step past the last would not move
+
+
 def test_generation_with_a_kv_cache_matches_the_full_forward():
     model = TINY["llama-gqa"]()
     sparse.make_sparse(model, 0.0)  # many edges closed
@@ -195,12 +207,13 @@ def _settings(corpus, **changes):
     settings = {
         "base": "tiny-base", "gate_bias": 1.0, "gate_gradient": "expected", "train": "all",
         "lora": {"rank": 4, "alpha": 8, "modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-        "lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 2, "steps": 6, "batch_size": 2, "seq_len": 16,
+        "lr": 1e-3, "lr_schedule": "constant", "weight_decay": 0.0, "warmup_steps": 2, "steps": 6, "batch_size": 2, "seq_len": 16,
         "grad_clip": 1.0, "constraint": {"type": "kl", "slack": 0.05},
         "multiplier": {"init": 1.0, "lr": 1.0, "ema": 0.9, "min": 1e-3, "max": 1e3}, "seed": 0,
         "corpus": {"paths": [str(corpus)], "text_field": "text"}, "heldout_sequences": 4,
         "eval_every": 3, "checkpoint_every": 2, "log_every": 1, "device": "cpu", "dtype": "auto",
         "gradient_checkpointing": False,
+        "calibrate_gate_bias": {"enabled": False, "max_kl": 0.12, "step": 0.5, "lowest": -2.0, "sequences": 32},
     }
     settings.update(changes)
     return settings
@@ -291,6 +304,35 @@ def test_killed_training_resumes_to_the_same_weights(trained, tiny_base, tmp_pat
     for name in resumed:
         assert torch.equal(resumed[name], uninterrupted[name]), name
     assert pd.read_csv(tmp_path / "steps.csv").equals(pd.read_csv(folder / "steps.csv"))
+
+
+def test_calibration_keeps_the_lowest_gate_bias_within_the_kl_limit(trained, tiny_base, tmp_path):
+    base, corpus = tiny_base
+    folder, summary = trained
+    shutil.copy(folder / "ckpt.pt", tmp_path / "ckpt.pt")  # calibration does not retrain
+    wide = {"enabled": True, "max_kl": 2.0, "step": 0.5, "lowest": -1.0, "sequences": 4}
+    first = sparsify.post_train(str(base), "tiny-sparse", _settings(corpus, calibrate_gate_bias=wide),
+                                _outputs(tmp_path), torch.device("cpu"))
+    grid = first["calibration"]["grid"]
+    assert [row["gate_bias"] for row in grid] == [1.0, 0.5, 0.0, -0.5, -1.0]
+    assert grid[0]["density"] > grid[-1]["density"]
+    limit = (grid[0]["kl"] + max(row["kl"] for row in grid)) / 2  # b = 1 within, some b' over it
+    over = next(k for k, row in enumerate(grid) if row["kl"] > limit)
+    chosen = grid[over - 1]["gate_bias"]  # the last b' before the first one over the limit
+    calibrated = sparsify.post_train(
+        str(base), "tiny-sparse", _settings(corpus, calibrate_gate_bias={**wide, "max_kl": limit}),
+        _outputs(tmp_path), torch.device("cpu"))
+    assert calibrated["inference_gate_bias"] == chosen < 1.0 and calibrated["gate_bias"] == 1.0
+    scanned = calibrated["calibration"]["grid"]  # the same measurements, up to the first one over
+    assert [row["gate_bias"] for row in scanned] == [row["gate_bias"] for row in grid[:over + 1]]
+    assert [row["kl"] for row in scanned] == pytest.approx([row["kl"] for row in grid[:over + 1]])
+    assert calibrated["calibration"]["at_training_bias"]["kl"] == pytest.approx(summary["heldout_kl"])
+    assert calibrated["heldout_density"] < summary["heldout_density"]
+    config = json.loads((tmp_path / "model" / "config.json").read_text())[sparse.CONFIG_KEY]
+    assert config["gate_bias"] == chosen and config["training_gate_bias"] == 1.0
+    evals = pd.read_csv(tmp_path / "eval.csv")
+    assert list(evals["gate_bias"]) == [1.0, 1.0, 1.0, chosen]
+    assert evals["density"].iloc[-1] == pytest.approx(calibrated["heldout_density"])
 
 
 def test_ce_control_and_lora_train(tiny_base, tmp_path):

@@ -379,14 +379,21 @@ def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict
                          out_path, dpi: int = 150) -> None:
     """Density, KL, cross-entropy and the multiplier against training tokens."""
     slack = summary["constraint"]["slack"]
+    trained_bias = summary["gate_bias"]
+    calibrated = evals[evals["gate_bias"] != trained_bias] if "gate_bias" in evals else evals.iloc[:0]
+    evals = evals.drop(calibrated.index)
+    inference_bias = summary.get("inference_gate_bias", trained_bias)
+    calibrated_label = f"held-out at the calibrated b' = {inference_bias:g}"
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     density, kl, ce, lam = axes.flat
     density.plot(steps["tokens"], steps["expected_density"], lw=1, alpha=0.6, label="training: E[open] = mean σ(s+b)")
     density.plot(evals["tokens"], evals["density"], "o-", label="held-out: open at inference, 1[s+b>0]")
+    density.plot(calibrated["tokens"], calibrated["density"], "*", ms=11, label=calibrated_label)
     density.set_ylabel("share of causal edges open")
     density.set_ylim(0, 1.02)
     kl.plot(steps["tokens"], steps["kl"], lw=1, alpha=0.6, label="training batch")
     kl.plot(evals["tokens"], evals["kl"], "o-", label="held-out")
+    kl.plot(calibrated["tokens"], calibrated["kl"], "*", ms=11, label=calibrated_label)
     if summary["constraint"]["type"] == "kl":
         kl.axhline(slack, ls="--", color="grey", lw=1, label=f"constraint: KL ≤ {slack:g}")
     kl.set_ylabel("KL(dense ‖ sparse), nats/token")
@@ -404,9 +411,11 @@ def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict
             ax.legend(fontsize=7)
     for ax in axes[1]:
         ax.set_xlabel("training tokens")
-    fig.suptitle(f"{model}: sparse post-training of {summary['base']} (gate bias b = {summary['gate_bias']:g}, "
+    at = (f"at the calibrated b' = {inference_bias:g}" if len(calibrated)
+          else f"at b = {trained_bias:g}")
+    fig.suptitle(f"{model}: sparse post-training of {summary['base']} (gate bias b = {trained_bias:g}, "
                  f"train {summary['train']}, constraint {summary['constraint']['type']})\n"
-                 f"final held-out: density {summary['heldout_density']:.3f}, KL {summary['heldout_kl']:.3f}, "
+                 f"final held-out {at}: density {summary['heldout_density']:.3f}, KL {summary['heldout_kl']:.3f}, "
                  f"CE {summary['heldout_ce_sparse']:.3f} (dense {summary['heldout_ce_dense']:.3f})", fontsize=9)
     fig.tight_layout()
     _save(fig, out_path, dpi)
@@ -420,7 +429,7 @@ def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path
     ax.set_xlabel("head (0-based)")
     ax.set_ylabel("layer (0-based)")
     fig.colorbar(image, ax=ax, label="share of causal edges open at inference")
-    ax.set_title(f"{model}: held-out density per head\n(mean {summary['heldout_density']:.3f}; "
+    ax.set_title(f"{model}: held-out density per head, gate 1[s + {summary.get('inference_gate_bias', summary['gate_bias']):g} > 0]\n(mean {summary['heldout_density']:.3f}; "
                  f"{summary['heldout_tokens']} held-out tokens)", fontsize=9)
     fig.tight_layout()
     _save(fig, out_path, dpi)

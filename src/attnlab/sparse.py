@@ -239,6 +239,14 @@ def make_sparse(model, gate_bias: float, **provenance) -> None:
     model.set_attn_implementation(IMPLEMENTATION)
 
 
+def set_gate_bias(model, gate_bias: float) -> None:
+    """Change the gate bias of a sparse model in place (its gated attention reads it per call)."""
+    if not is_sparse(model):
+        raise ValueError("set_gate_bias needs a sparse model (see make_sparse)")
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        getattr(config, CONFIG_KEY)["gate_bias"] = float(gate_bias)
+
+
 def activate(model) -> None:
     """Select the gated attention when the model's config says it is sparse (called on load)."""
     if is_sparse(model):

@@ -201,10 +201,23 @@ def update_multiplier(state: TrainState, constraint: float, slack: float, multip
     state.lam = float(min(max(lam, multiplier["min"]), multiplier["max"]))
 
 
+def learning_rate(settings: dict, step: int) -> float:
+    """The learning rate of optimiser step ``step`` (0-based): linear warm-up, then constant or
+    a cosine decay that reaches 0 after the last step. Adam moves every weight by about the
+    learning rate per step, whatever the size of its gradient, so at a constant rate the
+    weights keep drifting (and costing KL) however well the constraint holds; the decay
+    lets the last steps settle."""
+    warmup, steps = settings["warmup_steps"], settings["steps"]
+    rate = settings["lr"] * min(1.0, (step + 1) / max(1, warmup))
+    if settings["lr_schedule"] == "cosine" and step >= warmup:
+        rate *= 0.5 * (1 + math.cos(math.pi * (step - warmup + 1) / (steps - warmup + 1)))
+    return rate
+
+
 def fingerprint(settings: dict) -> str:
     """What must match for a checkpoint to be resumed (everything that shapes training)."""
     keep = {k: v for k, v in settings.items()
-            if k not in ("device", "checkpoint_every", "eval_every", "log_every")}
+            if k not in ("device", "checkpoint_every", "eval_every", "log_every", "calibrate_gate_bias")}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -262,8 +275,7 @@ class Trainer:
                                  weight_decay=self.settings["weight_decay"])
 
     def learning_rate(self, step: int) -> float:
-        warmup = self.settings["warmup_steps"]
-        return self.settings["lr"] * min(1.0, (step + 1) / max(1, warmup))
+        return learning_rate(self.settings, step)
 
     def step(self, ids: torch.Tensor, state: TrainState) -> dict:
         settings, ids = self.settings, ids.to(self.device)
@@ -467,13 +479,51 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
     state.elapsed_s += time.perf_counter() - clock
     if final is None:  # resumed after the last step: its evaluation was not kept
         final, per_head = trainer.evaluate(corpus.heldout)
-    summary = _summary(settings, state, final, corpus, device, time.perf_counter() - started)
+    evals = [{**row, "gate_bias": settings["gate_bias"]} for row in state.evals]
+    bias, calibration = settings["gate_bias"], None
+    if settings["calibrate_gate_bias"]["enabled"]:
+        calibration_ids = corpus.train[order[-settings["calibrate_gate_bias"]["sequences"]:]]
+        bias, calibration = calibrate_gate_bias(trainer, calibration_ids, settings)
+        calibration["trained_on"] = state.position > len(order) - len(calibration_ids)
+        calibration["at_training_bias"] = {k: final[k] for k in ("ce_sparse", "kl", "density")}
+        if bias != settings["gate_bias"]:
+            final, per_head = trainer.evaluate(corpus.heldout)
+            evals.append({"step": state.step, "tokens": evals[-1]["tokens"], **final, "gate_bias": bias})
+            log.info("held-out at the calibrated gate bias %g: %s", bias, _describe(final))
+    summary = _summary(settings, state, final, corpus, device, time.perf_counter() - started,
+                       bias, calibration)
     io.write_csv(pd.DataFrame(state.steps), outputs.steps)
-    io.write_csv(pd.DataFrame(state.evals), outputs.evals)
+    io.write_csv(pd.DataFrame(evals), outputs.evals)
     io.write_csv(per_head, outputs.density)
     io.write_json(summary, outputs.summary)
-    _write_model(trainer.merged_student(), tokenizer, name, settings, summary, outputs.model_dir)
+    _write_model(trainer.merged_student(), tokenizer, name, settings, bias, summary, outputs.model_dir)
     return summary
+
+
+def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: dict) -> tuple[float, dict]:
+    """The inference gate bias b' of the saved copy: from the training bias down in steps of
+    ``step``, the lowest b' before KL(dense || sparse) on ``ids`` exceeds ``max_kl`` (or
+    ``lowest`` is passed). Returns b' and the grid measured (gate bias, KL, density).
+
+    Post-training lowers the weights' cost of gating far below the training bias (README), so
+    a lower threshold at inference can keep fewer edges within the same KL. The scan stops at
+    the first b' over the limit: KL grows as b' falls, and it is not searched past a bump.
+    """
+    options = settings["calibrate_gate_bias"]
+    trained = settings["gate_bias"]
+    grid, best = [], trained
+    for k in range(int((trained - options["lowest"]) / options["step"] + 1e-9) + 1):
+        candidate = trained - k * options["step"]
+        sparse.set_gate_bias(trainer.student, candidate)
+        measured, _ = trainer.evaluate(ids)
+        grid.append({"gate_bias": candidate, "kl": measured["kl"], "density": measured["density"]})
+        log.info("calibration: gate bias %g: KL %.4f, density %.4f", candidate, measured["kl"],
+                 measured["density"])
+        if measured["kl"] > options["max_kl"]:
+            break
+        best = candidate
+    sparse.set_gate_bias(trainer.student, best)
+    return best, {"max_kl": options["max_kl"], "sequences": len(ids), "grid": grid}
 
 
 def _finite(row: dict) -> bool:
@@ -493,9 +543,10 @@ def _stop_on_nan(row: dict, state: TrainState, checkpoint: Path) -> None:
         f"{kept}, no model was written. Lower lr, multiplier.lr or grad_clip")
 
 
-def _summary(settings, state, final, corpus, device, wall) -> dict:
+def _summary(settings, state, final, corpus, device, wall, bias, calibration) -> dict:
     return {
-        "base": settings["base"], "gate_bias": settings["gate_bias"], "train": settings["train"],
+        "base": settings["base"], "gate_bias": settings["gate_bias"], "inference_gate_bias": bias,
+        **({"calibration": calibration} if calibration else {}), "train": settings["train"],
         "constraint": settings["constraint"], "steps": state.step,
         "tokens": state.step * settings["batch_size"] * settings["seq_len"],
         "heldout_tokens": int(corpus.heldout.numel()), "corpus": corpus.description,
@@ -506,15 +557,17 @@ def _summary(settings, state, final, corpus, device, wall) -> dict:
         "tokens_per_s": state.step * settings["batch_size"] * settings["seq_len"] / max(state.elapsed_s, 1e-9),
         "definitions": {
             "density": "share of causal (and in-window) query-key edges whose gate is open at inference, "
-                       "1[s_ij + b > 0], over every layer and head, on the held-out sequences",
+                       "1[s_ij + b' > 0] with b' the inference gate bias (the training's gate_bias unless "
+                       "calibrated), over every layer and head, on the held-out sequences",
             "kl": "KL(dense || sparse) of the next-token distribution, nats per token, held-out",
             "ce": "next-token cross-entropy, nats per token, held-out",
         },
     }
 
 
-def _write_model(model, tokenizer, name: str, settings: dict, summary: dict, out_dir: str) -> None:
-    sparse.make_sparse(model, settings["gate_bias"], base=settings["base"])
+def _write_model(model, tokenizer, name: str, settings: dict, bias: float, summary: dict,
+                 out_dir: str) -> None:
+    sparse.make_sparse(model, bias, base=settings["base"], training_gate_bias=settings["gate_bias"])
     with io.atomic_path(out_dir, directory=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
