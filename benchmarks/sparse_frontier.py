@@ -84,8 +84,7 @@ class Frontier:
 
     def point(self, gate_bias: float, gate=None) -> dict:
         """Held-out KL and density with the gate bias, or with ``gate`` replacing the gate rule."""
-        for config in (self.student.config, self.student.config.get_text_config()):
-            config.attnlab_sparse["gate_bias"] = gate_bias
+        sparse.set_gate_bias(self.student, gate_bias)
         tracker = sparse.GateTracker(training=False)
         patch = mock.patch.object(sparse, "deterministic_gate", gate) if gate else contextlib.nullcontext()
         with torch.no_grad(), sparse.tracking(tracker), patch:
@@ -120,12 +119,16 @@ def main() -> None:
                      "density": float(final["density"]), "kl": float(final["kl"])})
     for model_dir in args.trained_models:
         frontier.gate_model(model_dir)
-        trained_bias = sparse.gate_bias(frontier.student.model.layers[0].self_attn)
+        saved = getattr(frontier.student.config, sparse.CONFIG_KEY)
+        inference_bias = saved["gate_bias"]
+        training_bias = saved.get("training_gate_bias", inference_bias)
+        labels = {training_bias: " (training b)", inference_bias: " (saved b')"}
+        if inference_bias == training_bias:
+            labels = {training_bias: " (training b = saved b')"}
         # b' = 100 opens every gate: what the weights' own change costs, without any gating
-        for bias in sorted({trained_bias, 100.0, 6.0, 4.0, 2.0, 1.0, 0.0}, reverse=True):
+        for bias in sorted({*labels, 100.0, 6.0, 4.0, 2.0, 1.0, 0.0}, reverse=True):
             rows.append({"selection": f"trained copy {model_dir}, its gate at b'",
-                         "setting": f"b' = {bias:g}" + (" (trained)" if bias == trained_bias else ""),
-                         **frontier.point(bias)})
+                         "setting": f"b' = {bias:g}" + labels.get(bias, ""), **frontier.point(bias)})
     table = pd.DataFrame(rows)
     OUT.mkdir(exist_ok=True)
     (OUT / "sparse_frontier.json").write_text(json.dumps(

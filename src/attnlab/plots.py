@@ -399,6 +399,7 @@ def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict
     kl.set_ylabel("KL(dense ‖ sparse), nats/token")
     ce.plot(evals["tokens"], evals["ce_sparse"], "o-", label="sparse")
     ce.plot(evals["tokens"], evals["ce_dense"], "s--", label="dense base")
+    ce.plot(calibrated["tokens"], calibrated["ce_sparse"], "*", ms=11, label=f"sparse at b' = {inference_bias:g}")
     if "ce_control" in evals:
         ce.plot(evals["tokens"], evals["ce_control"], "^--", label="dense control (fine-tuned alike)")
     ce.set_ylabel("held-out cross-entropy, nats/token")
@@ -429,7 +430,9 @@ def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path
     ax.set_xlabel("head (0-based)")
     ax.set_ylabel("layer (0-based)")
     fig.colorbar(image, ax=ax, label="share of causal edges open at inference")
-    ax.set_title(f"{model}: held-out density per head, gate 1[s + {summary.get('inference_gate_bias', summary['gate_bias']):g} > 0]\n(mean {summary['heldout_density']:.3f}; "
+    bias = summary.get("inference_gate_bias", summary["gate_bias"])
+    ax.set_title(f"{model}: held-out density per head, gate 1[s + {bias:g} > 0]\n"
+                 f"(mean {summary['heldout_density']:.3f}; "
                  f"{summary['heldout_tokens']} held-out tokens)", fontsize=9)
     fig.tight_layout()
     _save(fig, out_path, dpi)
