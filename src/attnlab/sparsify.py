@@ -333,8 +333,18 @@ class Trainer:
     # ---- held-out evaluation
 
     @torch.no_grad()
-    def evaluate(self, heldout: torch.Tensor) -> tuple[dict, pd.DataFrame]:
-        """Held-out CE of both models, KL, and density at inference (deterministic gates)."""
+    def reference_logits(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """The dense model's logits on ``ids``, per evaluation batch (to reuse across evaluations)."""
+        batch = self.settings["batch_size"]
+        with _autocast(self.device, self.settings["dtype"]):
+            return [self.dense(input_ids=ids[start:start + batch].to(self.device), use_cache=False).logits
+                    for start in range(0, len(ids), batch)]
+
+    @torch.no_grad()
+    def evaluate(self, heldout: torch.Tensor, references: list[torch.Tensor] | None = None
+                 ) -> tuple[dict, pd.DataFrame]:
+        """Held-out CE of both models, KL, and density at inference (deterministic gates).
+        ``references``: the dense logits per batch (reference_logits), else computed here."""
         self.student.eval()
         tracker = sparse.GateTracker()
         totals = {"ce_sparse": 0.0, "ce_dense": 0.0, "kl": 0.0}
@@ -343,10 +353,11 @@ class Trainer:
             self.control.eval()
         batch = self.settings["batch_size"]
         chunks = range(0, len(heldout), batch)
-        for start in chunks:
+        for index, start in enumerate(chunks):
             ids = heldout[start:start + batch].to(self.device)
             with _autocast(self.device, self.settings["dtype"]):
-                reference = self.dense(input_ids=ids, use_cache=False).logits
+                reference = (references[index] if references is not None
+                             else self.dense(input_ids=ids, use_cache=False).logits)
                 with sparse.tracking(tracker):
                     logits = self.student(input_ids=ids, use_cache=False).logits
             ce, kl = _loss_terms(logits, ids, reference)
@@ -511,11 +522,14 @@ def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: dict) -> 
     """
     options = settings["calibrate_gate_bias"]
     trained = settings["gate_bias"]
+    # The dense logits once for the whole scan, when they fit in 2 GB (else per evaluation)
+    fits = len(ids) * ids.shape[1] * trainer.dense.config.get_text_config().vocab_size * 4 <= 2 ** 31
+    references = trainer.reference_logits(ids) if fits else None
     grid, best = [], trained
     for k in range(int((trained - options["lowest"]) / options["step"] + 1e-9) + 1):
         candidate = trained - k * options["step"]
         sparse.set_gate_bias(trainer.student, candidate)
-        measured, _ = trainer.evaluate(ids)
+        measured, _ = trainer.evaluate(ids, references)
         grid.append({"gate_bias": candidate, "kl": measured["kl"], "density": measured["density"]})
         log.info("calibration: gate bias %g: KL %.4f, density %.4f", candidate, measured["kl"],
                  measured["density"])
