@@ -520,6 +520,7 @@ def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: dict) -> 
     a lower threshold at inference can keep fewer edges within the same KL. The scan stops at
     the first b' over the limit: KL grows as b' falls, and it is not searched past a bump.
     """
+    started = time.perf_counter()
     options = settings["calibrate_gate_bias"]
     trained = settings["gate_bias"]
     # The dense logits once for the whole scan, when they fit in 2 GB (else per evaluation)
@@ -537,7 +538,8 @@ def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: dict) -> 
             break
         best = candidate
     sparse.set_gate_bias(trainer.student, best)
-    return best, {"max_kl": options["max_kl"], "sequences": len(ids), "grid": grid}
+    return best, {"max_kl": options["max_kl"], "sequences": len(ids), "grid": grid,
+                  "seconds": time.perf_counter() - started}
 
 
 def _finite(row: dict) -> bool:
