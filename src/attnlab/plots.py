@@ -245,7 +245,10 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
     for first, second in comparison_pairs(compare, list(sweeps)):
         if needed.get(first) and needed.get(second):
             ratio = needed[first] / needed[second]
-            labels.append(f"{ratio:.1f}× fewer heads for {second} than {first} at {threshold:g}")
+            if ratio >= 1:
+                labels.append(f"{ratio:.1f}× fewer heads for {second} than {first} at {threshold:g}")
+            else:  # "0.7× fewer" would read as fewer: say more, and keep the paper's N× beside it
+                labels.append(f"{1 / ratio:.1f}× more heads for {second} than {first} (N× = {ratio:.2f})")
     if labels:
         ax.text(0.02, 0.96, "\n".join(labels), ha="left", va="top", transform=ax.transAxes, fontsize=10)
     ax.set_xscale("symlog", linthresh=10)
