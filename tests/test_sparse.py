@@ -337,12 +337,17 @@ def test_calibration_keeps_the_lowest_gate_bias_within_the_kl_limit(trained, tin
 
 def test_ce_control_and_lora_train(tiny_base, tmp_path):
     base, corpus = tiny_base
-    settings = _settings(corpus, steps=2, train="lora", constraint={"type": "ce_control", "slack": 0.1})
+    calibration = {"enabled": True, "max_kl": 2.0, "step": 0.5, "lowest": 0.0, "sequences": 4}
+    settings = _settings(corpus, steps=2, train="lora", constraint={"type": "ce_control", "slack": 0.1},
+                         calibrate_gate_bias=calibration)  # also through the adapters' wrapper
     summary = sparsify.post_train(str(base), "tiny-sparse", settings, _outputs(tmp_path), torch.device("cpu"))
     steps = pd.read_csv(tmp_path / "steps.csv")
     assert "control_ce" in steps and "heldout_ce_control" in summary
     saved = load_file(tmp_path / "model" / "model.safetensors")
     assert not any("lora" in name for name in saved)  # adapters merged
+    assert summary["inference_gate_bias"] == 0.0  # no KL over 2 nats: the scan goes to `lowest`
+    config = json.loads((tmp_path / "model" / "config.json").read_text())[sparse.CONFIG_KEY]
+    assert config["gate_bias"] == 0.0
 
 
 def test_nan_loss_stops_with_the_last_finite_values_and_writes_no_model(tiny_base, tmp_path, monkeypatch):
