@@ -328,7 +328,7 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_([p for p in self.control.parameters() if p.requires_grad],
                                        self.settings["grad_clip"])
         self.control_optimizer.step()
-        return float(ce)
+        return ce.item()
 
     # ---- held-out evaluation
 
