@@ -234,7 +234,7 @@ def is_sparse(model) -> bool:
 def make_sparse(model, gate_bias: float, **provenance) -> None:
     """Mark ``model`` as sparse (its config carries the gate bias) and select the gated attention."""
     settings = {"gate_bias": float(gate_bias), "implementation": IMPLEMENTATION, **provenance}
-    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+    for config in _configs(model):
         setattr(config, CONFIG_KEY, settings)
     model.set_attn_implementation(IMPLEMENTATION)
 
@@ -243,8 +243,13 @@ def set_gate_bias(model, gate_bias: float) -> None:
     """Change the gate bias of a sparse model in place (its gated attention reads it per call)."""
     if not is_sparse(model):
         raise ValueError("set_gate_bias needs a sparse model (see make_sparse)")
-    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+    for config in _configs(model):
         getattr(config, CONFIG_KEY)["gate_bias"] = float(gate_bias)
+
+
+def _configs(model) -> list:
+    """The model's config and its text config (the same object for text-only models)."""
+    return list({id(c): c for c in (model.config, model.config.get_text_config())}.values())
 
 
 def activate(model) -> None:

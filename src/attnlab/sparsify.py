@@ -274,13 +274,10 @@ class Trainer:
         return torch.optim.AdamW(parameters, lr=self.settings["lr"],
                                  weight_decay=self.settings["weight_decay"])
 
-    def learning_rate(self, step: int) -> float:
-        return learning_rate(self.settings, step)
-
     def step(self, ids: torch.Tensor, state: TrainState) -> dict:
         settings, ids = self.settings, ids.to(self.device)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.learning_rate(state.step)
+            group["lr"] = learning_rate(settings, state.step)
         with torch.no_grad(), _autocast(self.device, settings["dtype"]):
             reference = self.dense(input_ids=ids, use_cache=False).logits
         target = None
@@ -304,7 +301,7 @@ class Trainer:
         row = {"step": state.step + 1, "tokens": (state.position + len(ids)) * ids.shape[1],
                "loss": loss.item(), "ce": ce.item(), "kl": kl.item(), "expected_density": density.item(),
                "training_density": tracker.training_density(), "constraint": constraint,
-               "multiplier": state.lam, "lr": self.learning_rate(state.step)}
+               "multiplier": state.lam, "lr": learning_rate(settings, state.step)}
         if target is not None:
             row["control_ce"] = target
         if not _finite(row):
@@ -319,7 +316,7 @@ class Trainer:
 
     def _control_step(self, ids: torch.Tensor, step: int) -> float:
         for group in self.control_optimizer.param_groups:
-            group["lr"] = self.learning_rate(step)
+            group["lr"] = learning_rate(self.settings, step)
         with _autocast(self.device, self.settings["dtype"]):
             logits = self.control(input_ids=ids, use_cache=False).logits
         ce, _ = _loss_terms(logits, ids, None)
@@ -493,13 +490,14 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
     evals = [{**row, "gate_bias": settings["gate_bias"]} for row in state.evals]
     bias, calibration = settings["gate_bias"], None
     if settings["calibrate_gate_bias"]["enabled"]:
+        # calibration text: the end of the training order, which short runs never reach
         calibration_ids = corpus.train[order[-settings["calibrate_gate_bias"]["sequences"]:]]
         bias, calibration = calibrate_gate_bias(trainer, calibration_ids, settings)
         calibration["trained_on"] = state.position > len(order) - len(calibration_ids)
         calibration["at_training_bias"] = {k: final[k] for k in ("ce_sparse", "kl", "density")}
-        if bias != settings["gate_bias"]:
+        if bias != settings["gate_bias"]:  # every held-out number of the copy is at its saved b'
             final, per_head = trainer.evaluate(corpus.heldout)
-            evals.append({"step": state.step, "tokens": evals[-1]["tokens"], **final, "gate_bias": bias})
+            evals.append({**evals[-1], **final, "gate_bias": bias})
             log.info("held-out at the calibrated gate bias %g: %s", bias, _describe(final))
     summary = _summary(settings, state, final, corpus, device, time.perf_counter() - started,
                        bias, calibration)

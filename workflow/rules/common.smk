@@ -6,10 +6,9 @@ import sys
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 from attnlab.plan import (attention_figures, cell_generation, check_attention_figures, check_fewshot,
-                          comparison_pairs,
-                          fewshot_shots, fewshot_spec, figure_files, figure_panels, has_length_sweep,
-                          has_placement_sweep, length_families, model_job_threads, placements,
-                          selected)
+                          comparison_pairs, fewshot_shots, fewshot_spec, figure_files, figure_panels,
+                          has_length_sweep, has_placement_sweep, length_families, model_job_threads,
+                          placements, selected)
 from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_template, check_heads,
                             check_layer, check_raw_template, prepared_has_chat_template,
                             prepared_model_shape)
