@@ -335,6 +335,37 @@ def test_calibration_keeps_the_lowest_gate_bias_within_the_kl_limit(trained, tin
     assert evals["density"].iloc[-1] == pytest.approx(calibrated["heldout_density"])
 
 
+def test_gates_sampled_under_bfloat16_are_computed_in_float32():
+    """Under bf16 autocast the logits are bf16; in bf16 the noise's 1 - 1e-6 rounds to 1
+    (infinite noise, a gate that never closes): the gate math runs in float32."""
+    logits = (torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    gate, expected = sparse.stochastic_gate(logits, 0.5, torch.Generator().manual_seed(1))
+    assert gate.dtype == torch.bfloat16 and expected.dtype == torch.float32
+    same, _ = sparse.stochastic_gate(logits.float(), 0.5, torch.Generator().manual_seed(1))
+    assert torch.equal(gate.float(), same)  # the same draw as from the float32 logits
+    assert torch.equal(expected, torch.sigmoid(logits.float() + 0.5))
+
+
+def test_bfloat16_training_on_cpu_autocasts_the_steps_and_evaluates_in_float32(tiny_base):
+    base, corpus = tiny_base
+    ids = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
+    cast = {}
+    for dtype in ("float32", "bfloat16"):
+        trainer = sparsify.Trainer(str(base), _settings(corpus, dtype=dtype), torch.device("cpu"))
+        seen = []
+        hook = trainer.student.model.layers[0].self_attn.q_proj.register_forward_hook(
+            lambda module, args, output: seen.append(output.dtype))
+        evaluation, _ = trainer.evaluate(ids)
+        row = trainer.step(ids, sparsify.TrainState())
+        hook.remove()
+        assert np.isfinite(row["loss"])
+        cast[dtype] = (evaluation, seen)
+    assert cast["float32"][1] == [torch.float32, torch.float32]
+    assert cast["bfloat16"][1] == [torch.float32, torch.bfloat16]  # evaluation float32, step bf16
+    # Same weights before the step: the held-out numbers do not depend on the training dtype.
+    assert cast["float32"][0] == cast["bfloat16"][0]
+
+
 def test_ce_control_and_lora_train(tiny_base, tmp_path):
     base, corpus = tiny_base
     calibration = {"enabled": True, "max_kl": 2.0, "step": 0.5, "lowest": 0.0, "sequences": 4}

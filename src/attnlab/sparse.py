@@ -61,7 +61,7 @@ def refuse_unimplemented(implementation: str, dropout: float, kwargs: dict) -> N
 
 def deterministic_gate(logits: torch.Tensor, bias: float) -> torch.Tensor:
     """Inference gate: an edge is open exactly when ``s + b > 0``."""
-    return (logits + bias > 0).to(logits.dtype)
+    return (logits.float() + bias > 0).to(logits.dtype)
 
 
 GATE_GRADIENTS = ("expected", "noisy")
@@ -77,14 +77,16 @@ def stochastic_gate(logits: torch.Tensor, bias: float, generator: torch.Generato
     """
     if gradient not in GATE_GRADIENTS:
         raise ValueError(f"gate gradient must be one of {GATE_GRADIENTS}, not {gradient!r}")
-    gate_logits = logits + bias
+    # float32 whatever the autocast: in bfloat16, 1 - 1e-6 rounds to 1 (infinite noise)
+    # and the density penalty's mean loses digits.
+    gate_logits = logits.float() + bias
     expected = torch.sigmoid(gate_logits)
     uniform = torch.rand(gate_logits.shape, generator=generator, device=logits.device,
-                         dtype=logits.dtype).clamp_(1e-6, 1 - 1e-6)
+                         dtype=torch.float32).clamp_(1e-6, 1 - 1e-6)
     noise = torch.log(uniform) - torch.log1p(-uniform)  # logistic: P(x + noise > 0) = σ(x)
-    hard = (gate_logits + noise > 0).to(logits.dtype)
+    hard = (gate_logits + noise > 0).float()
     surrogate = expected if gradient == "expected" else torch.sigmoid(gate_logits + noise)
-    return hard + (surrogate - surrogate.detach()), expected
+    return (hard + (surrogate - surrogate.detach())).to(logits.dtype), expected
 
 
 @dataclass
@@ -206,7 +208,7 @@ def _training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias:
         generator.set_state(current)
     else:
         tracker.expected_sum.append(expected_sum)
-        tracker.sampled_open += float((gate.detach() * allowed).sum())
+        tracker.sampled_open += float((gate.detach().float() * allowed).sum())
         tracker.edges += float(allowed.sum())
     return gate
 

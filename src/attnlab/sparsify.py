@@ -221,9 +221,16 @@ def fingerprint(settings: dict) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _autocast(device: torch.device, dtype: str):
+def _autocast(device: torch.device, dtype: str, training: bool = True):
+    """bfloat16 autocast (the weights stay float32): with ``auto`` on CUDA only; with
+    ``bfloat16`` also for the training steps on a CPU, where bf16 matrix units make a
+    step about 1.6x faster. Held-out evaluations on a CPU stay float32, the precision at
+    which the project's loader runs the saved copy there, so the reported numbers are
+    the reloaded copy's."""
     if device.type == "cuda" and dtype in ("auto", "bfloat16"):
         return torch.autocast("cuda", dtype=torch.bfloat16)
+    if device.type == "cpu" and dtype == "bfloat16" and training:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -333,7 +340,7 @@ class Trainer:
     def reference_logits(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """The dense model's logits on ``ids``, per evaluation batch (to reuse across evaluations)."""
         batch = self.settings["batch_size"]
-        with _autocast(self.device, self.settings["dtype"]):
+        with _autocast(self.device, self.settings["dtype"], training=False):
             return [self.dense(input_ids=ids[start:start + batch].to(self.device), use_cache=False).logits
                     for start in range(0, len(ids), batch)]
 
@@ -352,7 +359,7 @@ class Trainer:
         chunks = range(0, len(heldout), batch)
         for index, start in enumerate(chunks):
             ids = heldout[start:start + batch].to(self.device)
-            with _autocast(self.device, self.settings["dtype"]):
+            with _autocast(self.device, self.settings["dtype"], training=False):
                 reference = (references[index] if references is not None
                              else self.dense(input_ids=ids, use_cache=False).logits)
                 with sparse.tracking(tracker):
@@ -364,7 +371,7 @@ class Trainer:
             totals["kl"] += float(kl) * weight
             totals["ce_dense"] += float(ce_dense) * weight
             if self.control is not None:
-                with _autocast(self.device, self.settings["dtype"]):
+                with _autocast(self.device, self.settings["dtype"], training=False):
                     control_ce, _ = _loss_terms(self.control(input_ids=ids, use_cache=False).logits, ids, None)
                 totals["ce_control"] += float(control_ce) * weight
         self.student.train()
