@@ -11,7 +11,8 @@ Training (one optimiser step = forward + backward + AdamW):
   - gated: the sparse model's gated attention (stochastic gates, straight-through
     estimator) with the loss (density + λ·CE) / (1 + λ): the cost of the gates alone;
   - post-training step: what `sparsify` runs, gated + the frozen dense model's
-    forward for the KL constraint (reported, not part of the gate's ratio).
+    forward for the KL constraint (reported, not part of the gate's ratio), in float32
+    and with `dtype: bfloat16` (bf16 autocast of both forwards and the backward).
 Inference (received-attention extraction of 4 x 512 tokens, `attnlab.extraction.extract`):
   - plain forward of the decoder (sdpa), dense extraction, and extraction of the sparse
     copy (the reducing attention applying the deterministic gates).
@@ -54,7 +55,7 @@ def alternate(runs: dict, repeats: int) -> dict[str, float]:
 
 
 def training_steps(model_dir, ids: torch.Tensor):
-    """Three step functions on separate copies of the model, each with its own AdamW."""
+    """Four step functions on separate copies of the model, each with its own AdamW."""
     def copy():
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
         return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -64,6 +65,9 @@ def training_steps(model_dir, ids: torch.Tensor):
     sparse.make_sparse(gated, 6.0)
     full, full_opt = copy()
     sparse.make_sparse(full, 6.0)
+    cast, cast_opt = copy()
+    sparse.make_sparse(cast, 6.0)
+    cpu = torch.device("cpu")
     dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
 
     def plain_step():
@@ -82,14 +86,17 @@ def training_steps(model_dir, ids: torch.Tensor):
         loss.backward()
         optimizer.step()
 
-    def post_training_step():
-        with torch.no_grad():
+    def post_training_step(model, optimizer, dtype):
+        """As sparsify.Trainer.step runs it under ``dtype`` (its autocast, float32 weights)."""
+        with torch.no_grad(), sparsify._autocast(cpu, dtype):
             reference = dense(input_ids=ids, use_cache=False).logits
-        gated_step(full, full_opt, reference)
+        with sparsify._autocast(cpu, dtype):
+            gated_step(model, optimizer, reference)
 
     return {"plain fine-tuning": plain_step,
             "gated (gates + density penalty)": lambda: gated_step(gated, gated_opt, None),
-            "post-training step (gated + dense KL reference)": post_training_step}
+            "post-training step (gated + dense KL reference)": lambda: post_training_step(full, full_opt, "float32"),
+            "post-training step, dtype bfloat16": lambda: post_training_step(cast, cast_opt, "bfloat16")}
 
 
 def inference_runs(model_dir, length: int):
@@ -132,6 +139,7 @@ def main() -> None:
         "training_s_per_step": train, "training_tokens_per_s": {k: tokens / v for k, v in train.items()},
         "training_ratio_gated_vs_plain": plain / gated,
         "training_ratio_post_training_step_vs_plain": plain / full,
+        "training_ratio_post_training_step_bfloat16_vs_float32": full / train["post-training step, dtype bfloat16"],
         "inference_s (4 x 512 tokens)": infer,
         "inference_ratio_sparse_extraction_vs_plain_forward":
             infer["plain forward (sdpa)"] / infer["extraction, sparse copy (gated)"],
