@@ -346,6 +346,15 @@ def test_gates_sampled_under_bfloat16_are_computed_in_float32():
     assert torch.equal(expected, torch.sigmoid(logits.float() + 0.5))
 
 
+def test_open_edges_of_bfloat16_gates_are_counted_exactly():
+    """A bf16 sum is exact only up to 256; a bf16 model's density must not round."""
+    logits = torch.randn(4, 2, 64, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    allowed = torch.ones(64, 64).tril().bool()[None, None]
+    tracker = sparse.GateTracker()
+    sparse._count_open_edges(tracker, 0, sparse.deterministic_gate(logits, 0.1), allowed)
+    exact = ((logits.float() + 0.1 > 0) & allowed).sum(dim=(0, 2, 3)).double()
+    assert exact.min() > 256 and torch.equal(tracker.open_per_head[0], exact)
+
 def test_bfloat16_training_on_cpu_autocasts_the_steps_and_evaluates_in_float32(tiny_base):
     base, corpus = tiny_base
     ids = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))

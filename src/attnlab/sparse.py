@@ -216,7 +216,8 @@ def _training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias:
 def _count_open_edges(tracker: GateTracker, layer: int, gate: torch.Tensor, allowed: torch.Tensor) -> None:
     """Add one call's open and allowed edge counts per head of ``layer``."""
     allowed = allowed.expand_as(gate)
-    open_edges = (gate * allowed).sum(dim=(0, 2, 3)).double().cpu()
+    # Counted as integers: a bfloat16 sum (a bf16 model on CUDA) is exact only up to 256.
+    open_edges = ((gate > 0) & allowed).sum(dim=(0, 2, 3)).double().cpu()
     edges = allowed.sum(dim=(0, 2, 3)).double().cpu()
     if layer in tracker.open_per_head:
         tracker.open_per_head[layer] += open_edges
