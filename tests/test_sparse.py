@@ -355,6 +355,7 @@ def test_open_edges_of_bfloat16_gates_are_counted_exactly():
     exact = ((logits.float() + 0.1 > 0) & allowed).sum(dim=(0, 2, 3)).double()
     assert exact.min() > 256 and torch.equal(tracker.open_per_head[0], exact)
 
+
 def test_bfloat16_training_on_cpu_autocasts_the_steps_and_evaluates_in_float32(tiny_base):
     base, corpus = tiny_base
     ids = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -208,7 +208,7 @@ def _training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias:
         generator.set_state(current)
     else:
         tracker.expected_sum.append(expected_sum)
-        tracker.sampled_open += float((gate.detach().float() * allowed).sum())
+        tracker.sampled_open += float(((gate.detach() > 0) & allowed).sum())  # integers, as at inference
         tracker.edges += float(allowed.sum())
     return gate
 
