@@ -122,13 +122,20 @@ def main() -> None:
         saved = getattr(frontier.student.config, sparse.CONFIG_KEY)
         inference_bias = saved["gate_bias"]
         training_bias = saved.get("training_gate_bias", inference_bias)
-        labels = {training_bias: " (training b)", inference_bias: " (saved b')"}
-        if inference_bias == training_bias:
-            labels = {training_bias: " (training b = saved b')"}
+        per_layer = isinstance(inference_bias, list)  # calibrated per layer: its own row below
+        labels = {training_bias: " (training b)"}
+        if not per_layer:
+            labels[inference_bias] = " (saved b')"
+            if inference_bias == training_bias:
+                labels = {training_bias: " (training b = saved b')"}
         # b' = 100 opens every gate: what the weights' own change costs, without any gating
         for bias in sorted({*labels, 100.0, 6.0, 4.0, 2.0, 1.0, 0.0}, reverse=True):
             rows.append({"selection": f"trained copy {model_dir}, its gate at b'",
                          "setting": f"b' = {bias:g}" + labels.get(bias, ""), **frontier.point(bias)})
+        if per_layer:
+            rows.append({"selection": f"trained copy {model_dir}, its gate at b'",
+                         "setting": f"saved b' per layer, {min(inference_bias):g} to {max(inference_bias):g}",
+                         **frontier.point(inference_bias)})
     table = pd.DataFrame(rows)
     OUT.mkdir(exist_ok=True)
     (OUT / "sparse_frontier.json").write_text(json.dumps(

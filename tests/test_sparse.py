@@ -203,6 +203,9 @@ def tiny_base(tmp_path_factory, smollm2_dir):
     return out, corpus
 
 
+PER_LAYER_OFF = {"enabled": False, "step": 1.0, "rounds": 2, "sensitivity_sequences": 8}
+
+
 def _settings(corpus, **changes):
     settings = {
         "base": "tiny-base", "gate_bias": 1.0, "gate_gradient": "expected", "train": "all",
@@ -213,7 +216,8 @@ def _settings(corpus, **changes):
         "corpus": {"paths": [str(corpus)], "text_field": "text"}, "heldout_sequences": 4,
         "eval_every": 3, "checkpoint_every": 2, "log_every": 1, "device": "cpu", "dtype": "auto",
         "gradient_checkpointing": False,
-        "calibrate_gate_bias": {"enabled": False, "max_kl": 0.12, "step": 0.5, "lowest": -2.0, "sequences": 32},
+        "calibrate_gate_bias": {"enabled": False, "max_kl": 0.12, "step": 0.5, "lowest": -2.0, "sequences": 32,
+                                "per_layer": PER_LAYER_OFF},
     }
     settings.update(changes)
     return settings
@@ -310,7 +314,8 @@ def test_calibration_keeps_the_lowest_gate_bias_within_the_kl_limit(trained, tin
     base, corpus = tiny_base
     folder, summary = trained
     shutil.copy(folder / "ckpt.pt", tmp_path / "ckpt.pt")  # calibration does not retrain
-    wide = {"enabled": True, "max_kl": 2.0, "step": 0.5, "lowest": -1.0, "sequences": 4}
+    wide = {"enabled": True, "max_kl": 2.0, "step": 0.5, "lowest": -1.0, "sequences": 4,
+            "per_layer": PER_LAYER_OFF}
     first = sparsify.post_train(str(base), "tiny-sparse", _settings(corpus, calibrate_gate_bias=wide),
                                 _outputs(tmp_path), torch.device("cpu"))
     grid = first["calibration"]["grid"]
@@ -333,6 +338,82 @@ def test_calibration_keeps_the_lowest_gate_bias_within_the_kl_limit(trained, tin
     evals = pd.read_csv(tmp_path / "eval.csv")
     assert list(evals["gate_bias"]) == [1.0, 1.0, 1.0, chosen]
     assert evals["density"].iloc[-1] == pytest.approx(calibrated["heldout_density"])
+
+
+def test_per_layer_calibration_lowers_the_cheapest_layers_first(monkeypatch):
+    """Greedy rounds on a model whose KL and density are additive per layer (measurement faked)."""
+    kl_cost, closes = [0.1, 0.0, 0.05, 0.02], [0.01, 0.01, 0.01, 0.0]  # per step lowered
+    start, step = 1.0, 0.5
+
+    def measure(trainer, bias, ids, references):
+        lowered = [(start - b) / step for b in bias]
+        return {"kl": sum(c * n for c, n in zip(kl_cost, lowered)),
+                "density": 0.5 - sum(c * n for c, n in zip(closes, lowered))}
+
+    monkeypatch.setattr(sparsify, "_measure", measure)
+    trainer = SimpleNamespace(student=SimpleNamespace(config=LlamaConfig(num_hidden_layers=4)))
+    options = {"max_kl": 0.12, "lowest": -0.5, "per_layer": {"step": step, "rounds": 5, "sensitivity_sequences": 2}}
+    biases, record = sparsify.calibrate_per_layer(trainer, torch.zeros(4, 8), None, start, options)
+    first, second, third = record["rounds"]
+    assert first["ranking"] == [1, 2, 0]  # KL per edge closed; layer 3 closes nothing
+    assert first["lowered"] == [1, 2] and first["kl"] == pytest.approx(0.05)  # with layer 0: 0.15
+    assert second["ranking"] == [1, 2] and second["lowered"] == [1, 2]  # 0.10
+    assert third["lowered"] == [1]  # layer 2 again would make 0.15; then layer 1 reaches `lowest`
+    assert biases == [1.0, -0.5, 0.0, 1.0] == record["gate_bias"]
+    for done in record["rounds"]:  # bisection: every prefix tried up to the accepted one fits, longer ones not
+        accepted = len(done["lowered"])
+        assert all((t["kl"] <= 0.12) == (t["layers"] <= accepted) for t in done["tried"])
+
+
+def test_per_layer_calibration_saves_one_bias_per_layer(trained, tiny_base, tmp_path):
+    base, corpus = tiny_base
+    folder, _ = trained
+    shutil.copy(folder / "ckpt.pt", tmp_path / "ckpt.pt")  # calibration does not retrain
+    per_layer = {"enabled": True, "step": 0.5, "rounds": 2, "sensitivity_sequences": 2}
+    # a global step of 5 keeps b' = 1 globally; no KL over 2 nats: the layers that close edges go lower
+    options = {"enabled": True, "max_kl": 2.0, "step": 5.0, "lowest": -1.5, "sequences": 4, "per_layer": per_layer}
+    summary = sparsify.post_train(str(base), "tiny-sparse", _settings(corpus, calibrate_gate_bias=options),
+                                  _outputs(tmp_path), torch.device("cpu"))
+    biases = summary["inference_gate_bias"]
+    assert [row["gate_bias"] for row in summary["calibration"]["grid"]] == [1.0]
+    assert biases == summary["calibration"]["per_layer"]["gate_bias"] and min(biases) == 0.0
+    # the saved copy carries one bias per layer; reloaded, its gates reproduce the held-out density
+    config = json.loads((tmp_path / "model" / "config.json").read_text())[sparse.CONFIG_KEY]
+    assert config["gate_bias"] == biases and config["training_gate_bias"] == 1.0
+    from attnlab.models import load_model, load_tokenizer
+
+    model = load_model(str(tmp_path / "model"), torch.device("cpu"), torch.float32)
+    heldout = sparsify.build_corpus(load_tokenizer(str(base)), _settings(corpus)["corpus"], 16, 4, 2, 0).heldout
+    tracker = sparse.GateTracker()
+    with torch.no_grad(), sparse.tracking(tracker):
+        model(input_ids=heldout, use_cache=False)
+    assert tracker.inference_density() == pytest.approx(summary["heldout_density"])
+    evals = pd.read_csv(tmp_path / "eval.csv")
+    assert math.isnan(evals["gate_bias"].iloc[-1])
+    assert evals["gate_bias_per_layer"].iloc[-1] == " ".join(f"{b:g}" for b in biases)
+    from attnlab import plots  # the figures name a per-layer bias
+
+    plots.plot_sparse_training(pd.read_csv(tmp_path / "steps.csv"), evals, summary, "tiny-sparse",
+                               tmp_path / "curves.png")
+    plots.plot_sparse_density(pd.read_csv(tmp_path / "density.csv"), summary, "tiny-sparse", tmp_path / "density.png")
+    assert (tmp_path / "curves.png").is_file() and (tmp_path / "density.png").is_file()
+
+
+def test_per_layer_gate_bias_gates_each_layer_at_its_own_bias(tiny_base):
+    base, _ = tiny_base
+    ids = torch.randint(3, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
+    densities = {}
+    for bias in (0.5, [0.5, -1000.0]):
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        sparse.make_sparse(model, bias)
+        tracker = sparse.GateTracker()
+        with torch.no_grad(), sparse.tracking(tracker):
+            model(input_ids=ids, use_cache=False)
+        densities[str(bias)] = tracker.density_per_head()
+    assert torch.equal(densities["[0.5, -1000.0]"][0], densities["0.5"][0])  # layer 0 at 0.5 either way
+    assert densities["0.5"][1].sum() > 0 and densities["[0.5, -1000.0]"][1].sum() == 0
+    with pytest.raises(ValueError, match="one value per decoder layer"):
+        sparse.set_gate_bias(model, [0.5, 0.5, 0.5])
 
 
 def test_gates_sampled_under_bfloat16_are_computed_in_float32():
@@ -378,7 +459,8 @@ def test_bfloat16_training_on_cpu_autocasts_the_steps_and_evaluates_in_float32(t
 
 def test_ce_control_and_lora_train(tiny_base, tmp_path):
     base, corpus = tiny_base
-    calibration = {"enabled": True, "max_kl": 2.0, "step": 0.5, "lowest": 0.0, "sequences": 4}
+    calibration = {"enabled": True, "max_kl": 2.0, "step": 0.5, "lowest": 0.0, "sequences": 4,
+                   "per_layer": PER_LAYER_OFF}
     settings = _settings(corpus, steps=2, train="lora", constraint={"type": "ce_control", "slack": 0.1},
                          calibrate_gate_bias=calibration)  # also through the adapters' wrapper
     summary = sparsify.post_train(str(base), "tiny-sparse", settings, _outputs(tmp_path), torch.device("cpu"))

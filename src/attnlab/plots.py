@@ -378,6 +378,13 @@ def plot_placement(table: pd.DataFrame, dataset: str, models: list[str], out_pat
     _save(fig, out_path, dpi)
 
 
+def _gate_bias_label(bias) -> str:
+    """``b' = 1``, or ``b' per layer, -1 to 1`` for a copy calibrated per layer."""
+    if isinstance(bias, list):
+        return f"b' per layer, {min(bias):g} to {max(bias):g}"
+    return f"b' = {bias:g}"
+
+
 def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict, model: str,
                          out_path, dpi: int = 150) -> None:
     """Density, KL, cross-entropy and the multiplier against training tokens."""
@@ -385,8 +392,8 @@ def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict
     trained_bias = summary["gate_bias"]
     calibrated = evals[evals["gate_bias"] != trained_bias] if "gate_bias" in evals else evals.iloc[:0]
     evals = evals.drop(calibrated.index)
-    inference_bias = summary.get("inference_gate_bias", trained_bias)
-    calibrated_label = f"held-out at the calibrated b' = {inference_bias:g}"
+    inference_bias = _gate_bias_label(summary.get("inference_gate_bias", trained_bias))
+    calibrated_label = f"held-out at the calibrated {inference_bias}"
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     density, kl, ce, lam = axes.flat
     density.plot(steps["tokens"], steps["expected_density"], lw=1, alpha=0.6, label="training: E[open] = mean σ(s+b)")
@@ -402,7 +409,7 @@ def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict
     kl.set_ylabel("KL(dense ‖ sparse), nats/token")
     ce.plot(evals["tokens"], evals["ce_sparse"], "o-", label="sparse")
     ce.plot(evals["tokens"], evals["ce_dense"], "s--", label="dense base")
-    ce.plot(calibrated["tokens"], calibrated["ce_sparse"], "*", ms=11, label=f"sparse at b' = {inference_bias:g}")
+    ce.plot(calibrated["tokens"], calibrated["ce_sparse"], "*", ms=11, label=f"sparse at the calibrated {inference_bias}")
     if "ce_control" in evals:
         ce.plot(evals["tokens"], evals["ce_control"], "^--", label="dense control (fine-tuned alike)")
     ce.set_ylabel("held-out cross-entropy, nats/token")
@@ -415,7 +422,7 @@ def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict
             ax.legend(fontsize=7)
     for ax in axes[1]:
         ax.set_xlabel("training tokens")
-    at = (f"at the calibrated b' = {inference_bias:g}" if len(calibrated)
+    at = (f"at the calibrated {inference_bias}" if len(calibrated)
           else f"at b = {trained_bias:g}")
     fig.suptitle(f"{model}: sparse post-training of {summary['base']} (gate bias b = {trained_bias:g}, "
                  f"train {summary['train']}, constraint {summary['constraint']['type']})\n"
@@ -434,7 +441,9 @@ def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path
     ax.set_ylabel("layer (0-based)")
     fig.colorbar(image, ax=ax, label="share of causal edges open at inference")
     bias = summary.get("inference_gate_bias", summary["gate_bias"])
-    ax.set_title(f"{model}: held-out density per head, gate 1[s + {bias:g} > 0]\n"
+    gate = (f"1[s + b'_layer > 0], {_gate_bias_label(bias)}" if isinstance(bias, list)
+            else f"1[s + {bias:g} > 0]")
+    ax.set_title(f"{model}: held-out density per head, gate {gate}\n"
                  f"(mean {summary['heldout_density']:.3f}; "
                  f"{summary['heldout_tokens']} held-out tokens)", fontsize=9)
     fig.tight_layout()

@@ -12,7 +12,8 @@ soft-capping, before masks), every edge (i, j) has a gate on ``s_ij + b``
 
 The penalty is the expected density, the mean of ``σ(s_ij + b)`` over causal
 edges, heads and layers. A model is sparse when its config carries
-``attnlab_sparse: {gate_bias: b}``; ``activate`` (called by the project's
+``attnlab_sparse: {gate_bias: b}`` (a list of one b per layer after a per-layer
+calibration, sparsify.calibrate_gate_bias); ``activate`` (called by the project's
 loader) then selects this attention for every forward pass: generation, the
 MLP analysis, pruning. The reducing attention used for extraction applies the
 same deterministic gate (``deterministic_gate``), so received attention and λ of
@@ -34,11 +35,17 @@ IMPLEMENTATION = "attnlab_sparse"
 CONFIG_KEY = "attnlab_sparse"  # in config.json: {"gate_bias": b, "base": ..., ...}
 
 
+GateBias = float | list[float]  # one bias for every layer, or one per layer (calibrated per layer)
+
+
 def gate_bias(module: nn.Module) -> float | None:
-    """The gate bias of a sparse model's attention module, None for a dense model."""
+    """The gate bias of a sparse model's attention module (its layer's), None for a dense model."""
     config = getattr(module, "config", None)
     settings = getattr(config, CONFIG_KEY, None)
-    return None if not settings else float(settings["gate_bias"])
+    if not settings:
+        return None
+    bias = settings["gate_bias"]
+    return float(bias[module.layer_idx] if isinstance(bias, list) else bias)
 
 
 # Attention arguments that change the result and that neither this gated attention nor the
@@ -234,20 +241,32 @@ def is_sparse(model) -> bool:
     return bool(getattr(model.config.get_text_config(), CONFIG_KEY, None))
 
 
-def make_sparse(model, gate_bias: float, **provenance) -> None:
+def make_sparse(model, gate_bias: GateBias, **provenance) -> None:
     """Mark ``model`` as sparse (its config carries the gate bias) and select the gated attention."""
-    settings = {"gate_bias": float(gate_bias), "implementation": IMPLEMENTATION, **provenance}
+    settings = {"gate_bias": _checked(model, gate_bias), "implementation": IMPLEMENTATION, **provenance}
     for config in _configs(model):
         setattr(config, CONFIG_KEY, settings)
     model.set_attn_implementation(IMPLEMENTATION)
 
 
-def set_gate_bias(model, gate_bias: float) -> None:
+def set_gate_bias(model, gate_bias: GateBias) -> None:
     """Change the gate bias of a sparse model in place (its gated attention reads it per call)."""
     if not is_sparse(model):
         raise ValueError("set_gate_bias needs a sparse model (see make_sparse)")
+    bias = _checked(model, gate_bias)
     for config in _configs(model):
-        getattr(config, CONFIG_KEY)["gate_bias"] = float(gate_bias)
+        getattr(config, CONFIG_KEY)["gate_bias"] = bias
+
+
+def _checked(model, gate_bias: GateBias) -> GateBias:
+    """A float, or a list of floats with one bias per decoder layer."""
+    if not isinstance(gate_bias, (list, tuple)):
+        return float(gate_bias)
+    layers = model.config.get_text_config().num_hidden_layers
+    if len(gate_bias) != layers:
+        raise ValueError(f"a per-layer gate bias needs one value per decoder layer ({layers}), "
+                         f"got {len(gate_bias)}")
+    return [float(b) for b in gate_bias]
 
 
 def _configs(model) -> list:

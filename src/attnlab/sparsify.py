@@ -458,11 +458,13 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
              corpus.description, len(corpus.train), len(corpus.heldout), settings["seq_len"], steps,
              settings["batch_size"])
     trainer = Trainer(base_dir, settings, device)
+    # The frozen dense model's held-out logits once for every evaluation, when they fit
+    references = trainer.reference_logits(corpus.heldout) if _logits_fit(trainer, corpus.heldout) else None
     checkpoint, key = Path(outputs.checkpoint), fingerprint(settings)
     state = trainer.load_checkpoint(checkpoint, key)
     if state is None:
         state = TrainState(lam=settings["multiplier"]["init"])
-        first, _ = trainer.evaluate(corpus.heldout)
+        first, _ = trainer.evaluate(corpus.heldout, references)
         state.evals.append({"step": 0, "tokens": 0, **first})
         log.info("before training: %s", _describe(first))
     else:
@@ -482,7 +484,7 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
             log.info("step %d: %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in row.items()
                                                               if k not in ("step",)))
         if state.step % settings["eval_every"] == 0 or state.step == steps:
-            final, per_head = trainer.evaluate(corpus.heldout)
+            final, per_head = trainer.evaluate(corpus.heldout, references)
             state.evals.append({"step": state.step, "tokens": row["tokens"], **final})
             log.info("held-out at step %d: %s", state.step, _describe(final))
         if state.step % settings["checkpoint_every"] == 0 or state.step == steps:
@@ -493,7 +495,7 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
             on_step(state.step)
     state.elapsed_s += time.perf_counter() - clock
     if final is None:  # resumed after the last step: its evaluation was not kept
-        final, per_head = trainer.evaluate(corpus.heldout)
+        final, per_head = trainer.evaluate(corpus.heldout, references)
     evals = [{**row, "gate_bias": settings["gate_bias"]} for row in state.evals]
     bias, calibration = settings["gate_bias"], None
     if settings["calibrate_gate_bias"]["enabled"]:
@@ -503,9 +505,9 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
         calibration["trained_on"] = state.position > len(order) - len(calibration_ids)
         calibration["at_training_bias"] = {k: final[k] for k in ("ce_sparse", "kl", "density")}
         if bias != settings["gate_bias"]:  # every held-out number of the copy is at its saved b'
-            final, per_head = trainer.evaluate(corpus.heldout)
-            evals.append({**evals[-1], **final, "gate_bias": bias})
-            log.info("held-out at the calibrated gate bias %g: %s", bias, _describe(final))
+            final, per_head = trainer.evaluate(corpus.heldout, references)
+            evals.append({**evals[-1], **final, **_bias_columns(bias)})
+            log.info("held-out at the calibrated gate bias %s: %s", bias, _describe(final))
     summary = _summary(settings, state, final, corpus, device, time.perf_counter() - started,
                        bias, calibration)
     io.write_csv(pd.DataFrame(state.steps), outputs.steps)
@@ -516,10 +518,12 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
     return summary
 
 
-def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: dict) -> tuple[float, dict]:
+def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: dict
+                        ) -> tuple[sparse.GateBias, dict]:
     """The inference gate bias b' of the saved copy: from the training bias down in steps of
     ``step``, the lowest b' before KL(dense || sparse) on ``ids`` exceeds ``max_kl`` (or
-    ``lowest`` is passed). Returns b' and the grid measured (gate bias, KL, density).
+    ``lowest`` is passed). Returns b' and the grid measured (gate bias, KL, density); with
+    ``per_layer`` on, b' is then refined per layer (calibrate_per_layer) and returned as a list.
 
     Post-training lowers the weights' cost of gating far below the training bias (README), so
     a lower threshold at inference can keep fewer edges within the same KL. The scan stops at
@@ -529,22 +533,111 @@ def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: dict) -> 
     options = settings["calibrate_gate_bias"]
     trained = settings["gate_bias"]
     # The dense logits once for the whole scan, when they fit in 2 GB (else per evaluation)
-    fits = len(ids) * ids.shape[1] * trainer.dense.config.get_text_config().vocab_size * 4 <= 2 ** 31
-    references = trainer.reference_logits(ids) if fits else None
+    references = trainer.reference_logits(ids) if _logits_fit(trainer, ids) else None
     grid, best = [], trained
     for k in range(int((trained - options["lowest"]) / options["step"] + 1e-9) + 1):
         candidate = trained - k * options["step"]
-        sparse.set_gate_bias(trainer.student, candidate)
-        measured, _ = trainer.evaluate(ids, references)
-        grid.append({"gate_bias": candidate, "kl": measured["kl"], "density": measured["density"]})
+        measured = _measure(trainer, candidate, ids, references)
+        grid.append({"gate_bias": candidate, **measured})
         log.info("calibration: gate bias %g: KL %.4f, density %.4f", candidate, measured["kl"],
                  measured["density"])
         if measured["kl"] > options["max_kl"]:
             break
         best = candidate
+    calibration = {"max_kl": options["max_kl"], "sequences": len(ids), "grid": grid}
+    if options["per_layer"]["enabled"] and grid[0]["kl"] <= options["max_kl"]:  # else nothing can go lower
+        best, calibration["per_layer"] = calibrate_per_layer(trainer, ids, references, best, options)
     sparse.set_gate_bias(trainer.student, best)
-    return best, {"max_kl": options["max_kl"], "sequences": len(ids), "grid": grid,
-                  "seconds": time.perf_counter() - started}
+    calibration["seconds"] = time.perf_counter() - started
+    return best, calibration
+
+
+def calibrate_per_layer(trainer: Trainer, ids: torch.Tensor, references: list | None,
+                        start: float, options: dict) -> tuple[list[float], dict]:
+    """Per-layer inference gate biases at or below the global b' ``start`` (not in the paper).
+
+    Closing edges costs very different KL per layer (in a trained copy, layers 2-9 next to
+    nothing, layer 0 a lot; README), so one threshold for every layer spends the KL budget
+    badly. Greedy, for up to ``rounds`` rounds: each candidate layer is lowered alone by
+    ``step`` on the first ``sensitivity_sequences`` calibration sequences, the layers that close
+    edges are ranked by KL added per edge closed, and the longest prefix of that ranking whose
+    joint lowering keeps KL on all of ``ids`` <= ``max_kl`` is lowered (bisection, taking KL to
+    grow with the prefix). The next round's candidates are the layers just lowered; no bias
+    goes below ``lowest``.
+    """
+    per_layer = options["per_layer"]
+    step, layers = per_layer["step"], trainer.student.config.get_text_config().num_hidden_layers
+    current, candidates, rounds = [start] * layers, list(range(layers)), []
+    probe = ids[:per_layer["sensitivity_sequences"]]
+    probe_references = trainer.reference_logits(probe) if references is not None else None
+    for _ in range(per_layer["rounds"]):
+        candidates = [layer for layer in candidates if current[layer] - step >= options["lowest"] - 1e-9]
+        if not candidates:
+            break
+        costs = _layer_costs(trainer, current, candidates, step, probe, probe_references)
+        closing = [c for c in costs if c["density_removed"] > 0]
+        ranking = [c["layer"] for c in sorted(closing, key=lambda c: c["kl_added"] / c["density_removed"])]
+        accepted, measured, tried = _longest_prefix(trainer, current, ranking, step, ids, references,
+                                                    options["max_kl"])
+        rounds.append({"costs": costs, "ranking": ranking, "tried": tried, "lowered": ranking[:accepted],
+                       **(measured or {})})
+        if not accepted:
+            break
+        current, candidates = _lowered(current, ranking[:accepted], step), ranking[:accepted]
+        log.info("calibration per layer: lowered layers %s by %g: KL %.4f, density %.4f",
+                 rounds[-1]["lowered"], step, measured["kl"], measured["density"])
+    return current, {"step": step, "sensitivity_sequences": len(probe), "rounds": rounds,
+                     "gate_bias": current}
+
+
+def _layer_costs(trainer, current, candidates, step, probe, probe_references) -> list[dict]:
+    """Per candidate layer, the KL added and the density removed by lowering it alone by ``step``."""
+    before = _measure(trainer, current, probe, probe_references)
+    costs = []
+    for layer in candidates:
+        measured = _measure(trainer, _lowered(current, [layer], step), probe, probe_references)
+        costs.append({"layer": layer, "kl_added": measured["kl"] - before["kl"],
+                      "density_removed": before["density"] - measured["density"]})
+    return costs
+
+
+def _longest_prefix(trainer, current, ranking, step, ids, references, max_kl):
+    """The largest n such that lowering ranking[:n] by ``step`` keeps KL <= max_kl (bisection),
+    with its measurement, and every (n, KL, density) tried."""
+    low, high, best, tried = 0, len(ranking), None, []
+    while low < high:
+        middle = (low + high + 1) // 2
+        measured = _measure(trainer, _lowered(current, ranking[:middle], step), ids, references)
+        tried.append({"layers": middle, **measured})
+        if measured["kl"] <= max_kl:
+            low, best = middle, measured
+        else:
+            high = middle - 1
+    return low, best, tried
+
+
+def _lowered(biases: list[float], layers: list[int], step: float) -> list[float]:
+    return [b - step if layer in layers else b for layer, b in enumerate(biases)]
+
+
+def _measure(trainer: Trainer, bias: sparse.GateBias, ids: torch.Tensor, references) -> dict:
+    """KL and density of the student on ``ids`` with its gates at ``bias``."""
+    sparse.set_gate_bias(trainer.student, bias)
+    measured, _ = trainer.evaluate(ids, references)
+    return {"kl": measured["kl"], "density": measured["density"]}
+
+
+def _logits_fit(trainer: Trainer, ids: torch.Tensor) -> bool:
+    """Whether the dense logits on ``ids`` fit in 2 GB (to compute them once and reuse them)."""
+    return len(ids) * ids.shape[1] * trainer.dense.config.get_text_config().vocab_size * 4 <= 2 ** 31
+
+
+def _bias_columns(bias: sparse.GateBias) -> dict:
+    """eval.csv's gate bias columns: a per-layer bias is NaN in ``gate_bias`` (numeric) and
+    listed in ``gate_bias_per_layer``."""
+    if isinstance(bias, list):
+        return {"gate_bias": math.nan, "gate_bias_per_layer": " ".join(f"{b:g}" for b in bias)}
+    return {"gate_bias": bias}
 
 
 def _finite(row: dict) -> bool:
@@ -579,14 +672,14 @@ def _summary(settings, state, final, corpus, device, wall, bias, calibration) ->
         "definitions": {
             "density": "share of causal (and in-window) query-key edges whose gate is open at inference, "
                        "1[s_ij + b' > 0] with b' the inference gate bias (the training's gate_bias unless "
-                       "calibrated), over every layer and head, on the held-out sequences",
+                       "calibrated; one per layer when calibrated per layer), over every layer and head, on the held-out sequences",
             "kl": "KL(dense || sparse) of the next-token distribution, nats per token, held-out",
             "ce": "next-token cross-entropy, nats per token, held-out",
         },
     }
 
 
-def _write_model(model, tokenizer, name: str, settings: dict, bias: float, summary: dict,
+def _write_model(model, tokenizer, name: str, settings: dict, bias: sparse.GateBias, summary: dict,
                  out_dir: str) -> None:
     sparse.make_sparse(model, bias, base=settings["base"], training_gate_bias=settings["gate_bias"])
     with io.atomic_path(out_dir, directory=True) as tmp:
