@@ -556,7 +556,7 @@ def calibrate_per_layer(trainer: Trainer, ids: torch.Tensor, references: list | 
                         start: float, options: dict) -> tuple[list[float], dict]:
     """Per-layer inference gate biases at or below the global b' ``start`` (not in the paper).
 
-    Closing edges costs very different KL per layer (in a trained copy, layers 2-9 next to
+    Closing edges costs very different KL per layer (in a trained copy, layers 3-9 next to
     nothing, layer 0 a lot; README), so one threshold for every layer spends the KL budget
     badly. Greedy, for up to ``rounds`` rounds: each candidate layer is lowered alone by
     ``step`` on the first ``sensitivity_sequences`` calibration sequences, the layers that close
