@@ -443,7 +443,7 @@ def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path
     bias = summary.get("inference_gate_bias", summary["gate_bias"])
     gate = (f"1[s + b'_layer > 0], {_gate_bias_label(bias)}" if isinstance(bias, list)
             else f"1[s + {bias:g} > 0]")
-    ax.set_title(f"{model}: held-out density per head, gate {gate}\n"
+    ax.set_title(f"{model}: held-out density per head\ngate {gate}\n"
                  f"(mean {summary['heldout_density']:.3f}; "
                  f"{summary['heldout_tokens']} held-out tokens)", fontsize=9)
     fig.tight_layout()
