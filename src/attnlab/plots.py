@@ -378,7 +378,7 @@ def plot_placement(table: pd.DataFrame, dataset: str, models: list[str], out_pat
     _save(fig, out_path, dpi)
 
 
-def _gate_bias_label(bias) -> str:
+def gate_bias_label(bias) -> str:
     """``b' = 1``, or ``b' per layer, -1 to 1`` for a copy calibrated per layer."""
     if isinstance(bias, list):
         return f"b' per layer, {min(bias):g} to {max(bias):g}"
@@ -392,7 +392,7 @@ def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict
     trained_bias = summary["gate_bias"]
     calibrated = evals[evals["gate_bias"] != trained_bias] if "gate_bias" in evals else evals.iloc[:0]
     evals = evals.drop(calibrated.index)
-    inference_bias = _gate_bias_label(summary.get("inference_gate_bias", trained_bias))
+    inference_bias = gate_bias_label(summary.get("inference_gate_bias", trained_bias))
     calibrated_label = f"held-out at the calibrated {inference_bias}"
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     density, kl, ce, lam = axes.flat
@@ -441,7 +441,7 @@ def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path
     ax.set_ylabel("layer (0-based)")
     fig.colorbar(image, ax=ax, label="share of causal edges open at inference")
     bias = summary.get("inference_gate_bias", summary["gate_bias"])
-    gate = (f"1[s + b'_layer > 0], {_gate_bias_label(bias)}" if isinstance(bias, list)
+    gate = (f"1[s + b'_layer > 0], {gate_bias_label(bias)}" if isinstance(bias, list)
             else f"1[s + {bias:g} > 0]")
     ax.set_title(f"{model}: held-out density per head\ngate {gate}\n"
                  f"(mean {summary['heldout_density']:.3f}; "

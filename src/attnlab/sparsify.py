@@ -569,7 +569,8 @@ def calibrate_per_layer(trainer: Trainer, ids: torch.Tensor, references: list | 
     step, layers = per_layer["step"], trainer.student.config.get_text_config().num_hidden_layers
     current, candidates, rounds = [start] * layers, list(range(layers)), []
     probe = ids[:per_layer["sensitivity_sequences"]]
-    probe_references = trainer.reference_logits(probe) if references is not None else None
+    probe_references = None if references is None else _first_rows(references, len(probe),
+                                                                    trainer.settings["batch_size"])
     for _ in range(per_layer["rounds"]):
         candidates = [layer for layer in candidates if current[layer] - step >= options["lowest"] - 1e-9]
         if not candidates:
@@ -588,6 +589,12 @@ def calibrate_per_layer(trainer: Trainer, ids: torch.Tensor, references: list | 
                  rounds[-1]["lowered"], step, measured["kl"], measured["density"])
     return current, {"step": step, "sensitivity_sequences": len(probe), "rounds": rounds,
                      "gate_bias": current}
+
+
+def _first_rows(references: list[torch.Tensor], rows: int, batch: int) -> list[torch.Tensor]:
+    """The dense logits of the first ``rows`` sequences, per evaluation batch, cut from the
+    whole set's (reference_logits) rather than recomputed."""
+    return list(torch.cat(references[:math.ceil(rows / batch)])[:rows].split(batch))
 
 
 def _layer_costs(trainer, current, candidates, step, probe, probe_references) -> list[dict]:
