@@ -136,6 +136,41 @@ def test_multiplier_moves_symmetrically_and_at_most_a_factor_exp_lr_per_step():
     assert state.lam == 1e3  # capped
 
 
+def _autograd_loss_terms(logits, ids, reference):
+    """The losses written plainly over the whole shifted batch (what the chunked version replaces)."""
+    shifted = logits[:, :-1].float()
+    ce = torch.nn.functional.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), ids[:, 1:].reshape(-1))
+    log_p = torch.log_softmax(reference[:, :-1].float(), -1)
+    log_q = torch.log_softmax(shifted, -1)
+    return ce, (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
+@pytest.mark.parametrize("chunk", [64, 2 ** 20])  # several chunks per sequence, or one
+def test_chunked_losses_equal_autograd_over_the_whole_batch_bit_for_bit(chunk, monkeypatch):
+    monkeypatch.setitem(sparsify._CHUNK_ELEMENTS, "cpu", chunk)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 17, generator=generator) * 4
+    reference = torch.randn(3, 9, 17, generator=generator) * 4
+    ids = torch.randint(0, 17, (3, 9), generator=generator)
+    for weights in ((0.0, 0.7), (1.3, 0.0), (1.3, 0.7)):  # the KL constraint, CE only (control), both
+        results = []
+        for losses in (_autograd_loss_terms, sparsify._loss_terms):
+            leaf = logits.clone().requires_grad_(True)
+            ce, kl = losses(leaf, ids, reference)
+            (weights[0] * ce + weights[1] * kl).backward()
+            results.append((ce.detach(), kl.detach(), leaf.grad))
+        for plain, chunked in zip(*results):
+            assert torch.equal(plain, chunked)
+    ce, kl = sparsify._loss_terms(logits, ids, None)
+    assert kl is None and torch.equal(ce, _autograd_loss_terms(logits, ids, reference)[0])
+    # bfloat16 logits (CUDA autocast): float32 losses, the gradient in the logits' dtype
+    leaf = logits.bfloat16().requires_grad_(True)
+    ce, kl = sparsify._loss_terms(leaf, ids, reference.bfloat16())
+    kl.backward()
+    assert ce.dtype == kl.dtype == torch.float32 and leaf.grad.dtype == torch.bfloat16
+    assert not leaf.grad[:, -1].any()  # the last position predicts nothing
+
+
 def test_learning_rate_warms_up_then_stays_or_decays_by_cosine_to_zero():
     settings = {"lr": 1.0, "warmup_steps": 2, "steps": 6, "lr_schedule": "constant"}
     assert [sparsify.learning_rate(settings, step) for step in range(6)] == [0.5, 1, 1, 1, 1, 1]
