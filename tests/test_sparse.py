@@ -145,13 +145,36 @@ def _autograd_loss_terms(logits, ids, reference):
     return ce, (log_p.exp() * (log_p - log_q)).sum(-1).mean()
 
 
-@pytest.mark.parametrize("chunk", [64, 2 ** 20])  # several chunks per sequence, or one
-def test_chunked_losses_equal_autograd_over_the_whole_batch_bit_for_bit(chunk, monkeypatch):
+# several chunks per sequence, one, and rows long enough (>= 32768) to be reduced by 2 threads
+@pytest.mark.parametrize("vocab,chunk", [(17, 64), (17, 2 ** 20), (40000, 3 * 40000)])
+def test_chunked_losses_equal_autograd_over_the_whole_batch_bit_for_bit(vocab, chunk, monkeypatch):
     monkeypatch.setitem(sparsify._CHUNK_ELEMENTS, "cpu", chunk)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 9, 17, generator=generator) * 4
-    reference = torch.randn(3, 9, 17, generator=generator) * 4
-    ids = torch.randint(0, 17, (3, 9), generator=generator)
+    logits = torch.randn(3, 8, vocab, generator=generator) * 4
+    reference = torch.randn(3, 8, vocab, generator=generator) * 4
+    ids = torch.randint(0, vocab, (3, 8), generator=generator)
+    try:
+        _assert_losses_equal(logits, reference, ids)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("length,rows", [(128, 21), (8, 3), (3, 5), (2, 2)])
+def test_loss_chunks_cover_every_position_once_in_even_blocks_of_at_least_two_rows(length, rows, monkeypatch):
+    """A one-row block would be summed across threads in another order than the whole batch
+    (a different last bit of the KL; it once moved the multiplier at step 28 of make sparse)."""
+    monkeypatch.setitem(sparsify._CHUNK_ELEMENTS, "cpu", rows * 10)
+    blocks = list(sparsify._chunks(torch.Size([2, length, 10]), torch.device("cpu")))
+    for sequence in (0, 1):
+        spans = [(first, last) for s, first, last in blocks if s == sequence]
+        assert [p for first, last in spans for p in range(first, last)] == list(range(length - 1))
+        sizes = [last - first for first, last in spans]
+        assert max(sizes) - min(sizes) <= 1 and (min(sizes) >= 2 or length == 2)
+
+
+def _assert_losses_equal(logits, reference, ids):
     for weights in ((0.0, 0.7), (1.3, 0.0), (1.3, 0.7)):  # the KL constraint, CE only (control), both
         results = []
         for losses in (_autograd_loss_terms, sparsify._loss_terms):

@@ -170,12 +170,17 @@ _CHUNK_ELEMENTS = {"cpu": 2 ** 20, "cuda": 2 ** 28}
 
 
 def _chunks(shape: torch.Size, device: torch.device):
-    """(sequence, first, last position) blocks over the positions that predict a next token."""
+    """(sequence, first, last position) blocks over the positions that predict a next token,
+    of even sizes and never a single row where a sequence has more: a one-row reduction is
+    split across threads and sums in another order than the whole batch's (other last bits)."""
     batch, length, vocab = shape
-    rows = max(1, _CHUNK_ELEMENTS.get(device.type, 2 ** 24) // vocab)
+    positions = length - 1
+    rows = max(2, _CHUNK_ELEMENTS.get(device.type, 2 ** 24) // vocab)
+    count = max(1, positions // rows)
+    bounds = [i * positions // count for i in range(count + 1)]
     for sequence in range(batch):
-        for first in range(0, length - 1, rows):
-            yield sequence, first, min(first + rows, length - 1)
+        for first, last in zip(bounds, bounds[1:]):
+            yield sequence, first, last
 
 
 class _NextTokenLosses(torch.autograd.Function):
