@@ -7,7 +7,8 @@ the same batch of MATH train text, all weights trainable, median of --repeats
 timed passes after a warm-up, passes of the compared modes alternating:
 
 Training (one optimiser step = forward + backward + AdamW):
-  - plain: the model's default attention (sdpa), next-token cross-entropy;
+  - plain: the model's default attention (sdpa), next-token cross-entropy (the same
+    chunked loss as the post-training, so the ratio is the gates' alone);
   - gated: the sparse model's gated attention (stochastic gates, straight-through
     estimator) with the loss (density + λ·CE) / (1 + λ): the cost of the gates alone;
   - post-training step: what `sparsify` runs, gated + the frozen dense model's
@@ -71,7 +72,7 @@ def training_steps(model_dir, ids: torch.Tensor):
     dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
 
     def plain_step():
-        loss = plain(input_ids=ids, labels=ids, use_cache=False).loss
+        loss, _ = sparsify._loss_terms(plain(input_ids=ids, use_cache=False).logits, ids, None)
         plain_opt.zero_grad()
         loss.backward()
         plain_opt.step()
