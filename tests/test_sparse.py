@@ -273,7 +273,7 @@ def _settings(corpus, **changes):
         "multiplier": {"init": 1.0, "lr": 1.0, "ema": 0.9, "min": 1e-3, "max": 1e3}, "seed": 0,
         "corpus": {"paths": [str(corpus)], "text_field": "text"}, "heldout_sequences": 4,
         "eval_every": 3, "checkpoint_every": 2, "log_every": 1, "device": "cpu", "dtype": "auto",
-        "gradient_checkpointing": False,
+        "gradient_checkpointing": False, "snapshot_steps": [],
         "calibrate_gate_bias": {"enabled": False, "max_kl": 0.12, "step": 0.5, "lowest": -2.0, "sequences": 32,
                                 "per_layer": PER_LAYER_OFF},
     }
@@ -372,7 +372,7 @@ def test_calibration_keeps_the_lowest_gate_bias_within_the_kl_limit(trained, tin
     base, corpus = tiny_base
     folder, summary = trained
     shutil.copy(folder / "ckpt.pt", tmp_path / "ckpt.pt")  # calibration does not retrain
-    wide = {"enabled": True, "max_kl": 2.0, "step": 0.5, "lowest": -1.0, "sequences": 4,
+    wide = {"enabled": True, "max_kl": 2.0, "step": 0.5, "lowest": -1.0, "sequences": 32,
             "per_layer": PER_LAYER_OFF}
     first = sparsify.post_train(str(base), "tiny-sparse", _settings(corpus, calibrate_gate_bias=wide),
                                 _outputs(tmp_path), torch.device("cpu"))
@@ -429,7 +429,7 @@ def test_per_layer_calibration_saves_one_bias_per_layer(trained, tiny_base, tmp_
     shutil.copy(folder / "ckpt.pt", tmp_path / "ckpt.pt")  # calibration does not retrain
     per_layer = {"enabled": True, "step": 0.5, "rounds": 2, "sensitivity_sequences": 2}
     # a global step of 5 keeps b' = 1 globally; no KL over 2 nats: the layers that close edges go lower
-    options = {"enabled": True, "max_kl": 2.0, "step": 5.0, "lowest": -1.5, "sequences": 4, "per_layer": per_layer}
+    options = {"enabled": True, "max_kl": 2.0, "step": 5.0, "lowest": -1.5, "sequences": 32, "per_layer": per_layer}
     summary = sparsify.post_train(str(base), "tiny-sparse", _settings(corpus, calibrate_gate_bias=options),
                                   _outputs(tmp_path), torch.device("cpu"))
     biases = summary["inference_gate_bias"]

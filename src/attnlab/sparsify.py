@@ -99,8 +99,14 @@ def corpus_documents(corpus: dict) -> tuple[list[str], str]:
 @dataclass
 class Corpus:
     train: torch.Tensor  # [sequences, seq_len] token ids
-    heldout: torch.Tensor
+    heldout: torch.Tensor  # every reported number
+    calibration: torch.Tensor  # the inference gate bias's calibration (may hold 0 rows)
     description: str
+    duplicates_dropped: int = 0
+
+    def epochs(self, sequences_trained: int) -> float:
+        """How many times the training sequences are gone through by ``sequences_trained``."""
+        return sequences_trained / max(1, len(self.train))
 
 
 def _pack(tokenizer, documents: list[str], seq_len: int) -> torch.Tensor:
@@ -113,30 +119,68 @@ def _pack(tokenizer, documents: list[str], seq_len: int) -> torch.Tensor:
     return torch.tensor(stream[:usable], dtype=torch.long).view(-1, seq_len)
 
 
+def _take_documents(documents: list[str], order, start: int, sequences: int, seq_len: int) -> int:
+    """The index in ``order`` after the documents that fill ``sequences`` rows of ``seq_len``
+    tokens (a cheap estimate of 3 characters a token, with a margin; packing gives the truth)."""
+    tokens, end = 0, start
+    while end < len(order) and sequences and tokens < sequences * seq_len * 1.1 + seq_len:
+        tokens += len(documents[order[end]]) // 3
+        end += 1
+    return end
+
+
 def build_corpus(tokenizer, corpus: dict, seq_len: int, heldout_sequences: int, batch_size: int,
-                 seed: int) -> Corpus:
-    """Held-out and training sequences from disjoint documents (split fixed by ``seed``)."""
+                 seed: int, calibration_sequences: int = 0) -> Corpus:
+    """Held-out, calibration and training sequences from disjoint documents (split fixed by
+    ``seed``); exact duplicate documents are dropped first, so no text is in two of them."""
     documents, description = corpus_documents(corpus)
-    order = np.random.default_rng(seed).permutation(len(documents))
-    # Hold out documents until they fill the held-out sequences (with a margin for packing).
-    heldout_docs, train_docs, tokens = [], [], 0
-    for index in order:
-        if tokens < heldout_sequences * seq_len * 1.1 + seq_len:
-            heldout_docs.append(documents[index])
-            tokens += len(documents[index]) // 3  # a cheap token estimate; packing gives the truth
-        else:
-            train_docs.append(documents[index])
-    heldout = _pack(tokenizer, heldout_docs, seq_len)[:heldout_sequences]
-    train = _pack(tokenizer, train_docs, seq_len) if train_docs else torch.empty(0, seq_len, dtype=torch.long)
-    if len(heldout) < heldout_sequences or len(train) < batch_size:
+    unique = list(dict.fromkeys(documents))
+    order = np.random.default_rng(seed).permutation(len(unique))
+    heldout_end = _take_documents(unique, order, 0, heldout_sequences, seq_len)
+    calibration_end = _take_documents(unique, order, heldout_end, calibration_sequences, seq_len)
+    split = [[unique[i] for i in order[a:b]] for a, b in
+             ((0, heldout_end), (heldout_end, calibration_end), (calibration_end, len(order)))]
+    empty = torch.empty(0, seq_len, dtype=torch.long)
+    heldout, calibration, train = (_pack(tokenizer, docs, seq_len) if docs else empty for docs in split)
+    heldout, calibration = heldout[:heldout_sequences], calibration[:calibration_sequences]
+    if len(heldout) < heldout_sequences or len(calibration) < calibration_sequences or len(train) < batch_size:
         raise SparsifyError(
-            f"corpus ({description}) gives {len(train)} training and {len(heldout)} held-out "
-            f"sequences of {seq_len} tokens; it needs at least batch_size={batch_size} for training and "
-            f"heldout_sequences={heldout_sequences}: add text or lower those keys")
-    return Corpus(train, heldout, description)
+            f"corpus ({description}) gives {len(train)} training, {len(heldout)} held-out and "
+            f"{len(calibration)} calibration sequences of {seq_len} tokens from disjoint documents; "
+            f"it needs at least batch_size={batch_size} for training, heldout_sequences={heldout_sequences} "
+            f"and calibrate_gate_bias.sequences={calibration_sequences}: add text or lower those keys")
+    for name, rows, key in (("held-out", heldout, "heldout_sequences"),
+                            ("calibration", calibration, "calibrate_gate_bias.sequences")):
+        shared = _shared_rows(rows, train)
+        if shared:
+            raise SparsifyError(
+                f"corpus ({description}): {shared} {name} sequences also occur in the training text "
+                f"(the same text in different documents); remove the repeated text from the corpus, "
+                f"or change seed or {key} to draw other {name} documents")
+    return Corpus(train, heldout, calibration, description, len(documents) - len(unique))
+
+
+def _shared_rows(rows: torch.Tensor, train: torch.Tensor) -> int:
+    """How many of ``rows`` are identical to a training sequence."""
+    seen = {row.numpy().tobytes() for row in train}
+    return sum(row.numpy().tobytes() in seen for row in rows)
 
 
 # ---------------------------------------------------------------- models
+
+
+def sparsify_device(preference: str) -> torch.device:
+    """The training device: ``cuda`` stops here, before anything loads, where there is no CUDA;
+    ``auto`` falls back to the CPU and says so."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise SparsifyError("sparsify.device is 'cuda' but this machine has no CUDA device: run it on a "
+                            "GPU node, or set sparsify.device: auto to allow training on the CPU "
+                            "(a GPU recipe's budget can take days there)")
+    device = torch.device(preference if preference != "auto" else
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    if preference == "auto" and device.type == "cpu":
+        log.warning("no CUDA device: post-training on the CPU (sparsify.device: auto allows it)")
+    return device
 
 
 def trainable_parameters(model, train: str) -> list[str]:
@@ -280,7 +324,10 @@ def learning_rate(settings: dict, step: int) -> float:
 def fingerprint(settings: dict) -> str:
     """What must match for a checkpoint to be resumed (everything that shapes training)."""
     keep = {k: v for k, v in settings.items()
-            if k not in ("device", "checkpoint_every", "eval_every", "log_every", "calibrate_gate_bias")}
+            if k not in ("device", "checkpoint_every", "eval_every", "log_every", "calibrate_gate_bias",
+                         "snapshot_steps")}
+    # the calibration sequences are held out of the training text: their count shapes training
+    keep["calibration_sequences"] = settings["calibrate_gate_bias"]["sequences"]
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -513,13 +560,26 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
     from attnlab.models import load_tokenizer
 
     started = time.perf_counter()
+    if settings["snapshot_steps"] and settings["train"] == "lora":
+        raise SparsifyError("snapshot_steps needs train: all, attention or qk (LoRA adapters are merged "
+                            "into the weights only at the end): remove snapshot_steps or change train")
     tokenizer = load_tokenizer(base_dir)
     steps = settings["steps"]
+    # Calibration documents are held out whether or not calibration runs: the training text is
+    # then the same either way (a checkpoint resumes, an uncalibrated copy compares).
+    calibration_sequences = settings["calibrate_gate_bias"]["sequences"]
     corpus = build_corpus(tokenizer, settings["corpus"], settings["seq_len"], settings["heldout_sequences"],
-                          settings["batch_size"], settings["seed"])
-    log.info("corpus: %s: %d training, %d held-out sequences of %d tokens; %d steps x %d sequences",
-             corpus.description, len(corpus.train), len(corpus.heldout), settings["seq_len"], steps,
-             settings["batch_size"])
+                          settings["batch_size"], settings["seed"], calibration_sequences)
+    epochs = corpus.epochs(steps * settings["batch_size"])
+    log.info("corpus: %s: %d training, %d held-out, %d calibration sequences of %d tokens (disjoint "
+             "documents; %d duplicate documents dropped); %d steps x %d sequences = %.2f epochs",
+             corpus.description, len(corpus.train), len(corpus.heldout), len(corpus.calibration),
+             settings["seq_len"], corpus.duplicates_dropped, steps, settings["batch_size"], epochs)
+    if epochs > 1:
+        log.warning("the corpus holds %d training sequences, fewer than the %d that steps x batch_size "
+                    "asks for: training goes %.2f times through it (epochs). A larger corpus (corpus.hub "
+                    "or corpus.paths) avoids repeating text", len(corpus.train), steps * settings["batch_size"],
+                    epochs)
     trainer = Trainer(base_dir, settings, device)
     # The frozen dense model's held-out logits once for every evaluation, when they fit
     references = trainer.reference_logits(corpus.heldout) if _logits_fit(trainer, corpus.heldout) else None
@@ -554,6 +614,9 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
             state.elapsed_s += time.perf_counter() - clock
             clock = time.perf_counter()
             trainer.save_checkpoint(checkpoint, state, key)
+        if state.step in settings["snapshot_steps"]:
+            _write_snapshot(trainer, corpus, references, tokenizer, name, settings, state,
+                            checkpoint.parent / "snapshots" / f"step_{state.step}")
         if on_step:
             on_step(state.step)
     state.elapsed_s += time.perf_counter() - clock
@@ -562,10 +625,8 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
     evals = [{**row, "gate_bias": settings["gate_bias"]} for row in state.evals]
     bias, calibration = settings["gate_bias"], None
     if settings["calibrate_gate_bias"]["enabled"]:
-        # calibration text: the end of the training order, which short runs never reach
-        calibration_ids = corpus.train[order[-settings["calibrate_gate_bias"]["sequences"]:]]
-        bias, calibration = calibrate_gate_bias(trainer, calibration_ids, settings)
-        calibration["trained_on"] = state.position > len(order) - len(calibration_ids)
+        # calibration text: documents held out of training like the held-out ones
+        bias, calibration = calibrate_gate_bias(trainer, corpus.calibration, settings)
         calibration["at_training_bias"] = {k: final[k] for k in ("ce_sparse", "kl", "density")}
         if bias != settings["gate_bias"]:  # every held-out number of the copy is at its saved b'
             final, per_head = trainer.evaluate(corpus.heldout, references)
@@ -579,6 +640,25 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
     io.write_json(summary, outputs.summary)
     _write_model(trainer.merged_student(), tokenizer, name, settings, bias, summary, outputs.model_dir)
     return summary
+
+
+def _write_snapshot(trainer: Trainer, corpus: Corpus, references, tokenizer, name: str, settings: dict,
+                    state: TrainState, out_dir: Path) -> None:
+    """The copy as it is after ``state.step`` steps, at the training gate bias, with its held-out
+    numbers in attnlab_source.json: copies at several densities from one run (for the heads
+    needed against density). Not for LoRA (its adapters are merged only at the end)."""
+    if not (state.evals and state.evals[-1]["step"] == state.step):
+        measured, _ = trainer.evaluate(corpus.heldout, references)
+        state.evals.append({"step": state.step, "tokens": state.position * settings["seq_len"], **measured})
+    measured = state.evals[-1]
+    summary = {"snapshot_step": state.step, "tokens": measured["tokens"],
+               "epochs": corpus.epochs(state.position), "heldout_density": measured["density"],
+               "heldout_kl": measured["kl"], "heldout_ce_sparse": measured["ce_sparse"],
+               "heldout_ce_dense": measured["ce_dense"], "inference_gate_bias": settings["gate_bias"]}
+    _write_model(trainer.student, tokenizer, f"{name}@step{state.step}", settings, settings["gate_bias"],
+                 summary, str(out_dir))
+    log.info("snapshot at step %d: held-out density %.4f, KL %.4f -> %s", state.step, measured["density"],
+             measured["kl"], out_dir)
 
 
 def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: dict
@@ -734,6 +814,8 @@ def _summary(settings, state, final, corpus, device, wall, bias, calibration) ->
         "constraint": settings["constraint"], "steps": state.step,
         "tokens": state.step * settings["batch_size"] * settings["seq_len"],
         "heldout_tokens": int(corpus.heldout.numel()), "corpus": corpus.description,
+        "train_sequences": len(corpus.train), "epochs": corpus.epochs(state.position),
+        "calibration_tokens": int(corpus.calibration.numel()),
         "heldout_ce_dense": final["ce_dense"], "heldout_ce_sparse": final["ce_sparse"],
         "heldout_kl": final["kl"], "heldout_density": final["density"],
         **({"heldout_ce_control": final["ce_control"]} if "ce_control" in final else {}),

@@ -411,11 +411,10 @@ def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, chec
 
     import torch
 
-    from attnlab.models import pick_device
-    from attnlab.sparsify import Outputs, post_train
+    from attnlab.sparsify import Outputs, post_train, sparsify_device
 
     torch.set_num_threads(threads)
-    device = pick_device(settings["device"])
+    device = sparsify_device(settings["device"])
     log.info("post-training the sparse copy %s of %s on %s", name, base_dir, device)
     paths = Outputs(model_dir=outputs["model"], steps=outputs["steps"], evals=outputs["evals"],
                     density=outputs["density"], summary=outputs["summary"], checkpoint=checkpoint)
