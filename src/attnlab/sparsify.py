@@ -109,22 +109,21 @@ class Corpus:
         return sequences_trained / max(1, len(self.train))
 
 
-def _pack(tokenizer, documents: list[str], seq_len: int) -> torch.Tensor:
-    """Documents joined by EOS and cut into rows of ``seq_len`` tokens (the tail is dropped)."""
-    eos = tokenizer.eos_token_id
+def _pack(token_ids: list[list[int]], eos: int, seq_len: int) -> torch.Tensor:
+    """Tokenized documents joined by EOS and cut into rows of ``seq_len`` tokens (the tail is dropped)."""
     stream = []
-    for ids in tokenizer(documents, add_special_tokens=False).input_ids:
+    for ids in token_ids:
         stream += ids + [eos]
     usable = len(stream) // seq_len * seq_len
     return torch.tensor(stream[:usable], dtype=torch.long).view(-1, seq_len)
 
 
-def _take_documents(documents: list[str], order, start: int, sequences: int, seq_len: int) -> int:
-    """The index in ``order`` after the documents that fill ``sequences`` rows of ``seq_len``
-    tokens (a cheap estimate of 3 characters a token, with a margin; packing gives the truth)."""
+def _take_documents(token_ids: list[list[int]], start: int, sequences: int, seq_len: int) -> int:
+    """The index after the documents from ``start`` on that fill ``sequences`` rows of ``seq_len``
+    tokens once packed (each document counts its EOS)."""
     tokens, end = 0, start
-    while end < len(order) and sequences and tokens < sequences * seq_len * 1.1 + seq_len:
-        tokens += len(documents[order[end]]) // 3
+    while end < len(token_ids) and tokens < sequences * seq_len:
+        tokens += len(token_ids[end]) + 1
         end += 1
     return end
 
@@ -136,12 +135,12 @@ def build_corpus(tokenizer, corpus: dict, seq_len: int, heldout_sequences: int, 
     documents, description = corpus_documents(corpus)
     unique = list(dict.fromkeys(documents))
     order = np.random.default_rng(seed).permutation(len(unique))
-    heldout_end = _take_documents(unique, order, 0, heldout_sequences, seq_len)
-    calibration_end = _take_documents(unique, order, heldout_end, calibration_sequences, seq_len)
-    split = [[unique[i] for i in order[a:b]] for a, b in
-             ((0, heldout_end), (heldout_end, calibration_end), (calibration_end, len(order)))]
-    empty = torch.empty(0, seq_len, dtype=torch.long)
-    heldout, calibration, train = (_pack(tokenizer, docs, seq_len) if docs else empty for docs in split)
+    token_ids = tokenizer([unique[i] for i in order], add_special_tokens=False).input_ids
+    heldout_end = _take_documents(token_ids, 0, heldout_sequences, seq_len)
+    calibration_end = _take_documents(token_ids, heldout_end, calibration_sequences, seq_len)
+    heldout, calibration, train = (
+        _pack(token_ids[a:b], tokenizer.eos_token_id, seq_len)
+        for a, b in ((0, heldout_end), (heldout_end, calibration_end), (calibration_end, len(token_ids))))
     heldout, calibration = heldout[:heldout_sequences], calibration[:calibration_sequences]
     if len(heldout) < heldout_sequences or len(calibration) < calibration_sequences or len(train) < batch_size:
         raise SparsifyError(
