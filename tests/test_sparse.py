@@ -291,8 +291,8 @@ def _outputs(folder: Path) -> sparsify.Outputs:
 def trained(tiny_base, tmp_path_factory):
     base, corpus = tiny_base
     folder = tmp_path_factory.mktemp("sparse")
-    summary = sparsify.post_train(str(base), "tiny-sparse", _settings(corpus), _outputs(folder),
-                                  torch.device("cpu"))
+    summary = sparsify.post_train(str(base), "tiny-sparse", _settings(corpus, snapshot_steps=[3]),
+                                  _outputs(folder), torch.device("cpu"))
     return folder, summary
 
 
@@ -578,3 +578,136 @@ def test_sparse_sources_are_checked():
         check_sparse_models({"a": dense, "b": spec("nope")})
     with pytest.raises(SourceError, match="sparse copy of a sparse copy"):
         check_sparse_models({"a": dense, "b": spec("a"), "c": spec("b")})
+
+
+# ---------------------------------------------------------------- corpus split, device, snapshots
+
+
+def test_heldout_calibration_and_training_text_come_from_disjoint_documents(tiny_base):
+    from attnlab.models import load_tokenizer
+
+    base, corpus = tiny_base
+    documents = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    repeated = corpus.parent / "repeated.jsonl"
+    repeated.write_text("".join(json.dumps({"text": t}) + "\n" for t in documents + documents[:7]))
+    split = sparsify.build_corpus(load_tokenizer(base), {"paths": [str(repeated)], "text_field": "text"},
+                                  16, 4, 2, 0, calibration_sequences=8)
+    assert split.duplicates_dropped == 7
+    assert (len(split.heldout), len(split.calibration)) == (4, 8) and len(split.train) > 100
+    rows = {name: {r.numpy().tobytes() for r in getattr(split, name)} for name in ("train", "heldout", "calibration")}
+    assert not rows["train"] & rows["heldout"] and not rows["train"] & rows["calibration"]
+    assert not rows["heldout"] & rows["calibration"]
+    assert split.epochs(len(split.train) * 3) == 3
+
+
+def test_text_repeated_across_documents_in_calibration_and_training_is_an_error(tiny_base, tmp_path):
+    from attnlab.models import load_tokenizer
+
+    base, _ = tiny_base
+    tokenizer = load_tokenizer(base)
+    words = "the cat sat on a mat while two dogs ran far away from home and back again".split()
+    text = next(" ".join(words[:k]) for k in range(1, len(words))
+                if len(tokenizer(" ".join(words[:k]), add_special_tokens=False).input_ids) == 15)
+    # distinct documents whose packed rows (15 tokens + EOS) are all the same row
+    docs = [tokenizer.eos_token.join([text] * k) for k in range(1, 40)]
+    path = tmp_path / "repeats.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    with pytest.raises(sparsify.SparsifyError, match="held-out sequences also occur in the training text.*heldout_sequences"):
+        sparsify.build_corpus(tokenizer, {"paths": [str(path)], "text_field": "text"}, 16, 2, 2, 0)
+    with pytest.raises(sparsify.SparsifyError, match="calibration sequences also occur.*calibrate_gate_bias.sequences"):
+        sparsify.build_corpus(tokenizer, {"paths": [str(path)], "text_field": "text"}, 16, 0, 2, 0, 2)
+
+
+def test_more_steps_than_the_corpus_holds_warn_with_the_epochs(caplog):
+    corpus = sparsify.Corpus(torch.zeros(10, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long),
+                             torch.zeros(2, 4, dtype=torch.long), "ten rows")
+    with caplog.at_level("WARNING", logger="attnlab.sparsify"):
+        assert sparsify.report_corpus(corpus, 5, 2, 4) == 1.0
+        assert not caplog.records
+        assert sparsify.report_corpus(corpus, 25, 2, 4) == 5.0
+    assert "5.00 times" in caplog.text and "10 training sequences" in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_cuda_recipe_stops_without_cuda_and_auto_falls_back_with_a_warning(caplog):
+    with pytest.raises(sparsify.SparsifyError, match="sparsify.device is 'cuda'.*sparsify.device: auto"):
+        sparsify.sparsify_device("cuda")
+    with caplog.at_level("WARNING", logger="attnlab.sparsify"):
+        assert sparsify.sparsify_device("auto") == torch.device("cpu")
+    assert "no CUDA device" in caplog.text
+    assert sparsify.sparsify_device("cpu") == torch.device("cpu")
+
+
+def test_snapshot_is_a_loadable_copy_with_its_heldout_numbers(trained):
+    from attnlab.models import load_model
+
+    folder, _ = trained
+    snapshot = folder / "snapshots" / "step_3"
+    summary = json.loads((snapshot / "attnlab_source.json").read_text())["summary"]
+    evals = pd.read_csv(folder / "eval.csv").set_index("step")
+    assert summary["snapshot_step"] == 3 and summary["tokens"] == 3 * 2 * 16
+    assert summary["heldout_density"] == pytest.approx(evals.loc[3, "density"])
+    assert summary["heldout_kl"] == pytest.approx(evals.loc[3, "kl"])
+    model = load_model(snapshot, torch.device("cpu"), torch.float32)
+    assert model.config._attn_implementation == sparse.IMPLEMENTATION
+
+
+def test_snapshots_are_refused_for_lora(tiny_base, tmp_path):
+    base, corpus = tiny_base
+    with pytest.raises(sparsify.SparsifyError, match="snapshot_steps needs train"):
+        sparsify.post_train(str(base), "tiny-sparse", _settings(corpus, train="lora", snapshot_steps=[1]),
+                            _outputs(tmp_path), torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- heads needed, padding check
+
+
+def test_head_counts_sweep_every_ranking_and_ablation_from_zero_to_all_heads(trained):
+    from attnlab import head_counts
+    from attnlab.models import load_model, load_tokenizer
+
+    folder, _ = trained
+    model = load_model(folder / "model", torch.device("cpu"), torch.float32)
+    rows, curves = head_counts.head_counts(model, load_tokenizer(folder / "model"), "ioi", 6, 0,
+                                           ["corrupted", "zero"], ["attribution", "exact"], 0.9, 4)
+    assert {(r["ablation"], r["ranking"]) for r in rows} == {
+        (a, r) for a in ("corrupted", "zero") for r in ("attribution", "exact")}
+    for (_, _), curve in curves.groupby(["ablation", "ranking"]):
+        effect = curve.set_index("heads_kept")["explained_effect"]
+        assert list(effect.index) == list(range(9))  # 2 layers x 4 heads, every k
+        assert effect[0] == pytest.approx(0) and effect[8] == pytest.approx(1)
+    for row in rows:
+        assert -1 <= row["spearman_attribution_vs_exact"] <= 1
+        needed = row["heads_to_reach_threshold"]
+        curve = curves[(curves["ablation"] == row["ablation"]) & (curves["ranking"] == row["ranking"])]
+        assert needed == curve[curve["explained_effect"] >= 0.9]["heads_kept"].min()
+
+
+def test_left_padded_batches_give_each_prompt_its_value_alone_and_the_same_open_gates(trained):
+    from attnlab import head_counts
+    from attnlab.models import load_model, load_tokenizer
+
+    folder, _ = trained
+    model = load_model(folder / "model", torch.device("cpu"), torch.float32)
+    check = head_counts.padding_check(model, load_tokenizer(folder / "model"), "ioi", 6, 0, 3)
+    assert check["padding_tokens"] > 0  # the prompts differ in length: some rows are padded
+    assert check["max_abs_diff_clean"] < 1e-4 * max(1.0, check["metric_scale"])
+    assert check["max_abs_diff_half_ablated"] < 1e-4 * max(1.0, check["metric_scale"])
+    assert check["open_edges_batched"] == check["open_edges_one_at_a_time"] > 0
+    with pytest.raises(ValueError, match="template mean"):
+        head_counts.padding_check(model, load_tokenizer(folder / "model"), "ioi", 2, 0, 3, ablation="mean")
+
+
+def test_heads_vs_density_figure_labels_dense_over_copy(tmp_path, monkeypatch):
+    from attnlab import head_counts
+
+    table = pd.DataFrame({"task": ["ioi"] * 3, "ablation": ["corrupted"] * 3, "ranking": ["exact"] * 3,
+                          "n_prompts": [96] * 3, "threshold": [0.9] * 3, "heldout_density": [1.0, 0.05, 0.01],
+                          "heads_to_reach_threshold": [10, 5, 20]})
+    from matplotlib.axes import Axes
+
+    labels, original = [], Axes.annotate
+    monkeypatch.setattr(Axes, "annotate", lambda self, text, *a, **k: labels.append(text) or original(self, text, *a, **k))
+    head_counts.plot_heads_vs_density(table, "dense", tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 0
+    assert sorted(labels) == ["0.5×", "2×"]

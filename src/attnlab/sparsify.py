@@ -159,6 +159,21 @@ def build_corpus(tokenizer, corpus: dict, seq_len: int, heldout_sequences: int, 
     return Corpus(train, heldout, calibration, description, len(documents) - len(unique))
 
 
+def report_corpus(corpus: Corpus, steps: int, batch_size: int, seq_len: int) -> float:
+    """Log the split and the epochs that ``steps`` x ``batch_size`` make; warn above one epoch
+    (repeated text). Returns the epochs."""
+    epochs = corpus.epochs(steps * batch_size)
+    log.info("corpus: %s: %d training, %d held-out, %d calibration sequences of %d tokens (disjoint "
+             "documents; %d duplicate documents dropped); %d steps x %d sequences = %.2f epochs",
+             corpus.description, len(corpus.train), len(corpus.heldout), len(corpus.calibration),
+             seq_len, corpus.duplicates_dropped, steps, batch_size, epochs)
+    if epochs > 1:
+        log.warning("the corpus holds %d training sequences, fewer than the %d that steps x batch_size "
+                    "asks for: training goes %.2f times through it (epochs). A larger corpus (corpus.hub "
+                    "or corpus.paths) avoids repeating text", len(corpus.train), steps * batch_size, epochs)
+    return epochs
+
+
 def _shared_rows(rows: torch.Tensor, train: torch.Tensor) -> int:
     """How many of ``rows`` are identical to a training sequence."""
     seen = {row.numpy().tobytes() for row in train}
@@ -569,16 +584,7 @@ def post_train(base_dir: str, name: str, settings: dict, outputs: Outputs, devic
     calibration_sequences = settings["calibrate_gate_bias"]["sequences"]
     corpus = build_corpus(tokenizer, settings["corpus"], settings["seq_len"], settings["heldout_sequences"],
                           settings["batch_size"], settings["seed"], calibration_sequences)
-    epochs = corpus.epochs(steps * settings["batch_size"])
-    log.info("corpus: %s: %d training, %d held-out, %d calibration sequences of %d tokens (disjoint "
-             "documents; %d duplicate documents dropped); %d steps x %d sequences = %.2f epochs",
-             corpus.description, len(corpus.train), len(corpus.heldout), len(corpus.calibration),
-             settings["seq_len"], corpus.duplicates_dropped, steps, settings["batch_size"], epochs)
-    if epochs > 1:
-        log.warning("the corpus holds %d training sequences, fewer than the %d that steps x batch_size "
-                    "asks for: training goes %.2f times through it (epochs). A larger corpus (corpus.hub "
-                    "or corpus.paths) avoids repeating text", len(corpus.train), steps * settings["batch_size"],
-                    epochs)
+    report_corpus(corpus, steps, settings["batch_size"], settings["seq_len"])
     trainer = Trainer(base_dir, settings, device)
     # The frozen dense model's held-out logits once for every evaluation, when they fit
     references = trainer.reference_logits(corpus.heldout) if _logits_fit(trainer, corpus.heldout) else None
