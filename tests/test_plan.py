@@ -2,7 +2,7 @@
 
 import pytest
 
-from attnlab.plan import comparison_pairs
+from attnlab.plan import comparison_pairs, sparse_pairs
 
 
 def test_comparison_pairs_accept_one_pair_a_list_of_pairs_or_nothing():
@@ -10,6 +10,12 @@ def test_comparison_pairs_accept_one_pair_a_list_of_pairs_or_nothing():
     assert comparison_pairs([["a", "a-sparse"], ["c", "b"]], ["a"]) == [("a", "a-sparse"), ("c", "b")]
     assert comparison_pairs(None, ["x", "y", "z"]) == [("x", "y")]
     assert comparison_pairs(None, ["x"]) == []
+
+
+def test_sparse_pairs_are_the_compared_models_beside_their_own_copies_in_either_order():
+    bases = {"a-sparse": "a", "b-sparse": "b"}
+    pairs = [("a", "a-sparse"), ("b-sparse", "b"), ("a", "b"), ("a", "b-sparse")]
+    assert sparse_pairs(pairs, bases) == [("a", "a-sparse"), ("b", "b-sparse")]
 
 
 def _condition(kind="none", arm=False, placement="between", **extra):

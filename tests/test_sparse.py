@@ -711,3 +711,20 @@ def test_heads_vs_density_figure_labels_dense_over_copy(tmp_path, monkeypatch):
     head_counts.plot_heads_vs_density(table, "dense", tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 0
     assert sorted(labels) == ["0.5×", "2×"]
+
+
+def test_heads_vs_density_table_puts_each_copy_beside_its_own_base():
+    from attnlab import head_counts
+
+    sweep = lambda needed, back=False: {"ablation": "corrupted", "ranking": "exact", "threshold": 0.9,  # noqa: E731
+                                        "heads_to_reach_threshold": needed, "crosses_back_below": back}
+    sweeps = {("a", "ioi"): sweep(10), ("a-sparse", "ioi"): sweep(5), ("b", "ioi"): sweep(8),
+              ("b-sparse", "ioi"): sweep(None)}
+    densities = {"a-sparse": {"heldout_density": 0.05, "heldout_kl": 0.1},
+                 "b-sparse": {"heldout_density": 0.2, "heldout_kl": 0.12}}
+    table = head_counts.heads_vs_density_table([("a", "a-sparse"), ("b", "b-sparse")], sweeps, densities,
+                                               {"ioi": 24}).set_index("label")
+    assert list(table["base"]) == ["a", "a", "b", "b"]
+    assert table.loc["a", "heldout_density"] == 1 and table.loc["a-sparse", "heldout_kl"] == 0.1
+    assert table.loc["a-sparse", "heads_fewer"] == 2 and table.loc["a", "heads_fewer"] == 1
+    assert np.isnan(table.loc["b-sparse", "heads_fewer"])  # never reaches the threshold

@@ -72,6 +72,12 @@ def test_every_stage_runs_on_the_sparse_copy(sparse_run):
         assert (workdir / f"results/tables/mlp/{name}/svamp.csv").is_file()
         assert (workdir / f"results/pruning/{name}/ioi/sweep.csv").is_file()
     assert (workdir / "results/figures/pruning/ioi.png").is_file()
+    heads = pd.read_csv(workdir / "results/tables/heads_vs_density.csv").set_index("label")
+    assert heads.loc[DENSE, "heldout_density"] == 1 and heads.loc[SPARSE, "heldout_density"] == summary["heldout_density"]
+    sweeps = {name: json.loads((workdir / f"results/pruning/{name}/ioi/sweep.json").read_text()) for name in (DENSE, SPARSE)}
+    assert list(heads.loc[[DENSE, SPARSE], "heads_to_reach_threshold"]) == [
+        sweeps[name]["heads_to_reach_threshold"] for name in (DENSE, SPARSE)]
+    assert (workdir / "results/figures/pruning/heads_vs_density.png").stat().st_size > 10_000
     # Extraction of the copy is gated: it says so, and its received attention differs from the base's.
     with h5py.File(workdir / f"results/attention/{SPARSE}/svamp/none.h5") as sparse_h5, \
             h5py.File(workdir / f"results/attention/{DENSE}/svamp/none.h5") as dense_h5:

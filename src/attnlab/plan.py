@@ -16,6 +16,17 @@ def comparison_pairs(compare, models: list[str]) -> list[tuple[str, str]]:
     return [tuple(pair) for pair in compare]
 
 
+def sparse_pairs(pairs: list[tuple[str, str]], sparse_bases: dict[str, str]) -> list[tuple[str, str]]:
+    """The compared pairs that set a model beside its own sparse copy, as (dense, copy)."""
+    found = []
+    for first, second in pairs:
+        if sparse_bases.get(second) == first:
+            found.append((first, second))
+        elif sparse_bases.get(first) == second:
+            found.append((second, first))
+    return found
+
+
 def selected(names: list[str] | None, everything: list[str]) -> list[str]:
     """A configured selection (``attention.datasets``, ``pruning.models``): null means all,
     an empty list none."""

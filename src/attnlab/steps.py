@@ -335,6 +335,20 @@ def plot_pruning(sweep_paths: dict[str, str], out_path: str, task: str, compare,
     plot(sweeps, task, compare, threshold, ablation, ranking, out_path, dpi)
 
 
+def heads_vs_density(sweep_paths: dict[str, str], summary_paths: dict[str, str], pairs: list,
+                     n_prompts: dict[str, int], table_path: str, figure_path: str, dpi: int) -> None:
+    """Each dense model's heads to the threshold beside its sparse copies' (sweep_paths keyed
+    "model/task"), against the copies' held-out density (their summary.json)."""
+    from attnlab.head_counts import heads_vs_density_table, plot_heads_vs_density
+
+    sweeps = {tuple(key.split("/")): io.read_json(path) for key, path in sweep_paths.items()}
+    densities = {model: io.read_json(path) for model, path in summary_paths.items()}
+    table = heads_vs_density_table([tuple(pair) for pair in pairs], sweeps, densities, n_prompts)
+    io.write_csv(table, table_path)
+    with io.atomic_path(figure_path) as tmp:
+        plot_heads_vs_density(table, "", tmp, dpi)
+
+
 def plot_length_sweep(summary_paths: list[str], out_path: str, model: str, dataset: str,
                       families: dict, dpi: int) -> None:
     from attnlab.plots import plot_length_sweep as plot

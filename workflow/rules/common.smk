@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 from attnlab.plan import (attention_figures, cell_generation, check_attention_figures, check_fewshot,
                           comparison_pairs, fewshot_shots, fewshot_spec, figure_files, figure_panels,
                           has_length_sweep, has_placement_sweep, length_families, model_job_threads,
-                          placements, selected)
+                          placements, selected, sparse_pairs)
 from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_template, check_heads,
                             check_layer, check_raw_template, prepared_has_chat_template,
                             prepared_model_shape)
@@ -46,6 +46,13 @@ ATTENTION_FIGURES = attention_figures(ATTENTION["figures"], ATTENTION_DATASETS) 
 PRUNING = config["pruning"]
 PRUNING_MODELS = selected(PRUNING["models"], MODELS) if PRUNING["enabled"] else []
 TASKS = list(PRUNING["tasks"]) if PRUNING_MODELS else []
+# Compared pairs of a model and its own sparse copy, both swept: heads needed against density.
+SPARSE_PAIRS = [pair for pair in sparse_pairs(comparison_pairs(PRUNING["compare"], PRUNING_MODELS), SPARSE_BASES)
+                if set(pair) <= set(PRUNING_MODELS)]
+# What heads_vs_density reads: both models' sweep summaries ("model/task") and each copy's held-out numbers.
+DENSITY_SWEEPS = {f"{model}/{task}": f"results/pruning/{model}/{task}/sweep.json"
+                  for model in dict.fromkeys(m for pair in SPARSE_PAIRS for m in pair) for task in TASKS}
+DENSITY_SUMMARIES = {copy: f"results/sparsify/{copy}/summary.json" for _, copy in SPARSE_PAIRS}
 MLP = config["mlp"]
 MLP_DATASETS = (selected(MLP["datasets"], selected(ATTENTION["datasets"], DATASETS))
                 if MLP["enabled"] else [])
@@ -300,6 +307,7 @@ def pruning_targets():
     return [
         *expand("results/pruning/{model}/{task}/scores.csv", model=PRUNING_MODELS, task=TASKS),
         *expand("results/figures/pruning/{task}.{ext}", task=TASKS, ext=EXT),
+        *(["results/tables/heads_vs_density.csv"] if SPARSE_PAIRS and TASKS else []),
     ]
 
 

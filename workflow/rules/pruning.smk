@@ -78,3 +78,29 @@ rule plot_pruning:
         "../../envs/attnlab.yaml"
     script:
         "../scripts/plot_pruning.py"
+
+
+rule heads_vs_density:
+    """Heads each dense model needs against its sparse copies', by the copies' held-out density."""
+    input:
+        sweeps=list(DENSITY_SWEEPS.values()),
+        summaries=list(DENSITY_SUMMARIES.values()),
+    output:
+        table="results/tables/heads_vs_density.csv",
+        figure=report(
+            f"results/figures/pruning/heads_vs_density.{EXT}",
+            caption="../report/heads_vs_density.rst",
+            category="Head pruning",
+        ),
+    params:
+        sweep_keys=list(DENSITY_SWEEPS),
+        copies=list(DENSITY_SUMMARIES),
+        pairs=SPARSE_PAIRS,
+        n_prompts={task: PRUNING["tasks"][task]["n"] for task in TASKS},
+        dpi=config["plots"]["dpi"],
+    log:
+        "results/logs/heads_vs_density.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/heads_vs_density.py"

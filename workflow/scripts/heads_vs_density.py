@@ -1,0 +1,15 @@
+import sys
+
+sys.path.insert(0, f"{snakemake.scriptdir}/../../src")  # attnlab, installed or not
+from attnlab import steps  # noqa: E402
+
+steps.setup_logging(snakemake.log[0])
+steps.heads_vs_density(
+    sweep_paths=dict(zip(snakemake.params.sweep_keys, snakemake.input.sweeps)),
+    summary_paths=dict(zip(snakemake.params.copies, snakemake.input.summaries)),
+    pairs=snakemake.params.pairs,
+    n_prompts=snakemake.params.n_prompts,
+    table_path=snakemake.output.table,
+    figure_path=snakemake.output.figure,
+    dpi=snakemake.params.dpi,
+)
