@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.attnlab-installed
 
-.PHONY: install run mechanism sparse test test-fast lint dry-run report clean bench-peers
+.PHONY: install run mechanism sparse sparse-gpu test test-fast lint dry-run report clean bench-peers
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ mechanism: install
 
 sparse: install
 	$(BIN)/snakemake --cores all --configfile config/sparse.yaml
+
+# The paper's regime on one GPU (config/sparse-gpu.yaml): stops before training without CUDA.
+sparse-gpu: install
+	$(BIN)/snakemake --cores all --configfile config/sparse-gpu.yaml
 
 test: install
 	$(BIN)/python -m pytest -ra
