@@ -61,8 +61,8 @@ def test_align_removes_the_inserted_run():
     aligned = align(values, spans, np.array([10, 8]), remove_inserted=True)
     assert aligned[0].tolist() == [0, 1, 5, 6, 7, 8, 9]
     assert aligned[1, :5].tolist() == [10, 11, 15, 16, 17] and np.isnan(aligned[1, 5:]).all()
-    mean, band = mean_and_band(aligned, min_share=1.0)
-    assert len(mean) == 5 and mean[0] == 5.0 and band[0] > 0
+    mean, low, high = mean_and_band(aligned, min_share=1.0)
+    assert len(mean) == 5 and mean[0] == 5.0 and low[0] < 5.0 < high[0]
 
 
 def test_full_map_layer_out_of_range_is_named():
@@ -88,16 +88,32 @@ def test_removing_the_insertion_recovers_the_plain_prompt(smollm2_tokenizer):
         assert kept.tolist() == list(plain["input_ids"][0]), fmt
 
 
-def test_band_uses_students_t_per_position():
-    """Positions held by 4, 3 and 1 prompts: t with 3 and 2 degrees of freedom, no band for one."""
-    from scipy import stats
+def test_band_is_a_seeded_percentile_bootstrap_per_position():
+    """Positions held by 4, 3 and 1 prompts: each band is grading.bootstrap_ci over the prompts
+    present there (the accuracy figures' interval, same seed), no width for one prompt."""
+    from attnlab.attention_analysis import BAND_RESAMPLES, BAND_SEED
+    from attnlab.grading import bootstrap_ci
 
     aligned = np.array([[1.0, 2.0, 5.0], [2.0, 4.0, np.nan], [4.0, 3.0, np.nan], [3.0, np.nan, np.nan]])
-    mean, band = mean_and_band(aligned, min_share=0.0)
+    mean, low, high = mean_and_band(aligned, min_share=0.0)
     np.testing.assert_allclose(mean, [2.5, 3.0, 5.0])
-    np.testing.assert_allclose(band[:2], [stats.t.ppf(0.975, 3) * stats.sem([1, 2, 4, 3]),
-                                          stats.t.ppf(0.975, 2) * stats.sem([2, 4, 3])])
-    assert band[2] == 0.0
+    assert (low[0], high[0]) == bootstrap_ci([1, 2, 4, 3], 0.95, BAND_RESAMPLES, BAND_SEED)
+    assert (low[1], high[1]) == bootstrap_ci([2, 4, 3], 0.95, BAND_RESAMPLES, BAND_SEED)
+    assert low[2] == high[2] == 5.0
+    again = mean_and_band(aligned, min_share=0.0)
+    np.testing.assert_array_equal(np.r_[low, high], np.r_[again[1], again[2]])
+
+
+def test_band_of_a_share_stays_inside_0_and_1():
+    """Six prompts, mostly near 0 and one at 0.3 (attention received, a quantity in [0, 1]): a
+    normal interval goes below 0 there; the bootstrap band stays inside [0, 1]."""
+    aligned = np.array([[0.0, 0.95], [0.0, 1.0], [0.01, 1.0], [0.0, 0.9], [0.0, 1.0], [0.3, 1.0]])
+    mean, low, high = mean_and_band(aligned)
+    normal_low = aligned.mean(0) - 1.96 * aligned.std(0, ddof=1) / np.sqrt(len(aligned))
+    normal_high = aligned.mean(0) + 1.96 * aligned.std(0, ddof=1) / np.sqrt(len(aligned))
+    assert normal_low[0] < 0 and normal_high[1] > 1  # what the band must not do
+    assert (low >= 0).all() and (high <= 1).all()
+    assert (low <= mean).all() and (mean <= high).all() and low[0] < high[0]
 
 
 def test_hdf5_names_the_tokenizer_and_its_hash(tmp_path):

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from attnlab.grading import (bootstrap_ci, extract_answer, grade_lenient, grade_math_verify,
@@ -86,3 +88,61 @@ def test_summary_says_where_answers_came_from_and_how_many_hit_the_limit():
             summary["extracted_none"]) == (0.4, 0.2, 0.2, 0.2)
     assert summary["n_hit_token_limit"] == 2 and summary["hit_token_limit"] == 0.4
     assert summary["math_verify_acc"] == 60.0  # the fallback's "1" is graded wrong
+
+
+# ---- the lenient grader's two rules, kept apart ----
+
+
+@pytest.mark.parametrize("gold, pred, rule", [
+    ("41", "1", "substring"),             # the embedded default's MATH-500 cells: last-number fallbacks
+    ("6+9i", "6", "substring"),
+    ("27", "2", "substring"),
+    (r"\dfrac{1}{2}", r"\frac{1}{2}", "exact"),
+    ("18", "18.", "exact"),
+    ("18", "81", "no_match"),
+    ("18", "", "no_answer"),
+    ("18", None, "no_answer"),
+    ("18", "$$", "no_answer"),            # nothing left after normalising
+])
+def test_lenient_match_names_the_rule(gold, pred, rule):
+    from attnlab.grading import lenient_match
+
+    assert lenient_match(gold, pred) == rule
+    assert grade_lenient(gold, pred) is (rule in ("exact", "substring"))
+
+
+def test_substring_only_lenient_matches_are_counted_per_cell():
+    """Six items: of the lenient grader's three "correct" answers two are substring matches of
+    the last-number fallback ("1" for gold 41, "6" for 6+9i); only one is an exact match."""
+    import pandas as pd
+
+    from attnlab.grading import grade_items, summarise
+
+    gold = ["41", "6+9i", "27", "12", r"\frac{3}{4}", "5"]
+    responses = ["so we get 1", "the real part is 6", "#### 2x", "answer 13", "no digits", r"\boxed{5}"]
+    prompts = pd.DataFrame({"id": list("abcdef"), "answer": gold, "inserted_tokens": 55})
+    generations = pd.DataFrame({"id": list("abcdef"), "response": responses, "n_new_tokens": 9,
+                                "hit_token_limit": False})
+    graded = grade_items(prompts, generations, "last_number")
+    assert graded["lenient_rule"].tolist() == ["substring", "substring", "no_match", "no_match",
+                                               "no_answer", "exact"]
+    assert graded["lenient"].tolist() == [True, True, False, False, False, True]
+    assert list(graded.columns[-2:]) == ["lenient", "lenient_rule"]  # earlier columns keep their places
+    summary = summarise(graded, {"confidence": 0.95, "n_resamples": 200, "seed": 0})
+    assert summary["lenient_acc"] == pytest.approx(50.0)
+    assert summary["lenient_substring_only"] == 2
+    assert summary["lenient_exact_acc"] == pytest.approx(100 / 6)
+    assert summary["math_verify_acc"] == pytest.approx(100 / 6)
+
+
+def test_a_cell_without_items_summarises_to_no_accuracy():
+    import pandas as pd
+
+    from attnlab.grading import grade_items, summarise
+
+    prompts = pd.DataFrame({"id": [], "answer": [], "inserted_tokens": []})
+    generations = pd.DataFrame({"id": [], "response": [], "n_new_tokens": [], "hit_token_limit": []})
+    summary = summarise(grade_items(prompts, generations, "last_number"),
+                        {"confidence": 0.95, "n_resamples": 200, "seed": 0})
+    assert summary["n"] == 0 and summary["lenient_substring_only"] == 0
+    assert math.isnan(summary["lenient_acc"]) and math.isnan(summary["math_verify_acc"])

@@ -23,6 +23,48 @@ def test_length_sweep_and_accuracy_figures_are_written(tmp_path):
     assert not list(tmp_path.glob(".*tmp-*"))
 
 
+def _drawn_figure(monkeypatch):
+    """Keep the figure a plot function would save, to read what it drew."""
+    from attnlab import plots
+
+    drawn = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, out_path, dpi: drawn.update(fig=fig))
+    return drawn
+
+
+def test_lenient_bars_hatch_their_substring_only_part(tmp_path, monkeypatch):
+    """lenient 33% of which 17 points (1 of 6 items) are substring-only: the hatched part sits
+    on top of the bar, the label says so and the legend explains the hatching."""
+    from attnlab.plots import SUBSTRING_HATCH, SUBSTRING_LABEL
+
+    drawn = _drawn_figure(monkeypatch)
+    none = {**_cell("none", 0, 100 / 6), "n": 6, "lenient_substring_only": 0}
+    mless = {**_cell("mless", 55, 100 / 3), "n": 6, "lenient_substring_only": 1}
+    plot_accuracy(pd.DataFrame([none, mless]), "d", ["m"], ["none", "mless"], tmp_path / "bars.png")
+    math_verify, lenient = drawn["fig"].axes[:2]
+    hatched = [p for p in lenient.patches if p.get_hatch() == SUBSTRING_HATCH]
+    assert [(round(p.get_y(), 3), round(p.get_height(), 3)) for p in hatched] == [(16.667, 0.0), (16.667, 16.667)]
+    assert not [p for p in math_verify.patches if p.get_hatch()]
+    assert "33\n(17 sub.)" in [t.get_text() for t in lenient.texts]
+    assert "hatched: substring-only" in lenient.get_title()
+    assert SUBSTRING_LABEL in [t.get_text() for t in drawn["fig"].legends[0].get_texts()]
+
+
+def test_a_cell_with_nothing_to_grade_is_an_empty_bar_with_its_reason(tmp_path, monkeypatch):
+    """No items, or no answer extracted from any: never a bare 0% bar."""
+    drawn = _drawn_figure(monkeypatch)
+    empty = {**_cell("none", 0, float("nan")), "n": 0}
+    unextracted = {**_cell("mless", 55, 0.0), "n": 6, "extracted_boxed": 0.0, "extracted_hash": 0.0,
+                   "extracted_last_number": 0.0, "extracted_none": 1.0}
+    plot_accuracy(pd.DataFrame([empty, unextracted]), "d", ["m"], ["none", "mless"], tmp_path / "bars.png")
+    for ax in drawn["fig"].axes[:2]:
+        texts = [t.get_text() for t in ax.texts]
+        assert "no items" in texts and "no answer extracted (6/6)" in texts
+        assert not [t for t in texts if t.startswith("0") or t == "nan"]
+        outlines = [p for p in ax.patches if not p.get_fill()]
+        assert sum(p.get_linestyle() == "--" and p.get_height() == 100 for p in outlines) == 2
+
+
 # ---- attention figures: shading from every prompt's spans ----
 
 

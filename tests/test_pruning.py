@@ -168,3 +168,98 @@ def test_patcher_sweep_refines_between_grid_points():
     assert heads_to_reach(refined, threshold) == needed
     assert refined["heads_kept"].tolist() == list(range(13))
     np.testing.assert_allclose(refined["explained_effect"], full["explained_effect"], atol=1e-6)
+
+
+# ---- fragile counts: a late jump, an overshoot, a fall back below the threshold ----
+
+
+def _curve(effects) -> "pd.DataFrame":
+    import pandas as pd
+
+    return pd.DataFrame({"heads_kept": np.arange(len(effects)), "explained_effect": effects})
+
+
+def _late_jump_curve():
+    """270 heads: 0.6 from 3 heads to 214, then a climb to 1.3 by 221 heads, 1.0 with all kept
+    (the shape of the default IOI figure's SmolLM2 curve)."""
+    k = np.arange(271)
+    effect = np.where(k < 3, k * 0.2, 0.6 + 0.0002 * (k - 3))
+    effect = np.where(k >= 215, np.minimum(0.6 + (k - 214) * 0.1, 1.3), effect)
+    effect[-1] = 1.0
+    return _curve(effect)
+
+
+def test_late_jump_and_overshoot_are_flagged_with_their_sizes():
+    from attnlab.pruning import fragility
+
+    flags = fragility(_late_jump_curve(), 0.9)
+    assert flags["fragile"] and flags["late_jump"] and flags["overshoots"]
+    # The foot is 214 heads (0.643, the last point >= 0.25 below 0.9); the crossing 217.
+    assert (flags["jump_from_heads"], flags["jump_width_heads"]) == (214, 3)
+    assert flags["jump_rise"] == pytest.approx(0.9 - 0.6422)
+    assert flags["plateau_heads"] == 211 and flags["plateau_level"] == pytest.approx(0.6422)
+    assert flags["overshoot"] == pytest.approx(0.3) and flags["overshoot_at_heads"] == 221
+    assert flags["fragile_reasons"] == ["late jump of 0.26 over 3 heads at 217 heads",
+                                        "overshoot of 0.30 at 221 heads"]
+    assert flags["cross_back_at_heads"] is None
+
+
+def test_smooth_curve_is_not_fragile():
+    """A steady rise to 1 (early steep part included): nothing flagged, its climb still measured."""
+    from attnlab.pruning import fragility
+
+    effect = 1 - np.exp(-np.arange(101) / 12.0)
+    effect[-1] = 1.0
+    flags = fragility(_curve(effect), 0.9)
+    assert not flags["fragile"] and flags["fragile_reasons"] == []
+    assert not flags["late_jump"] and not flags["overshoots"] and flags["cross_back_min"] is None
+    assert flags["jump_width_heads"] > 0 and flags["plateau_heads"] < 0.25 * 100
+    # A small overshoot, within the tolerance, is not flagged either.
+    assert not fragility(_curve(np.r_[effect[:-1] * 1.05, 1.0]), 0.9)["fragile"]
+
+
+def test_fall_back_below_the_threshold_is_flagged():
+    from attnlab.pruning import fragility
+
+    effect = np.r_[np.linspace(0, 0.95, 11), [0.8, 0.85, 1.0]]
+    flags = fragility(_curve(effect), 0.9)
+    assert flags["fragile_reasons"] == ["falls back to 0.80 at 11 heads"]
+    assert (flags["cross_back_min"], flags["cross_back_at_heads"]) == (pytest.approx(0.8), 11)
+
+
+def test_pruning_figure_says_fragile_beside_the_ratio(tmp_path, monkeypatch):
+    """The N× label names the fragile count and why; the legend and the curve are marked."""
+    from attnlab import plots
+
+    drawn = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, out_path, dpi: drawn.update(fig=fig))
+    smooth = 1 - np.exp(-np.arange(271) / 8.0)
+    smooth[-1] = 1.0
+    plots.plot_pruning({"dense": _late_jump_curve(), "sparse": _curve(smooth)}, "ioi", ["dense", "sparse"],
+                       0.9, "corrupted", "attribution", tmp_path / "p.png")
+    ax = drawn["fig"].axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert any(t.replace("\n     ", " ").startswith("11.4× fewer heads for sparse than dense at 0.9\n    (fragile: dense: late jump "
+                            "of 0.26 over 3 heads at 217 heads, overshoot of 0.30 at 221 heads)")
+               for t in texts), texts
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["dense (217 heads to 0.9; fragile)", "sparse (19 heads to 0.9)"]
+    assert any("late jump" in t for t in texts) and any("overshoot +0.30" in t for t in texts)
+    assert any("fragile count: late jump" in t.get_text() for t in drawn["fig"].texts)
+
+
+def test_heads_vs_density_rows_say_when_their_ratio_is_fragile():
+    import pandas as pd
+
+    from attnlab.pruning import flag_fragile_counts, fragility
+
+    table = pd.DataFrame({"label": ["d", "d-sparse"], "base": ["d", "d"], "task": ["ioi", "ioi"],
+                          "heads_to_reach_threshold": [217, 19]})
+    smooth = 1 - np.exp(-np.arange(271) / 8.0)
+    smooth[-1] = 1.0
+    flags = {("d", "ioi"): fragility(_late_jump_curve(), 0.9), ("d-sparse", "ioi"): fragility(_curve(smooth), 0.9)}
+    out = flag_fragile_counts(table, flags)
+    assert out["fragile"].tolist() == [True, False]
+    assert out["heads_fewer_fragile"].tolist() == [True, True]  # the copy's N× rests on the base's count
+    assert out.loc[0, "fragile_reasons"].startswith("late jump of 0.26") and out.loc[1, "fragile_reasons"] == ""
+    assert out.loc[0, "jump_width_heads"] == 3 and out.loc[0, "overshoot"] == pytest.approx(0.3)

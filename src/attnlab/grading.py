@@ -7,6 +7,9 @@ Graders:
 - ``lenient``: the grader of the paper's code (arXiv 2510.01032): normalise both
   strings, correct if ``pred == gold or pred in gold``. It is generous (a
   prediction "1" matches gold "10"); an empty prediction is never correct here.
+  Which of its two rules matched is kept (``lenient_rule``) and counted per cell
+  (``lenient_substring_only``), because most of its excess over math-verify comes
+  from substring matches of a last-number fallback ("1" for gold "41").
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from scipy import stats
 
 GRADERS = ("math_verify", "lenient")
 EXTRACTIONS = ("boxed", "hash", "last_number", "none")  # extract_answer's sources, in its order
+# lenient_match's verdicts: equal after normalising, a substring of gold only, neither, nothing extracted
+LENIENT_RULES = ("exact", "substring", "no_match", "no_answer")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -74,21 +79,33 @@ def normalise_lenient(text: str) -> str:
     return text
 
 
-def grade_lenient(gold: str, pred: str | None) -> bool:
+def lenient_match(gold: str, pred: str | None) -> str:
+    """Which rule of the lenient grader accepts ``pred`` (one of LENIENT_RULES)."""
     if not _present(pred):
-        return False
+        return "no_answer"
     gold_n, pred_n = normalise_lenient(gold), normalise_lenient(pred)
-    return bool(pred_n) and (pred_n == gold_n or pred_n in gold_n)
+    if not pred_n:
+        return "no_answer"  # "" would be a substring of anything
+    if pred_n == gold_n:
+        return "exact"
+    return "substring" if pred_n in gold_n else "no_match"
+
+
+def grade_lenient(gold: str, pred: str | None) -> bool:
+    return lenient_match(gold, pred) in ("exact", "substring")
 
 
 def grade_items(prompts: pd.DataFrame, generations: pd.DataFrame, fallback: str) -> pd.DataFrame:
-    """One row per item: gold, extracted prediction, and both grades."""
+    """One row per item: gold, extracted prediction, both grades and the lenient rule that matched."""
     merged = prompts[["id", "answer", "inserted_tokens"]].merge(generations, on="id", validate="1:1")
     extracted = [extract_answer(text, fallback) for text in merged["response"]]
     merged["pred"] = [pred for pred, _ in extracted]
     merged["extraction"] = [how for _, how in extracted]
     merged["math_verify"] = [grade_math_verify(g, p) for g, p in zip(merged["answer"], merged["pred"])]
-    merged["lenient"] = [grade_lenient(g, p) for g, p in zip(merged["answer"], merged["pred"])]
+    rules = pd.Series([lenient_match(g, p) for g, p in zip(merged["answer"], merged["pred"])],
+                      index=merged.index, dtype=object)
+    merged["lenient"] = rules.isin(["exact", "substring"])
+    merged["lenient_rule"] = rules  # after the grade: earlier columns keep their places
     return merged.rename(columns={"answer": "gold"})
 
 
@@ -119,4 +136,8 @@ def summarise(graded: pd.DataFrame, bootstrap: dict) -> dict:
                                  bootstrap["n_resamples"], bootstrap["seed"])
         summary[f"{grader}_acc"] = 100 * float(graded[grader].mean())
         summary[f"{grader}_ci_low"], summary[f"{grader}_ci_high"] = 100 * low, 100 * high
+    # The paper's number stays above; this says how much of it only a substring match gives.
+    substring = graded["lenient_rule"] == "substring"
+    summary["lenient_substring_only"] = int(substring.sum())
+    summary["lenient_exact_acc"] = 100 * float((graded["lenient_rule"] == "exact").mean())
     return summary

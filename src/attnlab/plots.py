@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -24,8 +26,9 @@ def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditio
                   out_path, dpi: int = 150) -> None:
     """Grouped bars: one group per model, one bar per condition, 95% CI error bars.
 
-    One panel per grader, so the paper-compatible number sits beside math-verify's; below
-    them, where each cell's answers came from and how many responses hit the token limit.
+    One panel per grader, so the paper-compatible number sits beside math-verify's (its
+    substring-only part hatched); below them, where each cell's answers came from and how
+    many responses hit the token limit.
     """
     fig = plt.figure(figsize=(4 + 1.6 * len(models) * 2, 6.4))
     grid = fig.add_gridspec(2, 2, height_ratios=(3, 1.3))
@@ -38,14 +41,9 @@ def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditio
     cells = {c: table.set_index(["model", "condition"]).reindex([(m, c) for m in models]) for c in conditions}
     for ax, grader in zip(axes, GRADER_TITLES):
         for k, condition in enumerate(conditions):
-            acc = cells[condition][f"{grader}_acc"].to_numpy()
-            err = np.vstack([acc - cells[condition][f"{grader}_ci_low"].to_numpy(),
-                             cells[condition][f"{grader}_ci_high"].to_numpy() - acc])
-            bars = ax.bar(x + offsets[k], acc, width, yerr=err,
-                          capsize=3, label=condition, color=colours(k % 10))
-            ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+            _grade_bars(ax, x + offsets[k], cells[condition], grader, width, colours(k % 10), condition)
         ax.set_xticks(x, models)
-        ax.set_title(GRADER_TITLES[grader])
+        ax.set_title(_grader_title(grader))
         ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
         ax.set_ylim(0, 105)
         ax.grid(axis="y", alpha=0.3)
@@ -53,9 +51,70 @@ def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditio
     n = int(table["n"].max()) if len(table) else 0
     fig.suptitle(f"Results on {dataset} (n = {n} per bar)")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, title="condition", loc="upper right", fontsize=8)
-    fig.tight_layout(rect=(0, 0, 0.88, 1))
+    fig.legend(handles + [_substring_patch()], labels + [SUBSTRING_LABEL], title="condition",
+               loc="upper right", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     _save(fig, out_path, dpi)
+
+
+SUBSTRING_HATCH = "////"
+SUBSTRING_LABEL = "hatched: lenient matches\nonly as a substring\n(pred in gold, not equal)"
+
+
+def _substring_patch():
+    """The legend entry of the hatching (a fresh artist each time: an artist has one figure)."""
+    from matplotlib.patches import Patch
+
+    return Patch(facecolor="white", edgecolor="black", hatch=SUBSTRING_HATCH, label=SUBSTRING_LABEL)
+
+
+def _grader_title(grader: str) -> str:
+    if grader == "lenient":
+        return f"{GRADER_TITLES[grader]}; hatched: substring-only matches"
+    return GRADER_TITLES[grader]
+
+
+def substring_share(cells: pd.DataFrame) -> np.ndarray:
+    """Per cell, the % of items that only the lenient grader's substring rule calls correct
+    (NaN for summaries written before the count was recorded)."""
+    if "lenient_substring_only" not in cells:
+        return np.full(len(cells), np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return 100 * cells["lenient_substring_only"].to_numpy(float) / cells["n"].to_numpy(float)
+
+
+def empty_reason(cell) -> str | None:
+    """Why a cell has no accuracy worth drawing as a bar: no items, or no answer extracted from
+    any of them (its 0% would read as "always wrong"); None for an ordinary cell."""
+    n = cell.get("n", np.nan)
+    if pd.isna(n) or n == 0:
+        return "no items"
+    if cell.get("extracted_none", 0) == 1:
+        return f"no answer extracted ({n:.0f}/{n:.0f})"
+    return None
+
+
+def _grade_bars(ax, x, cells: pd.DataFrame, grader: str, width: float, colour, label: str) -> None:
+    """One bar per cell with its 95% CI and value; on the lenient panel the part only a
+    substring match gives is hatched; a cell with nothing to grade is an empty, dashed bar
+    that names the reason, never a bare 0%."""
+    reasons = [empty_reason(cell) for _, cell in cells.iterrows()]
+    empty = np.array([reason is not None for reason in reasons])
+    acc = np.where(empty, np.nan, cells[f"{grader}_acc"].to_numpy(float))
+    err = np.nan_to_num(np.vstack([acc - cells[f"{grader}_ci_low"].to_numpy(float),
+                                   cells[f"{grader}_ci_high"].to_numpy(float) - acc]))
+    bars = ax.bar(x, np.nan_to_num(acc), width, yerr=err, capsize=3, label=label, color=colour)
+    values = ["" if np.isnan(a) else f"{a:.0f}" for a in acc]
+    if grader == "lenient":
+        share = substring_share(cells)
+        ax.bar(x, np.nan_to_num(share), width, bottom=np.nan_to_num(acc - share), fill=False,
+               hatch=SUBSTRING_HATCH, edgecolor="black", lw=0)
+        values = [v + (f"\n({s:.0f} sub.)" if v and s > 0 else "") for v, s in zip(values, share)]
+    ax.bar_label(bars, labels=values, fontsize=7, padding=2)
+    for xi, reason in zip(np.atleast_1d(x), reasons):
+        if reason:
+            ax.bar(xi, 100, width, fill=False, edgecolor=colour, ls="--", lw=1)
+            ax.text(xi, 50, reason, rotation=90, ha="center", va="center", fontsize=7)
 
 
 ANSWER_SOURCES = {"boxed": ("\\boxed{}", "#4c72b0"), "hash": ("####", "#55a868"),
@@ -87,11 +146,13 @@ def _plot_answer_sources(ax, cells: dict, models: list[str], x, offsets, width) 
 ALIGNED_TITLE = "inserted tokens removed (meaningful tokens aligned)"
 SHADING_NOTE = "shaded: each condition's inserted tokens (dark: in every prompt, light: in some prompts)"
 ATTENTION_LABEL = "attention received\n(mean over later tokens)"
+BAND_NOTE = "95% percentile bootstrap over prompts"
 
 
 def _draw_conditions(ax, per_condition: dict[str, dict], remove_inserted: bool, drop_first: bool,
                      per_prompt: int) -> None:
-    """One line per condition (mean over prompts, 95% band), optionally a few single prompts;
+    """One line per condition (mean over prompts, 95% percentile-bootstrap band), optionally a
+    few single prompts;
     the full sequence (``remove_inserted`` False) also shades each condition's inserted tokens.
     Colours follow the order of ``per_condition``, so they match from panel to panel."""
     from attnlab.attention_analysis import align, mean_and_band
@@ -101,14 +162,27 @@ def _draw_conditions(ax, per_condition: dict[str, dict], remove_inserted: bool, 
     for k, (condition, data) in enumerate(per_condition.items()):
         colour = colours(k % 10)
         aligned = align(data["values"], data["spans"], data["lengths"], remove_inserted=remove_inserted)
-        mean, band = mean_and_band(aligned)
+        mean, low, high = mean_and_band(aligned)
         x = np.arange(len(mean))[first:]
         ax.plot(x, mean[first:], color=colour, lw=1.2, label=f"{condition} (n={len(aligned)})")
-        ax.fill_between(x, (mean - band)[first:], (mean + band)[first:], color=colour, alpha=0.2, lw=0)
+        ax.fill_between(x, low[first:], high[first:], color=colour, alpha=0.2, lw=0)
         for row in aligned[:per_prompt]:
             ax.plot(x, row[first:len(mean)], color=colour, lw=0.4, alpha=0.3)
     if not remove_inserted:
         _shade_inserted(ax, per_condition)
+    _note_prompt_counts(ax, per_condition)
+
+
+def _note_prompt_counts(ax, per_condition: dict[str, dict]) -> None:
+    """n on the panel itself (a legend is drawn on some panels only): one number when every
+    condition has the same prompts, else one per condition."""
+    counts = {condition: len(data["lengths"]) for condition, data in per_condition.items()}
+    if len(set(counts.values())) == 1:
+        text = f"n = {next(iter(counts.values()))} prompts"
+    else:
+        text = "n = " + ", ".join(f"{count} ({condition})" for condition, count in counts.items()) + " prompts"
+    ax.text(0.01, 0.98, text, transform=ax.transAxes, ha="left", va="top",
+            fontsize=8, bbox={"facecolor": "white", "alpha": 0.7, "lw": 0, "pad": 1})
 
 
 def _shade_inserted(ax, per_condition: dict[str, dict]) -> None:
@@ -147,7 +221,7 @@ def plot_attention_head(per_condition: dict[str, dict], model: str, dataset: str
     axes[1].set_title(f"full sequence; {SHADING_NOTE}")
     axes[0].legend(fontsize=8, loc="upper right")
     fig.suptitle(f"{model} on {dataset}: Layer {layer + 1}, Head {head + 1} "
-                 f"(1-based; layer index {layer}, head index {head}); mean over prompts, 95% band")
+                 f"(1-based; layer index {layer}, head index {head}); mean over prompts, {BAND_NOTE}")
     fig.tight_layout()
     _save(fig, out_path, dpi)
 
@@ -204,7 +278,7 @@ def plot_attention_figure(panels: list[dict], name: str, view: str, zoom: bool, 
         ax.set_ylabel("")
     shown = ALIGNED_TITLE if view == "aligned" else f"full sequence; {SHADING_NOTE}"
     sink = "; position 0 (the attention sink) not shown" if drop_first else ""
-    fig.suptitle(f"{name}: attention received vs position, mean over prompts with 95% band{sink}\n"
+    fig.suptitle(f"{name}: attention received vs position, mean over prompts with {BAND_NOTE}{sink}\n"
                  f"{'top row: ' if zoom else ''}{shown}", fontsize=10)
     fig.tight_layout()
     _save(fig, out_path, dpi)
@@ -227,30 +301,32 @@ def plot_lambda_heatmap(table: pd.DataFrame, model: str, dataset: str, out_path,
 
 def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] | None,
                  threshold: float, ablation: str, ranking: str, out_path, dpi: int = 150) -> None:
-    """Explained effect vs number of heads kept, one curve per model, with an "N×" label."""
+    """Explained effect vs number of heads kept, one curve per model, with an "N×" label;
+    a count that rests on a late jump, a curve that overshoots 1 or falls back below the
+    threshold is marked on its curve and the N× label says "fragile" with the reason."""
     from attnlab.plan import comparison_pairs
-    from attnlab.pruning import heads_to_reach
+    from attnlab.pruning import FRAGILITY_DEFINITION, fragility, heads_to_reach
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 5))
     colours = plt.get_cmap("tab10")
-    needed = {}
+    needed, flags = {}, {}
     for k, (model, sweep) in enumerate(sweeps.items()):
-        needed[model] = heads_to_reach(sweep, threshold)
-        label = f"{model} ({needed[model] if needed[model] is not None else 'never'} heads to {threshold:g})"
+        needed[model], flags[model] = heads_to_reach(sweep, threshold), fragility(sweep, threshold)
+        fragile = "; fragile" if flags[model]["fragile"] else ""
+        label = f"{model} ({needed[model] if needed[model] is not None else 'never'} heads to {threshold:g}{fragile})"
         ax.plot(sweep["heads_kept"], sweep["explained_effect"], color=colours(k % 10), lw=1.5, label=label)
         if needed[model] is not None:
             ax.plot([needed[model]], [threshold], "o", color=colours(k % 10))
+        _mark_fragility(ax, sweep, needed[model], threshold, flags[model], colours(k % 10))
     ax.axhline(threshold, ls="--", color="grey", lw=1)
     labels = []
     for first, second in comparison_pairs(compare, list(sweeps)):
         if needed.get(first) and needed.get(second):
-            ratio = needed[first] / needed[second]
-            if ratio >= 1:
-                labels.append(f"{ratio:.1f}× fewer heads for {second} than {first} at {threshold:g}")
-            else:  # "0.7× fewer" would read as fewer: say more, and keep the paper's N× beside it
-                labels.append(f"{1 / ratio:.1f}× more heads for {second} than {first} (N× = {ratio:.2f})")
+            labels.append(_ratio_label(first, second, needed, threshold)
+                          + _fragile_note({m: flags[m] for m in (first, second)}))
     if labels:
-        ax.text(0.02, 0.96, "\n".join(labels), ha="left", va="top", transform=ax.transAxes, fontsize=10)
+        ax.text(0.02, 0.96, "\n".join(labels), ha="left", va="top", transform=ax.transAxes, fontsize=9,
+                bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
     ax.set_xscale("symlog", linthresh=10)
     ax.set_xlim(left=0)
     ax.set_xlabel("Number of Heads Kept")
@@ -259,8 +335,44 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
                  "explained effect = (m(k) − m(0)) / (m(all) − m(0)), MLPs intact", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
+    fig.text(0.01, 0.005, textwrap.fill(FRAGILITY_DEFINITION, 130), fontsize=6.5, va="bottom")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     _save(fig, out_path, dpi)
+
+
+def _ratio_label(first: str, second: str, needed: dict, threshold: float) -> str:
+    ratio = needed[first] / needed[second]
+    if ratio >= 1:
+        return f"{ratio:.1f}× fewer heads for {second} than {first} at {threshold:g}"
+    # "0.7× fewer" would read as fewer: say more, and keep the paper's N× beside it
+    return f"{1 / ratio:.1f}× more heads for {second} than {first} (N× = {ratio:.2f})"
+
+
+def _fragile_note(flags: dict[str, dict]) -> str:
+    """'' when both counts stand; else the reasons, per model, on a line of their own."""
+    reasons = [f"{model}: {', '.join(flag['fragile_reasons'])}" for model, flag in flags.items() if flag["fragile"]]
+    if not reasons:
+        return ""
+    return "\n" + textwrap.fill(f"(fragile: {'; '.join(reasons)})", 80, initial_indent="    ",
+                                 subsequent_indent="     ")
+
+
+def _mark_fragility(ax, sweep: pd.DataFrame, needed: int | None, threshold: float, flags: dict,
+                    colour) -> None:
+    """Mark on the curve what makes its count fragile: the late climb (thick), the overshoot's
+    peak (▲) and the lowest point after falling back below the threshold (▼)."""
+    if flags["late_jump"]:
+        climb = sweep[(sweep["heads_kept"] >= flags["jump_from_heads"]) & (sweep["heads_kept"] <= needed)]
+        ax.plot(climb["heads_kept"], climb["explained_effect"], color=colour, lw=5, alpha=0.35)
+        ax.annotate(f"late jump +{flags['jump_rise']:.2f}\nover {flags['jump_width_heads']} heads",
+                    (needed, threshold), xytext=(-6, 8), textcoords="offset points", ha="right",
+                    fontsize=7, color=colour)
+    if flags["overshoots"]:
+        ax.plot([flags["overshoot_at_heads"]], [flags["max_explained_effect"]], "^", color=colour)
+        ax.annotate(f"overshoot +{flags['overshoot']:.2f}", (flags["overshoot_at_heads"], flags["max_explained_effect"]),
+                    xytext=(-5, 2), textcoords="offset points", ha="right", fontsize=7, color=colour)
+    if flags["cross_back_at_heads"] is not None:
+        ax.plot([flags["cross_back_at_heads"]], [flags["cross_back_min"]], "v", color=colour)
 
 
 def plot_length_sweep(table: pd.DataFrame, families: dict[str, str | None], model: str,
@@ -284,11 +396,16 @@ def plot_length_sweep(table: pd.DataFrame, families: dict[str, str | None], mode
             ax.plot(x, points[f"{grader}_acc"], "o-", color=colours(k % 10), label=label)
             ax.fill_between(x, points[f"{grader}_ci_low"], points[f"{grader}_ci_high"],
                             color=colours(k % 10), alpha=0.15, lw=0)
+            if grader == "lenient":  # what is left without the substring-only matches
+                dotted = ax.plot(x, points["lenient_acc"] - substring_share(points), ":",
+                                 color=colours(k % 10))
         ax.set_title(GRADER_TITLES[grader])
         ax.set_xlabel("inserted tokens (under this model's tokenizer)")
         ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
         ax.grid(alpha=0.3)
     axes[0].legend(title="inserted kind", fontsize=8)
+    if labels:
+        axes[1].legend(dotted, ["dotted: without its substring-only matches"], fontsize=8)
     n = int(table["n"].max()) if len(table) else 0
     fig.suptitle(f"{model} on {dataset}: accuracy vs inserted length (n = {n} per point)")
     fig.tight_layout()
@@ -359,19 +476,16 @@ def plot_placement(table: pd.DataFrame, dataset: str, models: list[str], out_pat
         x = np.arange(len(present))
         for ax, grader in zip(axes_row, GRADER_TITLES):
             for k, model in enumerate(models):
-                bars = cells.reindex([(model, p) for p in present])
-                acc = bars[f"{grader}_acc"].to_numpy()
-                err = np.vstack([acc - bars[f"{grader}_ci_low"].to_numpy(),
-                                 bars[f"{grader}_ci_high"].to_numpy() - acc])
-                drawn = ax.bar(x + (k - (len(models) - 1) / 2) * width, acc, width, yerr=err,
-                               capsize=3, color=colours(k % 10), label=model)
-                ax.bar_label(drawn, fmt="%.0f", fontsize=7, padding=2)
+                _grade_bars(ax, x + (k - (len(models) - 1) / 2) * width,
+                            cells.reindex([(model, p) for p in present]), grader, width,
+                            colours(k % 10), model)
             ax.set_xticks(x, [p.replace("_", "\n") for p in present])
-            ax.set_title(f"{family}, {length} tokens: {GRADER_TITLES[grader]}", fontsize=9)
+            ax.set_title(f"{family}, {length} tokens: {_grader_title(grader)}", fontsize=9)
             ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
             ax.set_ylim(0, 105)
             ax.grid(axis="y", alpha=0.3)
-    axes[0, 0].legend(title="model", fontsize=8)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    axes[0, 0].legend(handles + [_substring_patch()], labels + [SUBSTRING_LABEL], title="model", fontsize=8)
     n = int(table["n"].max()) if len(table) else 0
     fig.suptitle(f"{dataset}: accuracy by placement of the insertion (n = {n} per bar)")
     fig.tight_layout()

@@ -131,8 +131,9 @@ def grade(prompts_path: str, generations_path: str, items_path: str, summary_pat
     graded = grade_items(io.read_parquet(prompts_path), io.read_parquet(generations_path),
                          grading["fallback"])
     summary = {**keys, **summarise(graded, grading["bootstrap"])}
-    log.info("%s: math-verify %.1f%%, lenient %.1f%% (n=%d)", keys,
-             summary["math_verify_acc"], summary["lenient_acc"], summary["n"])
+    log.info("%s: math-verify %.1f%%, lenient %.1f%% (%d of them substring-only matches; n=%d)", keys,
+             summary["math_verify_acc"], summary["lenient_acc"], summary["lenient_substring_only"],
+             summary["n"])
     io.write_csv(graded, items_path)
     io.write_json(summary, summary_path)
 
@@ -304,7 +305,7 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     import torch
 
     from attnlab.models import load_model, load_tokenizer, pick_device
-    from attnlab.pruning import Patcher, build_batch, crossing, k_grid
+    from attnlab.pruning import Patcher, build_batch, crossing, fragility, k_grid
     from attnlab.tasks import TaskPrompts
 
     torch.set_num_threads(threads)
@@ -323,7 +324,7 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     io.write_csv(sweep, sweep_path)
     io.write_json({"task": task, "heads": len(order), "sweep_s": elapsed, "points": len(sweep),
                    "refined_points": int(sweep["refined"].sum()), "threshold": settings["threshold"],
-                   **crossing(sweep, settings["threshold"]),
+                   **crossing(sweep, settings["threshold"]), **fragility(sweep, settings["threshold"]),
                    "ablation": settings["ablation"], "ranking": settings["ranking"]}, summary_path)
 
 
@@ -335,15 +336,21 @@ def plot_pruning(sweep_paths: dict[str, str], out_path: str, task: str, compare,
     plot(sweeps, task, compare, threshold, ablation, ranking, out_path, dpi)
 
 
-def heads_vs_density(sweep_paths: dict[str, str], summary_paths: dict[str, str], pairs: list,
-                     n_prompts: dict[str, int], table_path: str, figure_path: str, dpi: int) -> None:
+def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
+                     summary_paths: dict[str, str], pairs: list, n_prompts: dict[str, int],
+                     table_path: str, figure_path: str, dpi: int) -> None:
     """Each dense model's heads to the threshold beside its sparse copies' (sweep_paths keyed
-    "model/task"), against the copies' held-out density (their summary.json)."""
+    "model/task"), against the copies' held-out density (their summary.json); whether each
+    count, and so each N×, is fragile comes from the sweep's curve (curve_paths, same keys)."""
     from attnlab.head_counts import heads_vs_density_table, plot_heads_vs_density
+    from attnlab.pruning import flag_fragile_counts, fragility
 
     sweeps = {tuple(key.split("/")): io.read_json(path) for key, path in sweep_paths.items()}
     densities = {model: io.read_json(path) for model, path in summary_paths.items()}
     table = heads_vs_density_table([tuple(pair) for pair in pairs], sweeps, densities, n_prompts)
+    flags = {tuple(key.split("/")): fragility(pd.read_csv(path), sweeps[tuple(key.split("/"))]["threshold"])
+             for key, path in curve_paths.items()}
+    table = flag_fragile_counts(table, flags)
     io.write_csv(table, table_path)
     with io.atomic_path(figure_path) as tmp:
         plot_heads_vs_density(table, "", tmp, dpi)

@@ -52,6 +52,8 @@ SPARSE_PAIRS = [pair for pair in sparse_pairs(comparison_pairs(PRUNING["compare"
 # What heads_vs_density reads: both models' sweep summaries ("model/task") and each copy's held-out numbers.
 DENSITY_SWEEPS = {f"{model}/{task}": f"results/pruning/{model}/{task}/sweep.json"
                   for model in dict.fromkeys(m for pair in SPARSE_PAIRS for m in pair) for task in TASKS}
+# Their curves too: whether a count (and so an N×) is fragile is read from the curve itself.
+DENSITY_CURVES = {key: path.replace("sweep.json", "sweep.csv") for key, path in DENSITY_SWEEPS.items()}
 DENSITY_SUMMARIES = {copy: f"results/sparsify/{copy}/summary.json" for _, copy in SPARSE_PAIRS}
 MLP = config["mlp"]
 MLP_DATASETS = (selected(MLP["datasets"], selected(ATTENTION["datasets"], DATASETS))

@@ -84,6 +84,7 @@ rule heads_vs_density:
     """Heads each dense model needs against its sparse copies', by the copies' held-out density."""
     input:
         sweeps=list(DENSITY_SWEEPS.values()),
+        curves=list(DENSITY_CURVES.values()),
         summaries=list(DENSITY_SUMMARIES.values()),
     output:
         table="results/tables/heads_vs_density.csv",

@@ -6,6 +6,7 @@ from attnlab import steps  # noqa: E402
 steps.setup_logging(snakemake.log[0])
 steps.heads_vs_density(
     sweep_paths=dict(zip(snakemake.params.sweep_keys, snakemake.input.sweeps)),
+    curve_paths=dict(zip(snakemake.params.sweep_keys, snakemake.input.curves)),
     summary_paths=dict(zip(snakemake.params.copies, snakemake.input.summaries)),
     pairs=snakemake.params.pairs,
     n_prompts=snakemake.params.n_prompts,
