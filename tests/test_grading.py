@@ -146,3 +146,27 @@ def test_a_cell_without_items_summarises_to_no_accuracy():
                         {"confidence": 0.95, "n_resamples": 200, "seed": 0})
     assert summary["n"] == 0 and summary["lenient_substring_only"] == 0
     assert math.isnan(summary["lenient_acc"]) and math.isnan(summary["math_verify_acc"])
+
+
+def test_accuracy_table_keeps_earlier_columns_in_place(tmp_path):
+    """The substring counts are new columns at the end; every earlier column and value stays."""
+    import pandas as pd
+
+    from attnlab import io, steps
+    from attnlab.grading import grade_items, summarise
+
+    prompts = pd.DataFrame({"id": ["a", "b"], "answer": ["41", "7"], "inserted_tokens": 0})
+    generations = pd.DataFrame({"id": ["a", "b"], "response": ["so 1", r"\boxed{7}"], "n_new_tokens": 5,
+                                "hit_token_limit": False})
+    summary = {"model": "m", "dataset": "d", "condition": "none",
+               **summarise(grade_items(prompts, generations, "last_number"),
+                           {"confidence": 0.95, "n_resamples": 100, "seed": 0})}
+    before = {k: v for k, v in summary.items() if k not in steps.LATER_COLUMNS}
+    io.write_json(before, tmp_path / "before.json")
+    io.write_json(summary, tmp_path / "after.json")
+    steps.accuracy_table([str(tmp_path / "before.json")], tmp_path / "before.csv")
+    steps.accuracy_table([str(tmp_path / "after.json")], tmp_path / "after.csv")
+    old, new = pd.read_csv(tmp_path / "before.csv"), pd.read_csv(tmp_path / "after.csv")
+    assert list(new.columns) == list(old.columns) + ["lenient_substring_only", "lenient_exact_acc"]
+    pd.testing.assert_frame_equal(new[old.columns], old)
+    assert new.loc[0, "lenient_substring_only"] == 1 and new.loc[0, "lenient_acc"] == 100.0

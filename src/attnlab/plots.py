@@ -70,7 +70,7 @@ def _substring_patch():
 
 def _grader_title(grader: str) -> str:
     if grader == "lenient":
-        return f"{GRADER_TITLES[grader]}; hatched: substring-only matches"
+        return f"{GRADER_TITLES[grader]}\nhatched: substring-only matches"
     return GRADER_TITLES[grader]
 
 
@@ -146,7 +146,7 @@ def _plot_answer_sources(ax, cells: dict, models: list[str], x, offsets, width) 
 ALIGNED_TITLE = "inserted tokens removed (meaningful tokens aligned)"
 SHADING_NOTE = "shaded: each condition's inserted tokens (dark: in every prompt, light: in some prompts)"
 ATTENTION_LABEL = "attention received\n(mean over later tokens)"
-BAND_NOTE = "95% percentile bootstrap over prompts"
+BAND_NOTE = "95% bootstrap band over prompts"
 
 
 def _draw_conditions(ax, per_condition: dict[str, dict], remove_inserted: bool, drop_first: bool,
@@ -278,8 +278,12 @@ def plot_attention_figure(panels: list[dict], name: str, view: str, zoom: bool, 
         ax.set_ylabel("")
     shown = ALIGNED_TITLE if view == "aligned" else f"full sequence; {SHADING_NOTE}"
     sink = "; position 0 (the attention sink) not shown" if drop_first else ""
-    fig.suptitle(f"{name}: attention received vs position, mean over prompts with {BAND_NOTE}{sink}\n"
-                 f"{'top row: ' if zoom else ''}{shown}", fontsize=10)
+    lines = [f"{name}: attention received vs position, mean over prompts, {BAND_NOTE}{sink}",
+             f"{'top row: ' if zoom else ''}{shown}"]
+    # Wrapped to the figure's width (about 18 characters an inch at this size): one or two
+    # narrow panels would otherwise cut the title at both ends.
+    columns = int(18 * fig.get_figwidth())
+    fig.suptitle("\n".join(textwrap.fill(line, columns) for line in lines), fontsize=10)
     fig.tight_layout()
     _save(fig, out_path, dpi)
 

@@ -143,10 +143,20 @@ def _read_summaries(paths: list[str]) -> pd.DataFrame:
     return pd.DataFrame([io.read_json(p) for p in paths])
 
 
+# Summary keys added after the tables' first release: last, so every earlier column keeps
+# its position (the summaries' sorted keys would put them among the lenient_* columns).
+LATER_COLUMNS = ("lenient_substring_only", "lenient_exact_acc")
+
+
+def _ordered(table: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """``keys`` first, then the other columns as read, LATER_COLUMNS last."""
+    later = [c for c in LATER_COLUMNS if c in table.columns]
+    return table[keys + [c for c in table.columns if c not in keys and c not in later] + later]
+
+
 def accuracy_table(summary_paths: list[str], out_path: str) -> None:
     keys = ["model", "dataset", "condition"]
-    table = _read_summaries(summary_paths)
-    table = table[keys + [c for c in table.columns if c not in keys]]
+    table = _ordered(_read_summaries(summary_paths), keys)
     io.write_csv(table.sort_values(["dataset", "model"], kind="stable"), out_path)
 
 
@@ -414,7 +424,7 @@ def placement_table(summary_paths: list[str], placements: dict, out_path: str) -
     info["family"] = info["family"].fillna("none")
     table = info.merge(table, on="condition", validate="1:m")
     keys = ["dataset", "model", "family", "length", "placement", "condition"]
-    table = table[keys + [c for c in table.columns if c not in keys]]
+    table = _ordered(table, keys)
     io.write_csv(table.sort_values(keys[:4], kind="stable"), out_path)
 
 
