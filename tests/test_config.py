@@ -153,7 +153,8 @@ def test_composite_figures_are_checked_before_any_job(tmp_path):
 def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
     """5 hub models (no weights here) and 2 sparse copies of them, 2 datasets, 13 conditions
     (length and placement sweeps, ARM), 5 plotted heads, 3 composite attention figures, 4 pruning
-    tasks: one job per model x dataset x condition at most."""
+    tasks, one heads-vs-density table over the sparse pairs: one job per model x dataset x
+    condition at most."""
     started = time.perf_counter()
     result = snakemake("-n", "--cores", "1", "--configfile", str(REPO / "config/paper.yaml"),
                        workdir=tmp_path)
@@ -169,7 +170,7 @@ def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
         "extract_attention": models * 13, "plot_attention_head": models * 5, "plot_attention_figure": 3,
         "rank_attention_heads": models, "lambda_summary": models, "mlp_activations": models * 13,
         "mlp_summary": models, "score_heads": models * 4, "sweep_heads": models * 4, "plot_pruning": 4,
-        "all": 1, "total": 880}
+        "heads_vs_density": 1, "all": 1, "total": 881}
     assert elapsed < 10, f"dry run of the paper config took {elapsed:.1f} s"
 
 
