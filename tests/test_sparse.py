@@ -712,6 +712,11 @@ def test_heads_vs_density_figure_labels_dense_over_copy(tmp_path, monkeypatch):
     assert (tmp_path / "f.png").stat().st_size > 0
     assert sorted(labels) == ["0.5×", "2×"]
 
+    labels.clear()
+    head_counts.plot_heads_vs_density(table.assign(heads_fewer_fragile=[False, True, False]), "dense",
+                                      tmp_path / "g.png")
+    assert sorted(labels) == ["0.5×", "2× (fragile)"]
+
 
 def test_heads_vs_density_table_puts_each_copy_beside_its_own_base():
     from attnlab import head_counts

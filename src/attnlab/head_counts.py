@@ -207,7 +207,8 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
             for _, row in line[line["heldout_density"] < 1].iterrows():
                 ratio = _ratio(dense.iloc[0] if len(dense) else None, row["heads_to_reach_threshold"])
                 if not np.isnan(ratio):
-                    ax.annotate(f"{ratio:.2g}×", (row["heldout_density"], row["heads_to_reach_threshold"]),
+                    fragile = " (fragile)" if row.get("heads_fewer_fragile", False) else ""
+                    ax.annotate(f"{ratio:.2g}×{fragile}", (row["heldout_density"], row["heads_to_reach_threshold"]),
                                 fontsize=6, xytext=(2, 2), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_title(task)
@@ -215,9 +216,12 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
         ax.set_ylabel(f"heads to {table['threshold'].iloc[0]:g} explained effect")
     axes[0][0].legend(fontsize=6)
     dense_name = "the dense model" if several else base if base else table["base"].iloc[0]
+    fragile_note = ("; (fragile): either count rests on a late jump, an overshoot past 1 or a curve "
+                    "falling back below the threshold (heads_vs_density.csv says which)"
+                    if "heads_fewer_fragile" in table else "")
     fig.suptitle(f"Heads needed vs density; labels: N× = heads {dense_name} needs / heads the copy needs "
-                 "(> 1: the copy needs fewer); density on held-out text at the copy's inference gate bias",
-                 fontsize=8)
+                 "(> 1: the copy needs fewer); density on held-out text at the copy's inference gate bias"
+                 + fragile_note, fontsize=8, wrap=True)
     fig.tight_layout()
     fig.savefig(out_path, dpi=dpi)
     plt.close(fig)
