@@ -14,7 +14,7 @@ edges kept), for three ways of choosing the kept edges with *unchanged weights*:
 
 The last two are oracles the gate can only reach by learning: softmax is invariant to a
 per-row shift of the logits, so a model that learned to shift each row by the right amount
-would gate like them (DESIGN.md 1c). They bound what the trained copy should approach, and
+would gate like them (docs/sparse.md). They bound what the trained copy should approach, and
 ``--trained`` adds the held-out points of post-training runs for comparison.
 ``--trained-models`` measures the frontier of post-trained copies themselves: each copy's
 gate at several biases b' (its training bias and others), KL against the same dense

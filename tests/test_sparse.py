@@ -1,4 +1,4 @@
-"""Edge-gated attention and sparse post-training (arXiv 2512.05865, DESIGN.md 1c)."""
+"""Edge-gated attention and sparse post-training (arXiv 2512.05865, docs/sparse.md)."""
 
 import json
 import math

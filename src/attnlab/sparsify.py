@@ -1,22 +1,9 @@
 """Sparse attention post-training (arXiv 2512.05865): a model's sparse copy.
 
-The student is the base model with edge-gated attention (``attnlab.sparse``).
-It minimises the expected density of open edges subject to a loss
-constraint, enforced with a Lagrange multiplier (GECO):
-
-    C      = KL(dense || sparse) − slack                 (constraint: kl, default)
-           or CE(sparse) − (CE(control) + slack)         (constraint: ce_control)
-    C_ema  ← α·C_ema + (1 − α)·C
-    λ      ← clip(λ·exp(η·clip(C_ema / slack, −1, 1)), λ_min, λ_max)
-    loss   = (density + λ·L) / (1 + λ),   L = KL or CE
-
-The KL reference is the frozen dense base model's next-token distribution.
-Fine-tuning on a narrow corpus lowers cross-entropy by itself, so a CE target
-taken from the original model would not bind; ``ce_control`` instead trains a
-dense control copy on the same batches with the same optimiser and budget and
-constrains the sparse model's CE to the control's. Dividing by (1 + λ) keeps
-the step size bounded while λ moves (DESIGN.md 1c: a raw multiplicative
-update oscillated).
+The student is the base model with edge-gated attention (``attnlab.sparse``); it minimises
+the expected density of open edges subject to a KL (or control-CE) constraint enforced with a
+Lagrange multiplier (GECO). The method, its objective and where each part comes from are
+written once, in docs/sparse.md.
 
 Training checkpoints (weights, optimiser, multiplier, data position, RNG,
 logged rows) every ``checkpoint_every`` steps and resumes from the last one,
@@ -673,7 +660,7 @@ def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: dict
     ``lowest`` is passed). Returns b' and the grid measured (gate bias, KL, density); with
     ``per_layer`` on, b' is then refined per layer (calibrate_per_layer) and returned as a list.
 
-    Post-training lowers the weights' cost of gating far below the training bias (README), so
+    Post-training lowers the weights' cost of gating far below the training bias (docs/results.md), so
     a lower threshold at inference can keep fewer edges within the same KL. The scan stops at
     the first b' over the limit: KL grows as b' falls, and it is not searched past a bump.
     """
@@ -705,7 +692,7 @@ def calibrate_per_layer(trainer: Trainer, ids: torch.Tensor, references: list | 
     """Per-layer inference gate biases at or below the global b' ``start`` (not in the paper).
 
     Closing edges costs very different KL per layer (in a trained copy, layers 3-9 next to
-    nothing, layer 0 a lot; README), so one threshold for every layer spends the KL budget
+    nothing, layer 0 a lot; docs/results.md), so one threshold for every layer spends the KL budget
     badly. Greedy, for up to ``rounds`` rounds: each candidate layer is lowered alone by
     ``step`` on the first ``sensitivity_sequences`` calibration sequences, the layers that close
     edges are ranked by KL added per edge closed, and the longest prefix of that ranking whose
