@@ -1,5 +1,6 @@
 """Bad configs fail before any job runs, with messages that say what and where."""
 
+import re
 import time
 
 import yaml
@@ -285,3 +286,38 @@ def test_chat_format_on_a_prepared_model_without_template_fails_in_a_dry_run(tmp
         in result.stdout
     (folder / "chat_template.jinja").write_text("{{ messages }}")
     assert _dry_run(tmp_path, _tiny()).returncode == 0
+
+
+def test_one_entry_point_checks_schema_and_cross_references_without_snakemake(tmp_path):
+    """validate.check: the schema (defaults filled in place) and every cross-reference, each
+    problem one ConfigError naming the key; layers and heads against a prepared model folder."""
+    import json
+
+    import pytest
+
+    from attnlab.sources import SourceError
+    from attnlab.validate import ConfigError, check
+
+    config = _tiny()
+    check(config, models_dir=tmp_path)
+    assert config["generation"]["max_new_tokens"] > 0 and "pmin" in config["models"]["smollm2-135m"]["arm"]
+    broken = [
+        (lambda c: c.update(bogus=1), "unknown config key bogus"),
+        (lambda c: c["attention"]["top_changed"].update(between=["none", "mful"]), "not in conditions"),
+        (lambda c: c.update(prompt={"raw_template": "{system} {user} {units}"}), "unknown placeholder(s) {units}"),
+        (lambda c: c["pruning"].update(compare=["smollm2-135m", "nope"]), "pruning names models ['nope']"),
+        (lambda c: c["models"]["smollm2-135m"]["source"].update(gguf_file="missing.gguf"), "missing.gguf"),
+    ]
+    for breaks, message in broken:
+        config = _tiny()
+        breaks(config)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check(config, models_dir=tmp_path)
+    assert issubclass(SourceError, ConfigError)
+    folder = tmp_path / "smollm2-135m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 3}))
+    config = _tiny()
+    config["attention"]["heads"] = [{"layer": 5, "head": 0}]
+    with pytest.raises(ConfigError, match="attention.heads"):
+        check(config, models_dir=tmp_path)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from attnlab.checks import ConfigError
 
-class SourceError(ValueError):
+
+class SourceError(ConfigError):
     """A configured model or dataset source cannot be found."""
 
 

@@ -5,19 +5,16 @@ import sys
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
-from attnlab.plan import (attention_figures, cell_generation, check_attention_figures, check_fewshot,
-                          comparison_pairs, fewshot_shots, fewshot_spec, figure_files, figure_panels,
-                          has_length_sweep, has_placement_sweep, length_families, model_job_threads,
-                          placements, selected, sparse_pairs)
-from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_template, check_heads,
-                            check_layer, check_raw_template, prepared_has_chat_template,
-                            prepared_model_shape)
-from attnlab.config import validate_config
-from attnlab.sources import SourceError, check_model_source, check_sparse_models, sparse_bases
+from attnlab.plan import (attention_figures, cell_generation, comparison_pairs, fewshot_shots, fewshot_spec,
+                          figure_files, has_length_sweep, has_placement_sweep, length_families,
+                          model_job_threads, placements, selected, sparse_pairs)
+from attnlab.sources import sparse_bases
+from attnlab.validate import ConfigError, check
 
 
+# The schema (defaults filled in place) and every cross-reference, before any job runs.
 try:
-    validate_config(config, os.path.join(workflow.basedir, "config", "schema.yaml"))
+    check(config, os.path.join(workflow.basedir, "config", "schema.yaml"))
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
@@ -58,60 +55,6 @@ DENSITY_SUMMARIES = {copy: f"results/sparsify/{copy}/summary.json" for _, copy i
 MLP = config["mlp"]
 MLP_DATASETS = (selected(MLP["datasets"], selected(ATTENTION["datasets"], DATASETS))
                 if MLP["enabled"] else [])
-
-
-def _check_config():
-    """Cross-references the schema cannot express; fails before any job runs."""
-    arm_used = any(spec["arm"] for spec in config["conditions"].values())
-    check_sparse_models(config["models"])
-    check_attention_figures(ATTENTION_FIGURES, config["conditions"], MODELS, ATTENTION_DATASETS)
-    check_raw_template(config["prompt"]["raw_template"])
-    for name, dataset in config["datasets"].items():
-        check_arithmetic_range(name, dataset["source"])
-    check_fewshot(config["models"], config["datasets"], config["prompt"])
-    for name, model in config["models"].items():
-        check_model_source(name, model["source"])
-        prepared = f"resources/models/{name}"
-        check_chat_template(name, model["prompt_format"], prepared_has_chat_template(prepared))
-        shape = prepared_model_shape(prepared)
-        if shape and ATTENTION_DATASETS:
-            check_heads(HEADS, *shape, name)
-        if shape:
-            check_heads(figure_panels(ATTENTION_FIGURES, name), *shape, name, "attention.figures")
-        if shape and arm_used:
-            check_layer(model["arm"]["layer"], shape[0], name, f"models.{name}.arm.layer")
-        if shape and MLP_DATASETS:
-            check_layer(MLP["layer"], shape[0], name, "mlp.layer")
-        if model["arm"]["pmin"] > model["arm"]["pmax"]:
-            raise SourceError(f"models.{name}.arm: pmin ({model['arm']['pmin']}) is above pmax "
-                              f"({model['arm']['pmax']})")
-    unknown = [d for d in ATTENTION_DATASETS if d not in DATASETS]
-    if unknown:
-        raise SourceError(f"attention.datasets names {unknown}, not in datasets: {DATASETS}")
-    unknown = [d for d in MLP_DATASETS if d not in DATASETS]
-    if unknown:
-        raise SourceError(f"mlp.datasets names {unknown}, not in datasets: {DATASETS}")
-    if MLP_DATASETS and MLP["baseline"] not in CONDITIONS:
-        raise SourceError(f"mlp.baseline is '{MLP['baseline']}', not in conditions: {CONDITIONS}; "
-                          "set it to the condition to compare against")
-    compared = [m for pair in comparison_pairs(PRUNING["compare"], PRUNING_MODELS) for m in pair]
-    unknown = [m for m in PRUNING_MODELS + compared if m not in MODELS]
-    if unknown:
-        raise SourceError(f"pruning names models {unknown}, not in models: {MODELS}")
-    top = ATTENTION["top_changed"]
-    if top["k"] and ATTENTION_DATASETS:
-        missing = [c for c in top["between"] if c not in CONDITIONS]
-        if missing:
-            raise SourceError(
-                f"attention.top_changed.between names {missing}, not in conditions: "
-                f"{CONDITIONS}; set it to two configured conditions or k: 0"
-            )
-
-
-try:
-    _check_config()
-except (SourceError, ConfigError) as error:
-    raise WorkflowError(str(error)) from None
 
 
 def _one_of(names):
