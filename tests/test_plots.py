@@ -1,3 +1,4 @@
+import numpy as np
 import pandas as pd
 
 from attnlab.plots import plot_accuracy, plot_length_sweep
@@ -196,3 +197,38 @@ def test_composite_zoom_shows_the_inserted_positions(tmp_path):
     low, high = ax.get_xlim()
     assert low < 9.5 and 13.5 < high and high - low < 15  # the 4 inserted positions, a margin
     plt.close(fig)
+
+
+def test_figures_and_tables_are_drawn_without_importing_torch(tmp_path):
+    """The HDF5 reader, the curve arithmetic and every figure need no torch: a plotting job
+    starts without its import (a separate process, so nothing imported by other tests counts)."""
+    import json
+    import subprocess
+    import sys
+
+    curve = pd.DataFrame({"heads_kept": range(11), "explained_effect": np.linspace(0, 1, 11)})
+    curve["metric"] = curve["explained_effect"]
+    for model in ("dense", "copy"):
+        curve.to_csv(tmp_path / f"{model}.csv", index=False)
+        (tmp_path / f"{model}.json").write_text(json.dumps(
+            {"ablation": "corrupted", "ranking": "exact", "threshold": 0.9,
+             "heads_to_reach_threshold": 9, "crosses_back_below": False}))
+    (tmp_path / "summary.json").write_text(json.dumps({"heldout_density": 0.05, "heldout_kl": 0.1}))
+    script = f"""
+import sys
+from pathlib import Path
+import attnlab.attention_analysis, attnlab.curves, attnlab.h5format, attnlab.plots
+from attnlab import steps
+d = Path({str(tmp_path)!r})
+steps.plot_pruning({{m: d / f"{{m}}.csv" for m in ("dense", "copy")}}, d / "ioi.png", "ioi",
+                   ["dense", "copy"], 0.9, "corrupted", "exact", 50)
+steps.heads_vs_density({{f"{{m}}/ioi": d / f"{{m}}.json" for m in ("dense", "copy")}},
+                       {{f"{{m}}/ioi": d / f"{{m}}.csv" for m in ("dense", "copy")}},
+                       {{"copy": d / "summary.json"}}, [["dense", "copy"]], {{"ioi": 8}},
+                       d / "table.csv", d / "density.png", 50)
+assert "torch" not in sys.modules, "a figure step imported torch"
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "ioi.png").stat().st_size > 0 and (tmp_path / "density.png").stat().st_size > 0
+    assert pd.read_csv(tmp_path / "table.csv")["heads_fewer"].tolist() == [1.0, 1.0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from attnlab.extraction import open_attention
+from attnlab.h5format import open_attention
 from attnlab.checks import check_heads
 
 INSERTED, QUESTION, CUT = 1, 2, 3  # indices in /spans (attnlab.prompts.SPANS)

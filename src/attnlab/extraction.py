@@ -1,6 +1,6 @@
 """Attention statistics for every layer, head and prompt, into one HDF5 file.
 
-Layout (``N`` prompts, ``T`` = longest prompt, ``H`` heads, positions are
+Reading it needs no torch: ``attnlab.h5format``. Layout (``N`` prompts, ``T`` = longest prompt, ``H`` heads, positions are
 token indices of each prompt, left-aligned; padding is NaN or -1):
 
     /received/layer_{l:02d}  float32 [H, N, T]  attention key j receives from later tokens
@@ -33,16 +33,13 @@ import torch
 from tqdm import tqdm
 
 from attnlab import attention, sparse
-from attnlab.io import atomic_path, open_hdf5
+from attnlab.h5format import IncompleteFileError, open_attention  # noqa: F401  (re-exported)
+from attnlab.io import atomic_path
 from attnlab.models import left_pad, padded_span_mask
 from attnlab.prompts import SPANS
 from attnlab.checks import HeadRangeError
 
 log = logging.getLogger(__name__)
-
-
-class IncompleteFileError(RuntimeError):
-    """An HDF5 file that a killed job left behind."""
 
 
 @dataclass
@@ -124,13 +121,3 @@ def write_attention(path: str | Path, extraction: Extraction, prompts: pd.DataFr
         h5.attrs["versions"] = json.dumps(_versions())
         h5.attrs["n_layers"], h5.attrs["n_heads"] = len(extraction.received), extraction.received[0].shape[0]
         h5.attrs["complete"] = True
-
-
-def open_attention(path: str | Path) -> h5py.File:
-    """Open an attention file for reading, refusing one a killed job left behind."""
-    h5 = open_hdf5(path)
-    if not h5.attrs.get("complete", False):
-        h5.close()
-        raise IncompleteFileError(f"{path} is incomplete (its job did not finish); delete it and rerun "
-                                  f"(or rerun its job with `snakemake -R {path}`)")
-    return h5

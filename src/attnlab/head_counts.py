@@ -24,6 +24,8 @@ import torch
 from scipy.stats import spearmanr
 
 from attnlab import sparse
+from attnlab.curves import heads_vs_density_table  # noqa: F401  (re-exported)
+from attnlab.plots import plot_heads_vs_density  # noqa: F401  (re-exported)
 from attnlab.pruning import Patcher, build_batch, crossing, k_grid
 from attnlab.tasks import TaskPrompts, generate_task
 
@@ -150,78 +152,3 @@ def _subset(prompts: TaskPrompts, index: int) -> TaskPrompts:
     return dataclasses.replace(prompts, clean=pick(prompts.clean), corrupted=pick(prompts.corrupted),
                                templates=pick(prompts.templates), answers=pick(prompts.answers),
                                distractors=pick(prompts.distractors), years=pick(prompts.years))
-
-
-def heads_vs_density_table(pairs: list[tuple[str, str]], sweeps: dict[tuple[str, str], dict],
-                           densities: dict[str, dict], n_prompts: dict[str, int]) -> pd.DataFrame:
-    """One row per model x task of each (dense, sparse copy) pair: heads to the threshold (a
-    sweep.json) beside the model's held-out density and KL (a copy's summary.json; 1 and 0 for
-    the dense model), and ``heads_fewer`` = heads the dense model needs / heads the copy needs."""
-    rows = []
-    for dense, copy in pairs:
-        for model in (dense, copy):
-            held_out = densities.get(model, {"heldout_density": 1.0, "heldout_kl": 0.0})
-            for task, n in n_prompts.items():
-                sweep = sweeps[(model, task)]
-                rows.append({"label": model, "base": dense, "heldout_density": held_out["heldout_density"],
-                             "heldout_kl": held_out["heldout_kl"], "task": task, "n_prompts": n,
-                             **{key: sweep[key] for key in ("ablation", "ranking", "threshold",
-                                                            "heads_to_reach_threshold", "crosses_back_below")}})
-    table = pd.DataFrame(rows).drop_duplicates(["label", "base", "task"], ignore_index=True)
-    needed = table.set_index(["label", "task"])["heads_to_reach_threshold"]
-    table["heads_fewer"] = [_ratio(needed.get((row.base, row.task)), row.heads_to_reach_threshold)
-                            for row in table.itertuples()]
-    return table
-
-
-def _ratio(dense, copy) -> float:
-    """dense / copy; NaN where either never reaches the threshold."""
-    if dense is None or copy is None or pd.isna(dense) or pd.isna(copy) or copy == 0:
-        return float("nan")
-    return float(dense) / float(copy)
-
-
-def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 150) -> None:
-    """Heads to the threshold against held-out density (log), one panel per task, one line per
-    dense model x ablation x ranking x prompt count; the dense model sits at density 1 and each
-    copy is labelled N× against it. A curve that never reaches the threshold has no point (NaN).
-    ``base`` names the dense model where the table has no ``base`` column."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    if "base" not in table:
-        table = table.assign(base=base)
-    tasks = list(dict.fromkeys(table["task"]))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False)
-    keys = ["base", "ablation", "ranking", "n_prompts"]
-    several = table["base"].nunique() > 1
-    for ax, task in zip(axes[0], tasks):
-        for (family, ablation, ranking, n), line in table[table["task"] == task].groupby(keys, sort=False):
-            line = line.sort_values("heldout_density")
-            prefix = f"{family}: " if several else ""
-            ax.plot(line["heldout_density"], line["heads_to_reach_threshold"], marker="o",
-                    label=f"{prefix}{ablation}, {ranking}, n={n}")
-            dense = line[line["heldout_density"] >= 1]["heads_to_reach_threshold"]
-            for _, row in line[line["heldout_density"] < 1].iterrows():
-                ratio = _ratio(dense.iloc[0] if len(dense) else None, row["heads_to_reach_threshold"])
-                if not np.isnan(ratio):
-                    fragile = " (fragile)" if row.get("heads_fewer_fragile", False) else ""
-                    ax.annotate(f"{ratio:.2g}×{fragile}", (row["heldout_density"], row["heads_to_reach_threshold"]),
-                                fontsize=6, xytext=(2, 2), textcoords="offset points")
-        ax.set_xscale("log")
-        ax.set_title(task)
-        ax.set_xlabel("held-out density (share of causal edges open)")
-        ax.set_ylabel(f"heads to {table['threshold'].iloc[0]:g} explained effect")
-    axes[0][0].legend(fontsize=6)
-    dense_name = "the dense model" if several else base if base else table["base"].iloc[0]
-    fragile_note = ("; (fragile): either count rests on a late jump, an overshoot past 1 or a curve "
-                    "falling back below the threshold (heads_vs_density.csv says which)"
-                    if "heads_fewer_fragile" in table else "")
-    fig.suptitle(f"Heads needed vs density; labels: N× = heads {dense_name} needs / heads the copy needs "
-                 "(> 1: the copy needs fewer); density on held-out text at the copy's inference gate bias"
-                 + fragile_note, fontsize=8, wrap=True)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=dpi)
-    plt.close(fig)

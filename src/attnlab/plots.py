@@ -309,7 +309,7 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
     a count that rests on a late jump, a curve that overshoots 1 or falls back below the
     threshold is marked on its curve and the N× label says "fragile" with the reason."""
     from attnlab.plan import comparison_pairs
-    from attnlab.pruning import FRAGILITY_DEFINITION, fragility, heads_to_reach
+    from attnlab.curves import FRAGILITY_DEFINITION, fragility, heads_to_reach
 
     fig, ax = plt.subplots(figsize=(7.5, 5))
     colours = plt.get_cmap("tab10")
@@ -566,3 +566,46 @@ def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path
                  f"{summary['heldout_tokens']} held-out tokens)", fontsize=9)
     fig.tight_layout()
     _save(fig, out_path, dpi)
+
+
+def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 150) -> None:
+    """Heads to the threshold against held-out density (log), one panel per task, one line per
+    dense model x ablation x ranking x prompt count; the dense model sits at density 1 and each
+    copy is labelled N× against it. A curve that never reaches the threshold has no point (NaN).
+    ``base`` names the dense model where the table has no ``base`` column."""
+    from attnlab.curves import heads_ratio
+
+    if "base" not in table:
+        table = table.assign(base=base)
+    tasks = list(dict.fromkeys(table["task"]))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False)
+    keys = ["base", "ablation", "ranking", "n_prompts"]
+    several = table["base"].nunique() > 1
+    for ax, task in zip(axes[0], tasks):
+        for (family, ablation, ranking, n), line in table[table["task"] == task].groupby(keys, sort=False):
+            line = line.sort_values("heldout_density")
+            prefix = f"{family}: " if several else ""
+            ax.plot(line["heldout_density"], line["heads_to_reach_threshold"], marker="o",
+                    label=f"{prefix}{ablation}, {ranking}, n={n}")
+            dense = line[line["heldout_density"] >= 1]["heads_to_reach_threshold"]
+            for _, row in line[line["heldout_density"] < 1].iterrows():
+                ratio = heads_ratio(dense.iloc[0] if len(dense) else None, row["heads_to_reach_threshold"])
+                if not np.isnan(ratio):
+                    fragile = " (fragile)" if row.get("heads_fewer_fragile", False) else ""
+                    ax.annotate(f"{ratio:.2g}×{fragile}", (row["heldout_density"], row["heads_to_reach_threshold"]),
+                                fontsize=6, xytext=(2, 2), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_title(task)
+        ax.set_xlabel("held-out density (share of causal edges open)")
+        ax.set_ylabel(f"heads to {table['threshold'].iloc[0]:g} explained effect")
+    axes[0][0].legend(fontsize=6)
+    dense_name = "the dense model" if several else base if base else table["base"].iloc[0]
+    fragile_note = ("; (fragile): either count rests on a late jump, an overshoot past 1 or a curve "
+                    "falling back below the threshold (heads_vs_density.csv says which)"
+                    if "heads_fewer_fragile" in table else "")
+    fig.suptitle(f"Heads needed vs density; labels: N× = heads {dense_name} needs / heads the copy needs "
+                 "(> 1: the copy needs fewer); density on held-out text at the copy's inference gate bias"
+                 + fragile_note, fontsize=8, wrap=True)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=dpi)
+    plt.close(fig)

@@ -352,8 +352,8 @@ def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
     """Each dense model's heads to the threshold beside its sparse copies' (sweep_paths keyed
     "model/task"), against the copies' held-out density (their summary.json); whether each
     count, and so each N×, is fragile comes from the sweep's curve (curve_paths, same keys)."""
-    from attnlab.head_counts import heads_vs_density_table, plot_heads_vs_density
-    from attnlab.pruning import flag_fragile_counts, fragility
+    from attnlab.curves import flag_fragile_counts, fragility, heads_vs_density_table
+    from attnlab.plots import plot_heads_vs_density
 
     sweeps = {tuple(key.split("/")): io.read_json(path) for key, path in sweep_paths.items()}
     densities = {model: io.read_json(path) for model, path in summary_paths.items()}

@@ -1,0 +1,201 @@
+"""Explained-effect curves without torch: the sweep over a grid refined at the crossing, the
+heads needed to reach a threshold, and when that count is fragile. The pruning jobs
+(``attnlab.pruning``) compute the curves; the figures and tables read them with this alone.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+
+def refined_sweep(metric_at: Callable[[int], float], n_heads: int, ks: list[int],
+                  threshold: float | None = None) -> pd.DataFrame:
+    """``metric_at(k)`` for every k of the grid, then for every k strictly between the
+    last grid point below ``threshold`` and the first at or above it, so that the
+    first crossing (``heads_to_reach``) is exact rather than as coarse as the grid.
+    Columns: heads_kept, metric, explained_effect, refined (k added by the refinement).
+    """
+    if 0 not in ks or n_heads not in ks:
+        raise ValueError(f"the sweep grid must hold 0 and all {n_heads} heads (the effect's end points)")
+    grid = sorted(set(ks))
+    metrics = {k: metric_at(k) for k in tqdm(grid, desc="sweep", unit="k", mininterval=10)}
+    none_kept, all_kept = metrics[0], metrics[n_heads]
+    if all_kept == none_kept:
+        raise ValueError("the metric is the same with all heads and with none: explained effect is undefined")
+
+    def effect(k: int) -> float:
+        return (metrics[k] - none_kept) / (all_kept - none_kept)
+    added: list[int] = []
+    if threshold is not None:
+        first = next((i for i, k in enumerate(grid) if effect(k) >= threshold), None)
+        if first:  # index 0 (k = 0) reaching it leaves nothing to refine
+            added = list(range(grid[first - 1] + 1, grid[first]))
+            for k in tqdm(added, desc="refine", unit="k", mininterval=10):
+                metrics[k] = metric_at(k)
+    frame = pd.DataFrame({"heads_kept": sorted(metrics)})
+    frame["metric"] = [metrics[k] for k in frame["heads_kept"]]
+    frame["explained_effect"] = (frame["metric"] - none_kept) / (all_kept - none_kept)
+    frame["refined"] = frame["heads_kept"].isin(added)
+    return frame
+
+
+def crossing(sweep: pd.DataFrame, threshold: float) -> dict:
+    """What a sweep says about reaching the threshold.
+
+    heads_to_reach_threshold: fewest heads whose explained effect reaches it
+    (None: never); heads_to_reach_exact: every k just below that number was
+    measured too (a refined or complete sweep), so it is not a grid point's
+    overestimate; crosses_back_below: a measured k above it falls below the
+    threshold again (a non-monotonic curve; dips between grid points are not seen).
+    """
+    needed = heads_to_reach(sweep, threshold)
+    measured = set(sweep["heads_kept"])
+    if needed is None:
+        exact = measured == set(range(max(measured) + 1))
+        back = False
+    else:
+        exact = needed == 0 or needed - 1 in measured
+        later = sweep[sweep["heads_kept"] > needed]
+        back = bool((later["explained_effect"] < threshold).any())
+    return {"heads_to_reach_threshold": needed, "heads_to_reach_exact": bool(exact),
+            "crosses_back_below": back}
+
+
+def k_grid(n_heads: int, max_all: int = 300, points: int = 40) -> list[int]:
+    """Every k for small models, a log-spaced grid (with 0 and all) for large ones."""
+    if n_heads <= max_all:
+        return list(range(n_heads + 1))
+    grid = np.unique(np.round(np.geomspace(1, n_heads, points)).astype(int))
+    return [0, *[int(k) for k in grid if 0 < k < n_heads], n_heads]
+
+
+def heads_to_reach(sweep: pd.DataFrame, threshold: float) -> int | None:
+    """Fewest heads kept whose explained effect reaches the threshold."""
+    reached = sweep[sweep["explained_effect"] >= threshold]
+    return int(reached["heads_kept"].min()) if len(reached) else None
+
+
+# ---- when a count to the threshold cannot be taken at face value ----
+# A count is "fragile" when any of these holds (each is recorded in sweep.json and drawn on
+# the figure):
+# - late jump: the curve climbs to the threshold from its foot, the last measured k at least
+#   CLIMB_DEPTH below the threshold, and before that foot it had stayed within PLATEAU_BAND of
+#   the foot's level for at least PLATEAU_SHARE of the model's heads. The count then says where
+#   a late rise happens (often heads that hurt the task being ablated), not how many heads
+#   add up to the effect: 3 heads give 0.6 and 218 give 0.9.
+# - overshoot: the largest explained effect exceeds 1 by more than OVERSHOOT_TOLERANCE (heads
+#   that work against the task are ablated in part of the sweep; the normalisation misleads).
+# - cross-back: the curve falls below the threshold again after its first crossing.
+# workflow/report/pruning.rst and docs/pipeline.md quote these numbers: change them together.
+CLIMB_DEPTH = 0.25
+PLATEAU_BAND = 0.1
+PLATEAU_SHARE = 0.25
+OVERSHOOT_TOLERANCE = 0.1
+FRAGILITY_RULES = {"climb_depth": CLIMB_DEPTH, "plateau_band": PLATEAU_BAND,
+                   "plateau_share": PLATEAU_SHARE, "overshoot_tolerance": OVERSHOOT_TOLERANCE}
+FRAGILITY_DEFINITION = (
+    f"fragile count: late jump = the climb to the threshold (from the last point ≥ {CLIMB_DEPTH:g} "
+    f"below it) follows ≥ {PLATEAU_SHARE:.0%} of the heads within ±{PLATEAU_BAND:g} of its start; "
+    f"overshoot = max explained effect − 1 > {OVERSHOOT_TOLERANCE:g}; "
+    "cross-back = below the threshold again after the first crossing")
+
+
+def climb(sweep: pd.DataFrame, threshold: float) -> dict:
+    """The climb into the first crossing and the flat stretch before it (measured points only).
+
+    jump_from_heads: the foot (last k before the crossing at least CLIMB_DEPTH below the
+    threshold); jump_width_heads and jump_rise: heads and explained effect from the foot to the
+    crossing; plateau_heads: how many heads before the foot the curve stayed within
+    PLATEAU_BAND of the foot's level (plateau_level). All None without a crossing or a foot.
+    """
+    none = dict.fromkeys(("jump_from_heads", "jump_width_heads", "jump_rise", "plateau_heads",
+                          "plateau_level"))
+    needed = heads_to_reach(sweep, threshold)
+    curve = sweep.sort_values("heads_kept")
+    k, effect = curve["heads_kept"].to_numpy(), curve["explained_effect"].to_numpy(float)
+    below = np.flatnonzero((k < (needed or 0)) & (effect <= threshold - CLIMB_DEPTH))
+    if needed is None or not len(below):
+        return none
+    foot = below[-1]
+    start = foot
+    while start > 0 and abs(effect[start - 1] - effect[foot]) <= PLATEAU_BAND:
+        start -= 1
+    return {"jump_from_heads": int(k[foot]), "jump_width_heads": int(needed - k[foot]),
+            "jump_rise": float(effect[k == needed][0] - effect[foot]),
+            "plateau_heads": int(k[foot] - k[start]), "plateau_level": float(effect[foot])}
+
+
+def fragility(sweep: pd.DataFrame, threshold: float) -> dict:
+    """Whether the count to ``threshold`` is fragile (see FRAGILITY_DEFINITION), the measured
+    climb, overshoot and cross-back, and one short reason per flag for labels."""
+    n_heads = int(sweep["heads_kept"].max())
+    jump = climb(sweep, threshold)
+    late = jump["plateau_heads"] is not None and jump["plateau_heads"] >= PLATEAU_SHARE * n_heads
+    peak = sweep.loc[sweep["explained_effect"].idxmax()]
+    overshoot = max(0.0, float(peak["explained_effect"]) - 1)
+    needed = heads_to_reach(sweep, threshold)
+    after = sweep[sweep["heads_kept"] > needed] if needed is not None else sweep.iloc[:0]
+    dip = after.loc[after["explained_effect"].idxmin()] if len(after) else None
+    back = dip is not None and float(dip["explained_effect"]) < threshold
+    reasons = []
+    if late:
+        reasons.append(f"late jump of {jump['jump_rise']:.2f} over {jump['jump_width_heads']} "
+                       f"heads at {needed} heads")
+    if overshoot > OVERSHOOT_TOLERANCE:
+        reasons.append(f"overshoot of {overshoot:.2f} at {int(peak['heads_kept'])} heads")
+    if back:
+        reasons.append(f"falls back to {float(dip['explained_effect']):.2f} at {int(dip['heads_kept'])} heads")
+    return {"fragile": bool(reasons), "fragile_reasons": reasons, "late_jump": bool(late), **jump,
+            "max_explained_effect": float(peak["explained_effect"]), "overshoot": overshoot,
+            "overshoot_at_heads": int(peak["heads_kept"]), "overshoots": overshoot > OVERSHOOT_TOLERANCE,
+            "cross_back_min": float(dip["explained_effect"]) if back else None,
+            "cross_back_at_heads": int(dip["heads_kept"]) if back else None,
+            "fragility_rules": FRAGILITY_RULES}
+
+
+def flag_fragile_counts(table: pd.DataFrame, flags: dict[tuple[str, str], dict]) -> pd.DataFrame:
+    """Add to a heads-vs-density table (rows: label = model, base = its dense model, task) each
+    count's fragility (``flags[(model, task)]``, from ``fragility``) and whether its N×
+    (``heads_fewer``: the base's count over this one) rests on a fragile count of either."""
+    table = table.copy()
+    row_flags = [flags[(row.label, row.task)] for row in table.itertuples()]
+    for key in ("fragile", "late_jump", "jump_rise", "jump_width_heads", "overshoot"):
+        table[key] = [flag[key] for flag in row_flags]
+    table["fragile_reasons"] = ["; ".join(flag["fragile_reasons"]) for flag in row_flags]
+    fragile = {(row.label, row.task): row.fragile for row in table.itertuples()}
+    table["heads_fewer_fragile"] = [fragile[(row.label, row.task)] or fragile.get((row.base, row.task), False)
+                                    for row in table.itertuples()]
+    return table
+
+
+def heads_vs_density_table(pairs: list[tuple[str, str]], sweeps: dict[tuple[str, str], dict],
+                           densities: dict[str, dict], n_prompts: dict[str, int]) -> pd.DataFrame:
+    """One row per model x task of each (dense, sparse copy) pair: heads to the threshold (a
+    sweep.json) beside the model's held-out density and KL (a copy's summary.json; 1 and 0 for
+    the dense model), and ``heads_fewer`` = heads the dense model needs / heads the copy needs."""
+    rows = []
+    for dense, copy in pairs:
+        for model in (dense, copy):
+            held_out = densities.get(model, {"heldout_density": 1.0, "heldout_kl": 0.0})
+            for task, n in n_prompts.items():
+                sweep = sweeps[(model, task)]
+                rows.append({"label": model, "base": dense, "heldout_density": held_out["heldout_density"],
+                             "heldout_kl": held_out["heldout_kl"], "task": task, "n_prompts": n,
+                             **{key: sweep[key] for key in ("ablation", "ranking", "threshold",
+                                                            "heads_to_reach_threshold", "crosses_back_below")}})
+    table = pd.DataFrame(rows).drop_duplicates(["label", "base", "task"], ignore_index=True)
+    needed = table.set_index(["label", "task"])["heads_to_reach_threshold"]
+    table["heads_fewer"] = [heads_ratio(needed.get((row.base, row.task)), row.heads_to_reach_threshold)
+                            for row in table.itertuples()]
+    return table
+
+
+def heads_ratio(dense, copy) -> float:
+    """dense / copy; NaN where either never reaches the threshold."""
+    if dense is None or copy is None or pd.isna(dense) or pd.isna(copy) or copy == 0:
+        return float("nan")
+    return float(dense) / float(copy)
