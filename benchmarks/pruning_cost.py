@@ -22,7 +22,8 @@ import torch
 from scipy.stats import spearmanr
 
 from attnlab.models import load_model, load_tokenizer
-from attnlab.pruning import Patcher, build_batch, k_grid
+from attnlab.curves import k_grid
+from attnlab.pruning import Patcher, build_batch
 from attnlab.tasks import GENERATORS, generate_task
 from common import EMBEDDED_MODELS, OUT, embedded_model
 

@@ -4,7 +4,8 @@ import pytest
 
 from attnlab.attention_analysis import align, mean_and_band, read_head
 from attnlab.checks import HeadRangeError
-from attnlab.extraction import IncompleteFileError, extract, open_attention, write_attention
+from attnlab.extraction import extract, write_attention
+from attnlab.h5format import IncompleteFileError, open_attention
 from test_attention import TINY, _prompts
 
 

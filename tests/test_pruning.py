@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab.pruning import HeadGates, Patcher, build_batch, heads_to_reach, k_grid
+from attnlab.curves import heads_to_reach, k_grid
+from attnlab.pruning import HeadGates, Patcher, build_batch
 from attnlab.tasks import TaskError, TaskPrompts, generate_task, single_tokens, year_formulation
 from test_attention import TINY
 
@@ -132,7 +133,7 @@ def test_gemma3_does_ioi(gemma3_dir):
 def test_sweep_is_refined_around_the_first_crossing():
     """The crossing of 0.9 lies between grid points 20 and 40: every k in between is measured,
     so the heads needed are exact (27), not the grid's 40; a later dip is reported."""
-    from attnlab.pruning import crossing, refined_sweep
+    from attnlab.curves import crossing, refined_sweep
 
     def effect(k):  # explained effect of keeping k of 100 heads; dips below 0.9 at k = 70
         return 0.8 if k == 70 else min(1.0, k / 30)
@@ -190,7 +191,7 @@ def _late_jump_curve():
 
 
 def test_late_jump_and_overshoot_are_flagged_with_their_sizes():
-    from attnlab.pruning import fragility
+    from attnlab.curves import fragility
 
     flags = fragility(_late_jump_curve(), 0.9)
     assert flags["fragile"] and flags["late_jump"] and flags["overshoots"]
@@ -206,7 +207,7 @@ def test_late_jump_and_overshoot_are_flagged_with_their_sizes():
 
 def test_smooth_curve_is_not_fragile():
     """A steady rise to 1 (early steep part included): nothing flagged, its climb still measured."""
-    from attnlab.pruning import fragility
+    from attnlab.curves import fragility
 
     effect = 1 - np.exp(-np.arange(101) / 12.0)
     effect[-1] = 1.0
@@ -219,7 +220,7 @@ def test_smooth_curve_is_not_fragile():
 
 
 def test_fall_back_below_the_threshold_is_flagged():
-    from attnlab.pruning import fragility
+    from attnlab.curves import fragility
 
     effect = np.r_[np.linspace(0, 0.95, 11), [0.8, 0.85, 1.0]]
     flags = fragility(_curve(effect), 0.9)
@@ -251,7 +252,7 @@ def test_pruning_figure_says_fragile_beside_the_ratio(tmp_path, monkeypatch):
 def test_heads_vs_density_rows_say_when_their_ratio_is_fragile():
     import pandas as pd
 
-    from attnlab.pruning import flag_fragile_counts, fragility
+    from attnlab.curves import flag_fragile_counts, fragility
 
     table = pd.DataFrame({"label": ["d", "d-sparse"], "base": ["d", "d"], "task": ["ioi", "ioi"],
                           "heads_to_reach_threshold": [217, 19]})

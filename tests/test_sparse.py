@@ -699,7 +699,7 @@ def test_left_padded_batches_give_each_prompt_its_value_alone_and_the_same_open_
 
 
 def test_heads_vs_density_figure_labels_dense_over_copy(tmp_path, monkeypatch):
-    from attnlab import head_counts
+    from attnlab.plots import plot_heads_vs_density
 
     table = pd.DataFrame({"task": ["ioi"] * 3, "ablation": ["corrupted"] * 3, "ranking": ["exact"] * 3,
                           "n_prompts": [96] * 3, "threshold": [0.9] * 3, "heldout_density": [1.0, 0.05, 0.01],
@@ -708,18 +708,17 @@ def test_heads_vs_density_figure_labels_dense_over_copy(tmp_path, monkeypatch):
 
     labels, original = [], Axes.annotate
     monkeypatch.setattr(Axes, "annotate", lambda self, text, *a, **k: labels.append(text) or original(self, text, *a, **k))
-    head_counts.plot_heads_vs_density(table, "dense", tmp_path / "f.png")
+    plot_heads_vs_density(table, "dense", tmp_path / "f.png")
     assert (tmp_path / "f.png").stat().st_size > 0
     assert sorted(labels) == ["0.5×", "2×"]
 
     labels.clear()
-    head_counts.plot_heads_vs_density(table.assign(heads_fewer_fragile=[False, True, False]), "dense",
-                                      tmp_path / "g.png")
+    plot_heads_vs_density(table.assign(heads_fewer_fragile=[False, True, False]), "dense", tmp_path / "g.png")
     assert sorted(labels) == ["0.5×", "2× (fragile)"]
 
 
 def test_heads_vs_density_table_puts_each_copy_beside_its_own_base():
-    from attnlab import head_counts
+    from attnlab.curves import heads_vs_density_table
 
     sweep = lambda needed, back=False: {"ablation": "corrupted", "ranking": "exact", "threshold": 0.9,  # noqa: E731
                                         "heads_to_reach_threshold": needed, "crosses_back_below": back}
@@ -727,8 +726,8 @@ def test_heads_vs_density_table_puts_each_copy_beside_its_own_base():
               ("b-sparse", "ioi"): sweep(None)}
     densities = {"a-sparse": {"heldout_density": 0.05, "heldout_kl": 0.1},
                  "b-sparse": {"heldout_density": 0.2, "heldout_kl": 0.12}}
-    table = head_counts.heads_vs_density_table([("a", "a-sparse"), ("b", "b-sparse")], sweeps, densities,
-                                               {"ioi": 24}).set_index("label")
+    table = heads_vs_density_table([("a", "a-sparse"), ("b", "b-sparse")], sweeps, densities,
+                                   {"ioi": 24}).set_index("label")
     assert list(table["base"]) == ["a", "a", "b", "b"]
     assert table.loc["a", "heldout_density"] == 1 and table.loc["a-sparse", "heldout_kl"] == 0.1
     assert table.loc["a-sparse", "heads_fewer"] == 2 and table.loc["a", "heads_fewer"] == 1

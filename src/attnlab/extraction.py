@@ -33,7 +33,6 @@ import torch
 from tqdm import tqdm
 
 from attnlab import attention, sparse
-from attnlab.h5format import IncompleteFileError, open_attention  # noqa: F401  (re-exported)
 from attnlab.io import atomic_path
 from attnlab.models import left_pad, padded_span_mask
 from attnlab.prompts import SPANS

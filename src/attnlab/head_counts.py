@@ -24,9 +24,8 @@ import torch
 from scipy.stats import spearmanr
 
 from attnlab import sparse
-from attnlab.curves import heads_vs_density_table  # noqa: F401  (re-exported)
-from attnlab.plots import plot_heads_vs_density  # noqa: F401  (re-exported)
-from attnlab.pruning import Patcher, build_batch, crossing, k_grid
+from attnlab.curves import crossing, k_grid
+from attnlab.pruning import Patcher, build_batch
 from attnlab.tasks import TaskPrompts, generate_task
 
 log = logging.getLogger(__name__)

@@ -28,9 +28,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from attnlab.curves import (  # noqa: F401  (re-exported: the pruning API)
-    CLIMB_DEPTH, FRAGILITY_DEFINITION, FRAGILITY_RULES, OVERSHOOT_TOLERANCE, PLATEAU_BAND, PLATEAU_SHARE,
-    climb, crossing, flag_fragile_counts, fragility, heads_to_reach, k_grid, refined_sweep)
+from attnlab.curves import refined_sweep
 from attnlab.models import left_pad
 from attnlab.tasks import TaskError, TaskPrompts, year_continuations
 

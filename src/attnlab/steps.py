@@ -315,7 +315,8 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     import torch
 
     from attnlab.models import load_model, load_tokenizer, pick_device
-    from attnlab.pruning import Patcher, build_batch, crossing, fragility, k_grid
+    from attnlab.curves import crossing, fragility, k_grid
+    from attnlab.pruning import Patcher, build_batch
     from attnlab.tasks import TaskPrompts
 
     torch.set_num_threads(threads)
