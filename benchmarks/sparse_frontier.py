@@ -90,7 +90,7 @@ class Frontier:
         patch = mock.patch.object(sparse, "deterministic_gate", gate) if gate else contextlib.nullcontext()
         with torch.no_grad(), sparse.tracking(tracker), patch:
             logits = self.student(input_ids=self.ids, use_cache=False).logits
-        _, kl = sparsify._loss_terms(logits, self.ids, self.reference)  # the training's held-out KL
+        _, kl = sparsify.losses.loss_terms(logits, self.ids, self.reference)  # the training's held-out KL
         return {"density": tracker.inference_density(), "kl": float(kl)}
 
 

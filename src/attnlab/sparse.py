@@ -258,6 +258,18 @@ def set_gate_bias(model, gate_bias: GateBias) -> None:
         getattr(config, CONFIG_KEY)["gate_bias"] = bias
 
 
+@contextlib.contextmanager
+def gate_bias_at(model, gate_bias: GateBias):
+    """The model's gates at ``gate_bias`` inside the block and at its own bias again after it
+    (a calibration measures candidate biases without changing the copy it calibrates)."""
+    own = getattr(model.config.get_text_config(), CONFIG_KEY)["gate_bias"]
+    set_gate_bias(model, gate_bias)
+    try:
+        yield
+    finally:
+        set_gate_bias(model, own)
+
+
 def _checked(model, gate_bias: GateBias) -> GateBias:
     """A float, or a list of floats with one bias per decoder layer."""
     if not isinstance(gate_bias, (list, tuple)):

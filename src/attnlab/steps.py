@@ -443,14 +443,16 @@ def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, chec
 
     import torch
 
-    from attnlab.sparsify import Outputs, post_train, sparsify_device
+    from attnlab.sparsify import Outputs, post_train, sparsify_device, write_outputs
 
     torch.set_num_threads(threads)
     device = sparsify_device(settings["device"])
     log.info("post-training the sparse copy %s of %s on %s", name, base_dir, device)
-    paths = Outputs(model_dir=outputs["model"], steps=outputs["steps"], evals=outputs["evals"],
-                    density=outputs["density"], summary=outputs["summary"], checkpoint=checkpoint)
-    summary = post_train(base_dir, name, settings, paths, device)
+    result = post_train(base_dir, name, settings, checkpoint, device)
+    write_outputs(result, name, settings, Outputs(model_dir=outputs["model"], steps=outputs["steps"],
+                                                  evals=outputs["evals"], density=outputs["density"],
+                                                  summary=outputs["summary"]))
+    summary = result.summary
     log.info("held-out: density %.4f, KL %.4f nats/token, CE dense %.4f, sparse %.4f; %.0f tokens/s",
              summary["heldout_density"], summary["heldout_kl"], summary["heldout_ce_dense"],
              summary["heldout_ce_sparse"], summary["tokens_per_s"])
