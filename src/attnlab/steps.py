@@ -443,10 +443,11 @@ def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, chec
 
     import torch
 
-    from attnlab.sparsify import Outputs, post_train, sparsify_device, write_outputs
+    from attnlab.sparsify import Outputs, SparsifySettings, post_train, sparsify_device, write_outputs
 
     torch.set_num_threads(threads)
-    device = sparsify_device(settings["device"])
+    settings = SparsifySettings.from_config(settings)
+    device = sparsify_device(settings.device)
     log.info("post-training the sparse copy %s of %s on %s", name, base_dir, device)
     result = post_train(base_dir, name, settings, checkpoint, device)
     write_outputs(result, name, settings, Outputs(model_dir=outputs["model"], steps=outputs["steps"],

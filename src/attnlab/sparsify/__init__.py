@@ -9,6 +9,7 @@ written once, in docs/sparse.md.
 - ``losses``: next-token CE and KL in position blocks;
 - ``train``: the trainer (student, references, optimiser, multiplier, evaluation, checkpoints);
 - ``calibrate``: the inference gate bias, globally and per layer;
+- ``settings``: the typed settings and the checkpoint fingerprint;
 - ``run``: ``post_train`` (returns the tables, summary and copy) and ``write_outputs``.
 
 Training checkpoints (weights, optimiser, multiplier, data position, RNG, logged rows) every
@@ -21,9 +22,9 @@ from attnlab.sparsify.calibrate import calibrate_gate_bias, calibrate_per_layer
 from attnlab.sparsify.corpus import Corpus, build_corpus, corpus_documents, report_corpus
 from attnlab.sparsify.errors import SparsifyError
 from attnlab.sparsify.run import Outputs, PostTrained, post_train, write_outputs
-from attnlab.sparsify.train import (Trainer, TrainState, fingerprint, learning_rate, sparsify_device,
-                                    update_multiplier)
+from attnlab.sparsify.settings import SparsifySettings
+from attnlab.sparsify.train import Trainer, TrainState, learning_rate, sparsify_device, update_multiplier
 
-__all__ = ["Corpus", "Outputs", "PostTrained", "SparsifyError", "TrainState", "Trainer", "build_corpus",
-           "calibrate_gate_bias", "calibrate_per_layer", "corpus_documents", "fingerprint", "learning_rate",
+__all__ = ["Corpus", "Outputs", "PostTrained", "SparsifyError", "SparsifySettings", "TrainState", "Trainer", "build_corpus",
+           "calibrate_gate_bias", "calibrate_per_layer", "corpus_documents", "learning_rate",
            "post_train", "report_corpus", "sparsify_device", "update_multiplier", "write_outputs"]

@@ -10,12 +10,13 @@ import time
 import torch
 
 from attnlab import sparse
+from attnlab.sparsify.settings import SparsifySettings
 from attnlab.sparsify.train import Trainer, _logits_fit
 
 log = logging.getLogger(__name__)
 
 
-def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: dict
+def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: SparsifySettings
                         ) -> tuple[sparse.GateBias, dict]:
     """The inference gate bias b' of the saved copy: from the training bias down in steps of
     ``step``, the lowest b' before KL(dense || sparse) on ``ids`` exceeds ``max_kl`` (or
@@ -27,22 +28,22 @@ def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: dict
     the first b' over the limit: KL grows as b' falls, and it is not searched past a bump.
     """
     started = time.perf_counter()
-    options = settings["calibrate_gate_bias"]
-    trained = settings["gate_bias"]
+    options = settings.calibrate_gate_bias
+    trained = settings.gate_bias
     # The dense logits once for the whole scan, when they fit in 2 GB (else per evaluation)
     references = trainer.reference_logits(ids) if _logits_fit(trainer, ids) else None
     grid, best = [], trained
-    for k in range(int((trained - options["lowest"]) / options["step"] + 1e-9) + 1):
-        candidate = trained - k * options["step"]
+    for k in range(int((trained - options.lowest) / options.step + 1e-9) + 1):
+        candidate = trained - k * options.step
         measured = _measure(trainer, candidate, ids, references)
         grid.append({"gate_bias": candidate, **measured})
         log.info("calibration: gate bias %g: KL %.4f, density %.4f", candidate, measured["kl"],
                  measured["density"])
-        if measured["kl"] > options["max_kl"]:
+        if measured["kl"] > options.max_kl:
             break
         best = candidate
-    calibration = {"max_kl": options["max_kl"], "sequences": len(ids), "grid": grid}
-    if options["per_layer"]["enabled"] and grid[0]["kl"] <= options["max_kl"]:  # else nothing can go lower
+    calibration = {"max_kl": options.max_kl, "sequences": len(ids), "grid": grid}
+    if options.per_layer.enabled and grid[0]["kl"] <= options.max_kl:  # else nothing can go lower
         best, calibration["per_layer"] = calibrate_per_layer(trainer, ids, references, best, options)
     sparse.set_gate_bias(trainer.student, best)
     calibration["seconds"] = time.perf_counter() - started
@@ -62,21 +63,21 @@ def calibrate_per_layer(trainer: Trainer, ids: torch.Tensor, references: list | 
     grow with the prefix). The next round's candidates are the layers just lowered; no bias
     goes below ``lowest``.
     """
-    per_layer = options["per_layer"]
-    step, layers = per_layer["step"], trainer.student.config.get_text_config().num_hidden_layers
+    per_layer = options.per_layer
+    step, layers = per_layer.step, trainer.student.config.get_text_config().num_hidden_layers
     current, candidates, rounds = [start] * layers, list(range(layers)), []
-    probe = ids[:per_layer["sensitivity_sequences"]]
+    probe = ids[:per_layer.sensitivity_sequences]
     probe_references = None if references is None else _first_rows(references, len(probe),
-                                                                    trainer.settings["batch_size"])
-    for _ in range(per_layer["rounds"]):
-        candidates = [layer for layer in candidates if current[layer] - step >= options["lowest"] - 1e-9]
+                                                                    trainer.settings.batch_size)
+    for _ in range(per_layer.rounds):
+        candidates = [layer for layer in candidates if current[layer] - step >= options.lowest - 1e-9]
         if not candidates:
             break
         costs = _layer_costs(trainer, current, candidates, step, probe, probe_references)
         closing = [c for c in costs if c["density_removed"] > 0]
         ranking = [c["layer"] for c in sorted(closing, key=lambda c: c["kl_added"] / c["density_removed"])]
         accepted, measured, tried = _longest_prefix(trainer, current, ranking, step, ids, references,
-                                                    options["max_kl"])
+                                                    options.max_kl)
         rounds.append({"costs": costs, "ranking": ranking, "tried": tried, "lowered": ranking[:accepted],
                        **(measured or {})})
         if not accepted:

@@ -4,8 +4,6 @@ optimiser, the GECO multiplier, held-out evaluation and checkpoints (docs/sparse
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -17,6 +15,7 @@ import torch
 from attnlab import io, sparse
 from attnlab.sparsify import losses
 from attnlab.sparsify.errors import SparsifyError
+from attnlab.sparsify.settings import SparsifySettings
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +55,8 @@ def with_lora(model, lora: dict):
     """Wrap ``model`` with LoRA adapters (peft) on the configured modules."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=0.0,
-                        target_modules=list(lora["modules"]), bias="none")
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
+                        target_modules=list(lora.modules), bias="none")
     return get_peft_model(model, config)
 
 
@@ -74,37 +73,27 @@ class TrainState:
 
 def update_multiplier(state: TrainState, constraint: float, slack: float, multiplier: dict) -> None:
     """GECO step: C_ema <- a C_ema + (1 - a) C; lambda <- clip(lambda exp(lr clip(C_ema / slack, -1, 1)))."""
-    alpha = multiplier["ema"]
+    alpha = multiplier.ema
     state.c_ema = constraint if state.c_ema is None else alpha * state.c_ema + (1 - alpha) * constraint
     # The violation relative to the slack, clipped to +-1: a step moves lambda by at most a
     # factor exp(lr) either way. With the raw C, a violation of several slacks raised lambda
     # far faster than a met constraint (C >= -slack) could ever lower it.
     relative = max(-1.0, min(1.0, state.c_ema / slack))
-    lam = state.lam * math.exp(multiplier["lr"] * relative)
-    state.lam = float(min(max(lam, multiplier["min"]), multiplier["max"]))
+    lam = state.lam * math.exp(multiplier.lr * relative)
+    state.lam = float(min(max(lam, multiplier.min), multiplier.max))
 
 
-def learning_rate(settings: dict, step: int) -> float:
+def learning_rate(settings: SparsifySettings, step: int) -> float:
     """The learning rate of optimiser step ``step`` (0-based): linear warm-up, then constant or
     a cosine decay that reaches 0 after the last step. Adam moves every weight by about the
     learning rate per step, whatever the size of its gradient, so at a constant rate the
     weights keep drifting (and costing KL) however well the constraint holds; the decay
     lets the last steps settle."""
-    warmup, steps = settings["warmup_steps"], settings["steps"]
-    rate = settings["lr"] * min(1.0, (step + 1) / max(1, warmup))
-    if settings["lr_schedule"] == "cosine" and step >= warmup:
+    warmup, steps = settings.warmup_steps, settings.steps
+    rate = settings.lr * min(1.0, (step + 1) / max(1, warmup))
+    if settings.lr_schedule == "cosine" and step >= warmup:
         rate *= 0.5 * (1 + math.cos(math.pi * (step - warmup + 1) / (steps - warmup + 1)))
     return rate
-
-
-def fingerprint(settings: dict) -> str:
-    """What must match for a checkpoint to be resumed (everything that shapes training)."""
-    keep = {k: v for k, v in settings.items()
-            if k not in ("device", "checkpoint_every", "eval_every", "log_every", "calibrate_gate_bias",
-                         "snapshot_steps")}
-    # the calibration sequences are held out of the training text: their count shapes training
-    keep["calibration_sequences"] = settings["calibrate_gate_bias"]["sequences"]
-    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _autocast(device: torch.device, dtype: str, training: bool = True):
@@ -123,62 +112,63 @@ def _autocast(device: torch.device, dtype: str, training: bool = True):
 class Trainer:
     """The student, its references, the optimiser(s), and the GECO multiplier."""
 
-    def __init__(self, base_dir: str, settings: dict, device: torch.device):
+    def __init__(self, base_dir: str, settings: SparsifySettings, device: torch.device):
         from transformers import AutoModelForCausalLM
 
         from attnlab.models import load_model
 
-        self.settings, self.device = settings, device
-        torch.manual_seed(settings["seed"])
+        settings = self.settings = SparsifySettings.of(settings)
+        self.device = device
+        torch.manual_seed(settings.seed)
         # Frozen weights (the KL reference; the base under LoRA) in bfloat16 on GPUs: a 7B
         # model then fits twice; weights that train stay float32.
         frozen = torch.bfloat16 if device.type == "cuda" else torch.float32
-        lora = settings["train"] == "lora"
+        lora = settings.train == "lora"
         self.dense = load_model(base_dir, device, frozen).requires_grad_(False)
         if sparse.is_sparse(self.dense):
             raise SparsifyError(f"base model {base_dir} is itself sparse: sparsify a dense model")
         student = AutoModelForCausalLM.from_pretrained(
             base_dir, dtype=frozen if lora else torch.float32).to(device)
-        sparse.make_sparse(student, settings["gate_bias"], base=settings["base"])
-        if settings["gradient_checkpointing"]:
+        sparse.make_sparse(student, settings.gate_bias, base=settings.base)
+        if settings.gradient_checkpointing:
             student.gradient_checkpointing_enable()
             student.config.use_cache = False
         self.student = self._trainable(student).train()
         self.optimizer = self._optimizer(self.student)
         self.control = self.control_optimizer = None
-        if settings["constraint"]["type"] == "ce_control":
+        if settings.constraint.type == "ce_control":
             # The dense control trains the same weights (or adapters) on the same batches.
             control = AutoModelForCausalLM.from_pretrained(
                 base_dir, dtype=frozen if lora else torch.float32).to(device)
             self.control = self._trainable(control).train()
             self.control_optimizer = self._optimizer(self.control)
-        self.generator = torch.Generator(device=device).manual_seed(settings["seed"])
+        self.generator = torch.Generator(device=device).manual_seed(settings.seed)
 
     def _trainable(self, model):
         """The model with only the configured weights trainable (LoRA: wrapped with adapters)."""
-        if self.settings["train"] == "lora":
+        if self.settings.train == "lora":
             model.requires_grad_(False)
-            return with_lora(model, self.settings["lora"])
-        trainable_parameters(model, self.settings["train"])
+            return with_lora(model, self.settings.lora)
+        trainable_parameters(model, self.settings.train)
         return model
 
     def _optimizer(self, model):
         parameters = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(parameters, lr=self.settings["lr"],
-                                 weight_decay=self.settings["weight_decay"])
+        return torch.optim.AdamW(parameters, lr=self.settings.lr,
+                                 weight_decay=self.settings.weight_decay)
 
     def step(self, ids: torch.Tensor, state: TrainState) -> dict:
         settings, ids = self.settings, ids.to(self.device)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(settings, state.step)
-        with torch.no_grad(), _autocast(self.device, settings["dtype"]):
+        with torch.no_grad(), _autocast(self.device, settings.dtype):
             reference = self.dense(input_ids=ids, use_cache=False).logits
         target = None
         if self.control is not None:
             target = self._control_step(ids, state.step)
-        tracker = sparse.GateTracker(training=True, generator=self.generator, gradient=settings["gate_gradient"])
+        tracker = sparse.GateTracker(training=True, generator=self.generator, gradient=settings.gate_gradient)
         with sparse.tracking(tracker):  # also around backward: checkpointed layers replay their gates
-            with _autocast(self.device, settings["dtype"]):
+            with _autocast(self.device, settings.dtype):
                 logits = self.student(input_ids=ids, use_cache=False).logits
             return self._update(logits, ids, reference, target, tracker, state)
 
@@ -187,9 +177,9 @@ class Trainer:
         ce, kl = losses.loss_terms(logits, ids, reference)
         density = tracker.expected_density()
         if target is None:
-            measured, constraint = kl, kl.item() - settings["constraint"]["slack"]
+            measured, constraint = kl, kl.item() - settings.constraint.slack
         else:
-            measured, constraint = ce, ce.item() - (target + settings["constraint"]["slack"])
+            measured, constraint = ce, ce.item() - (target + settings.constraint.slack)
         loss = (density + state.lam * measured) / (1 + state.lam)
         row = {"step": state.step + 1, "tokens": (state.position + len(ids)) * ids.shape[1],
                "loss": loss.item(), "ce": ce.item(), "kl": kl.item(), "expected_density": density.item(),
@@ -202,21 +192,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in self.student.parameters() if p.requires_grad],
-                                       settings["grad_clip"])
+                                       settings.grad_clip)
         self.optimizer.step()
-        update_multiplier(state, constraint, settings["constraint"]["slack"], settings["multiplier"])
+        update_multiplier(state, constraint, settings.constraint.slack, settings.multiplier)
         return row
 
     def _control_step(self, ids: torch.Tensor, step: int) -> float:
         for group in self.control_optimizer.param_groups:
             group["lr"] = learning_rate(self.settings, step)
-        with _autocast(self.device, self.settings["dtype"]):
+        with _autocast(self.device, self.settings.dtype):
             logits = self.control(input_ids=ids, use_cache=False).logits
         ce, _ = losses.loss_terms(logits, ids, None)
         self.control_optimizer.zero_grad(set_to_none=True)
         ce.backward()
         torch.nn.utils.clip_grad_norm_([p for p in self.control.parameters() if p.requires_grad],
-                                       self.settings["grad_clip"])
+                                       self.settings.grad_clip)
         self.control_optimizer.step()
         return ce.item()
 
@@ -225,8 +215,8 @@ class Trainer:
     @torch.no_grad()
     def reference_logits(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """The dense model's logits on ``ids``, per evaluation batch (to reuse across evaluations)."""
-        batch = self.settings["batch_size"]
-        with _autocast(self.device, self.settings["dtype"], training=False):
+        batch = self.settings.batch_size
+        with _autocast(self.device, self.settings.dtype, training=False):
             return [self.dense(input_ids=ids[start:start + batch].to(self.device), use_cache=False).logits
                     for start in range(0, len(ids), batch)]
 
@@ -241,11 +231,11 @@ class Trainer:
         if self.control is not None:
             totals["ce_control"] = 0.0
             self.control.eval()
-        batch = self.settings["batch_size"]
+        batch = self.settings.batch_size
         chunks = range(0, len(heldout), batch)
         for index, start in enumerate(chunks):
             ids = heldout[start:start + batch].to(self.device)
-            with _autocast(self.device, self.settings["dtype"], training=False):
+            with _autocast(self.device, self.settings.dtype, training=False):
                 reference = (references[index] if references is not None
                              else self.dense(input_ids=ids, use_cache=False).logits)
                 with sparse.tracking(tracker):
@@ -257,7 +247,7 @@ class Trainer:
             totals["kl"] += float(kl) * weight
             totals["ce_dense"] += float(ce_dense) * weight
             if self.control is not None:
-                with _autocast(self.device, self.settings["dtype"], training=False):
+                with _autocast(self.device, self.settings.dtype, training=False):
                     control_ce, _ = losses.loss_terms(self.control(input_ids=ids, use_cache=False).logits, ids, None)
                 totals["ce_control"] += float(control_ce) * weight
         self.student.train()
@@ -296,7 +286,7 @@ class Trainer:
     def merged_student(self):
         """The student as a plain model (LoRA adapters merged into the weights)."""
         model = self.student
-        if self.settings["train"] == "lora":
+        if self.settings.train == "lora":
             model = model.merge_and_unload()
         return model.eval()
 
