@@ -109,7 +109,7 @@ def _grade_bars(ax, x, cells: pd.DataFrame, grader: str, width: float, colour, l
         share = substring_share(cells)
         ax.bar(x, np.nan_to_num(share), width, bottom=np.nan_to_num(acc - share), fill=False,
                hatch=SUBSTRING_HATCH, edgecolor="black", lw=0)
-        values = [v + (f"\n({s:.0f} sub.)" if v and s > 0 else "") for v, s in zip(values, share)]
+        values = [v + (f"\n({s:.0f} pts substr.)" if v and s > 0 else "") for v, s in zip(values, share)]
     ax.bar_label(bars, labels=values, fontsize=7, padding=2)
     for xi, reason in zip(np.atleast_1d(x), reasons):
         if reason:
