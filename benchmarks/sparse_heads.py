@@ -77,7 +77,7 @@ def _model_info(model_dir: str) -> dict:
 
 def figure(args) -> None:
     from attnlab import io
-    from attnlab.plots import plot_heads_vs_density
+    from attnlab.plots_circuits import plot_heads_vs_density
 
     out = Path(args.out)
     table = pd.concat([pd.read_csv(p) for p in sorted(out.glob("heads_*.csv"))], ignore_index=True)

@@ -230,7 +230,7 @@ def test_fall_back_below_the_threshold_is_flagged():
 
 def test_pruning_figure_says_fragile_beside_the_ratio(tmp_path, monkeypatch):
     """The N× label names the fragile count and why; the legend and the curve are marked."""
-    from attnlab import plots
+    from attnlab import plots_circuits as plots
 
     drawn = {}
     monkeypatch.setattr(plots, "_save", lambda fig, out_path, dpi: drawn.update(fig=fig))

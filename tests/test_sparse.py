@@ -481,7 +481,7 @@ def test_per_layer_calibration_saves_one_bias_per_layer(trained, tiny_base, tmp_
     evals = pd.read_csv(tmp_path / "eval.csv")
     assert math.isnan(evals["gate_bias"].iloc[-1])
     assert evals["gate_bias_per_layer"].iloc[-1] == " ".join(f"{b:g}" for b in biases)
-    from attnlab import plots  # the figures name a per-layer bias
+    from attnlab import plots_circuits as plots  # the figures name a per-layer bias
 
     plots.plot_sparse_training(pd.read_csv(tmp_path / "steps.csv"), evals, summary, "tiny-sparse",
                                tmp_path / "curves.png")
@@ -730,7 +730,7 @@ def test_left_padded_batches_give_each_prompt_its_value_alone_and_the_same_open_
 
 
 def test_heads_vs_density_figure_labels_dense_over_copy(tmp_path, monkeypatch):
-    from attnlab.plots import plot_heads_vs_density
+    from attnlab.plots_circuits import plot_heads_vs_density
 
     table = pd.DataFrame({"task": ["ioi"] * 3, "ablation": ["corrupted"] * 3, "ranking": ["exact"] * 3,
                           "n_prompts": [96] * 3, "threshold": [0.9] * 3, "heldout_density": [1.0, 0.05, 0.01],

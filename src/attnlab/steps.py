@@ -341,7 +341,7 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
 
 def plot_pruning(sweep_paths: dict[str, str], out_path: str, task: str, compare, threshold: float,
                  ablation: str, ranking: str, dpi: int) -> None:
-    from attnlab.plots import plot_pruning as plot
+    from attnlab.plots_circuits import plot_pruning as plot
 
     sweeps = {model: pd.read_csv(path) for model, path in sweep_paths.items()}
     plot(sweeps, task, compare, threshold, ablation, ranking, out_path, dpi)
@@ -354,7 +354,7 @@ def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
     "model/task"), against the copies' held-out density (their summary.json); whether each
     count, and so each N×, is fragile comes from the sweep's curve (curve_paths, same keys)."""
     from attnlab.curves import flag_fragile_counts, fragility, heads_vs_density_table
-    from attnlab.plots import plot_heads_vs_density
+    from attnlab.plots_circuits import plot_heads_vs_density
 
     sweeps = {tuple(key.split("/")): io.read_json(path) for key, path in sweep_paths.items()}
     densities = {model: io.read_json(path) for model, path in summary_paths.items()}
@@ -461,7 +461,7 @@ def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, chec
 
 
 def plot_sparsify(inputs: dict, training_path: str, density_path: str, model: str, dpi: int) -> None:
-    from attnlab.plots import plot_sparse_density, plot_sparse_training
+    from attnlab.plots_circuits import plot_sparse_density, plot_sparse_training
 
     summary = io.read_json(inputs["summary"])
     plot_sparse_training(pd.read_csv(inputs["steps"]), pd.read_csv(inputs["evals"]), summary, model,

@@ -1,0 +1,202 @@
+"""Figures of the circuit side: explained-effect curves with their N× and fragile flags, the
+sparse post-training (curves, density per head) and heads needed against density."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pandas as pd
+
+from attnlab.plots import _save, plt
+
+
+def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] | None,
+                 threshold: float, ablation: str, ranking: str, out_path, dpi: int = 150) -> None:
+    """Explained effect vs number of heads kept, one curve per model, with an "N×" label;
+    a count that rests on a late jump, a curve that overshoots 1 or falls back below the
+    threshold is marked on its curve and the N× label says "fragile" with the reason."""
+    from attnlab.plan import comparison_pairs
+    from attnlab.curves import FRAGILITY_DEFINITION, fragility, heads_to_reach
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    colours = plt.get_cmap("tab10")
+    needed, flags = {}, {}
+    for k, (model, sweep) in enumerate(sweeps.items()):
+        needed[model], flags[model] = heads_to_reach(sweep, threshold), fragility(sweep, threshold)
+        fragile = "; fragile" if flags[model]["fragile"] else ""
+        label = f"{model} ({needed[model] if needed[model] is not None else 'never'} heads to {threshold:g}{fragile})"
+        ax.plot(sweep["heads_kept"], sweep["explained_effect"], color=colours(k % 10), lw=1.5, label=label)
+        if needed[model] is not None:
+            ax.plot([needed[model]], [threshold], "o", color=colours(k % 10))
+        _mark_fragility(ax, sweep, needed[model], threshold, flags[model], colours(k % 10))
+    ax.axhline(threshold, ls="--", color="grey", lw=1)
+    labels = []
+    for first, second in comparison_pairs(compare, list(sweeps)):
+        if needed.get(first) and needed.get(second):
+            labels.append(_ratio_label(first, second, needed, threshold)
+                          + _fragile_note({m: flags[m] for m in (first, second)}))
+    if labels:
+        ax.text(0.02, 0.96, "\n".join(labels), ha="left", va="top", transform=ax.transAxes, fontsize=9,
+                bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("Number of Heads Kept")
+    ax.set_ylabel("Explained Effect")
+    ax.set_title(f"{task}: ablation = {ablation}, ranking = {ranking}\n"
+                 "explained effect = (m(k) − m(0)) / (m(all) − m(0)), MLPs intact", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.text(0.01, 0.005, textwrap.fill(FRAGILITY_DEFINITION, 130), fontsize=6.5, va="bottom")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    _save(fig, out_path, dpi)
+
+
+def _ratio_label(first: str, second: str, needed: dict, threshold: float) -> str:
+    ratio = needed[first] / needed[second]
+    if ratio >= 1:
+        return f"{ratio:.1f}× fewer heads for {second} than {first} at {threshold:g}"
+    # "0.7× fewer" would read as fewer: say more, and keep the paper's N× beside it
+    return f"{1 / ratio:.1f}× more heads for {second} than {first} (N× = {ratio:.2f})"
+
+
+def _fragile_note(flags: dict[str, dict]) -> str:
+    """'' when both counts stand; else the reasons, per model, on a line of their own."""
+    reasons = [f"{model}: {', '.join(flag['fragile_reasons'])}" for model, flag in flags.items() if flag["fragile"]]
+    if not reasons:
+        return ""
+    return "\n" + textwrap.fill(f"(fragile: {'; '.join(reasons)})", 80, initial_indent="    ",
+                                 subsequent_indent="     ")
+
+
+def _mark_fragility(ax, sweep: pd.DataFrame, needed: int | None, threshold: float, flags: dict,
+                    colour) -> None:
+    """Mark on the curve what makes its count fragile: the late climb (thick), the overshoot's
+    peak (▲) and the lowest point after falling back below the threshold (▼)."""
+    if flags["late_jump"]:
+        climb = sweep[(sweep["heads_kept"] >= flags["jump_from_heads"]) & (sweep["heads_kept"] <= needed)]
+        ax.plot(climb["heads_kept"], climb["explained_effect"], color=colour, lw=5, alpha=0.35)
+        ax.annotate(f"late jump +{flags['jump_rise']:.2f}\nover {flags['jump_width_heads']} heads",
+                    (needed, threshold), xytext=(-6, 8), textcoords="offset points", ha="right",
+                    fontsize=7, color=colour)
+    if flags["overshoots"]:
+        ax.plot([flags["overshoot_at_heads"]], [flags["max_explained_effect"]], "^", color=colour)
+        ax.annotate(f"overshoot +{flags['overshoot']:.2f}", (flags["overshoot_at_heads"], flags["max_explained_effect"]),
+                    xytext=(-5, 2), textcoords="offset points", ha="right", fontsize=7, color=colour)
+    if flags["cross_back_at_heads"] is not None:
+        ax.plot([flags["cross_back_at_heads"]], [flags["cross_back_min"]], "v", color=colour)
+
+
+def gate_bias_label(bias) -> str:
+    """``b' = 1``, or ``b' per layer, -1 to 1`` for a copy calibrated per layer."""
+    if isinstance(bias, list):
+        return f"b' per layer, {min(bias):g} to {max(bias):g}"
+    return f"b' = {bias:g}"
+
+
+def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict, model: str,
+                         out_path, dpi: int = 150) -> None:
+    """Density, KL, cross-entropy and the multiplier against training tokens."""
+    slack = summary["constraint"]["slack"]
+    trained_bias = summary["gate_bias"]
+    calibrated = evals[evals["gate_bias"] != trained_bias] if "gate_bias" in evals else evals.iloc[:0]
+    evals = evals.drop(calibrated.index)
+    inference_bias = gate_bias_label(summary.get("inference_gate_bias", trained_bias))
+    calibrated_label = f"held-out at the calibrated {inference_bias}"
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    density, kl, ce, lam = axes.flat
+    density.plot(steps["tokens"], steps["expected_density"], lw=1, alpha=0.6, label="training: E[open] = mean σ(s+b)")
+    density.plot(evals["tokens"], evals["density"], "o-", label="held-out: open at inference, 1[s+b>0]")
+    density.plot(calibrated["tokens"], calibrated["density"], "*", ms=11, label=calibrated_label)
+    density.set_ylabel("share of causal edges open")
+    density.set_ylim(0, 1.02)
+    kl.plot(steps["tokens"], steps["kl"], lw=1, alpha=0.6, label="training batch")
+    kl.plot(evals["tokens"], evals["kl"], "o-", label="held-out")
+    kl.plot(calibrated["tokens"], calibrated["kl"], "*", ms=11, label=calibrated_label)
+    if summary["constraint"]["type"] == "kl":
+        kl.axhline(slack, ls="--", color="grey", lw=1, label=f"constraint: KL ≤ {slack:g}")
+    kl.set_ylabel("KL(dense ‖ sparse), nats/token")
+    ce.plot(evals["tokens"], evals["ce_sparse"], "o-", label="sparse")
+    ce.plot(evals["tokens"], evals["ce_dense"], "s--", label="dense base")
+    ce.plot(calibrated["tokens"], calibrated["ce_sparse"], "*", ms=11, label=f"sparse at the calibrated {inference_bias}")
+    if "ce_control" in evals:
+        ce.plot(evals["tokens"], evals["ce_control"], "^--", label="dense control (fine-tuned alike)")
+    ce.set_ylabel("held-out cross-entropy, nats/token")
+    lam.plot(steps["tokens"], steps["multiplier"], lw=1.2)
+    lam.set_yscale("log")
+    lam.set_ylabel("multiplier λ")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    for ax in axes[1]:
+        ax.set_xlabel("training tokens")
+    at = (f"at the calibrated {inference_bias}" if len(calibrated)
+          else f"at b = {trained_bias:g}")
+    fig.suptitle(f"{model}: sparse post-training of {summary['base']} (gate bias b = {trained_bias:g}, "
+                 f"train {summary['train']}, constraint {summary['constraint']['type']})\n"
+                 f"final held-out {at}: density {summary['heldout_density']:.3f}, KL {summary['heldout_kl']:.3f}, "
+                 f"CE {summary['heldout_ce_sparse']:.3f} (dense {summary['heldout_ce_dense']:.3f})", fontsize=9)
+    fig.tight_layout()
+    _save(fig, out_path, dpi)
+
+
+def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path, dpi: int = 150) -> None:
+    """Held-out share of open causal edges per layer x head."""
+    grid = table.pivot(index="layer", columns="head", values="density")
+    fig, ax = plt.subplots(figsize=(2.5 + 0.45 * grid.shape[1], 1.5 + 0.18 * grid.shape[0]))
+    image = ax.imshow(grid.to_numpy(), vmin=0, vmax=1, cmap="magma", aspect="auto", origin="lower")
+    ax.set_xlabel("head (0-based)")
+    ax.set_ylabel("layer (0-based)")
+    fig.colorbar(image, ax=ax, label="share of causal edges open at inference")
+    bias = summary.get("inference_gate_bias", summary["gate_bias"])
+    gate = (f"1[s + b'_layer > 0], {gate_bias_label(bias)}" if isinstance(bias, list)
+            else f"1[s + {bias:g} > 0]")
+    ax.set_title(f"{model}: held-out density per head\ngate {gate}\n"
+                 f"(mean {summary['heldout_density']:.3f}; "
+                 f"{summary['heldout_tokens']} held-out tokens)", fontsize=9)
+    fig.tight_layout()
+    _save(fig, out_path, dpi)
+
+
+def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 150) -> None:
+    """Heads to the threshold against held-out density (log), one panel per task, one line per
+    dense model x ablation x ranking x prompt count; the dense model sits at density 1 and each
+    copy is labelled N× against it. A curve that never reaches the threshold has no point (NaN).
+    ``base`` names the dense model where the table has no ``base`` column."""
+    from attnlab.curves import heads_ratio
+
+    if "base" not in table:
+        table = table.assign(base=base)
+    tasks = list(dict.fromkeys(table["task"]))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False)
+    keys = ["base", "ablation", "ranking", "n_prompts"]
+    several = table["base"].nunique() > 1
+    for ax, task in zip(axes[0], tasks):
+        for (family, ablation, ranking, n), line in table[table["task"] == task].groupby(keys, sort=False):
+            line = line.sort_values("heldout_density")
+            prefix = f"{family}: " if several else ""
+            ax.plot(line["heldout_density"], line["heads_to_reach_threshold"], marker="o",
+                    label=f"{prefix}{ablation}, {ranking}, n={n}")
+            dense = line[line["heldout_density"] >= 1]["heads_to_reach_threshold"]
+            for _, row in line[line["heldout_density"] < 1].iterrows():
+                ratio = heads_ratio(dense.iloc[0] if len(dense) else None, row["heads_to_reach_threshold"])
+                if not np.isnan(ratio):
+                    fragile = " (fragile)" if row.get("heads_fewer_fragile", False) else ""
+                    ax.annotate(f"{ratio:.2g}×{fragile}", (row["heldout_density"], row["heads_to_reach_threshold"]),
+                                fontsize=6, xytext=(2, 2), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_title(task)
+        ax.set_xlabel("held-out density (share of causal edges open)")
+        ax.set_ylabel(f"heads to {table['threshold'].iloc[0]:g} explained effect")
+    axes[0][0].legend(fontsize=6)
+    dense_name = "the dense model" if several else base if base else table["base"].iloc[0]
+    fragile_note = ("; (fragile): either count rests on a late jump, an overshoot past 1 or a curve "
+                    "falling back below the threshold (heads_vs_density.csv says which)"
+                    if "heads_fewer_fragile" in table else "")
+    fig.suptitle(f"Heads needed vs density; labels: N× = heads {dense_name} needs / heads the copy needs "
+                 "(> 1: the copy needs fewer); density on held-out text at the copy's inference gate bias"
+                 + fragile_note, fontsize=8, wrap=True)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=dpi)
+    plt.close(fig)
