@@ -92,8 +92,8 @@ esac
 # start and wait: wait for the queue, then report and pack
 while [ ! -f /tmp/queue.done ] && [ $(( $(date +%s) - started )) -lt "$WAIT_S" ]; do sleep 10; done
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
-grep -v "it/s]" /tmp/run/sparsify.log 2>/dev/null | grep -v "INFO attnlab.sparsify: step" | tail -n 20
-grep "INFO attnlab.sparsify: step" /tmp/run/sparsify.log 2>/dev/null | tail -n 3
+grep -v "it/s]" /tmp/run/sparsify.log 2>/dev/null | grep -vE "INFO attnlab.sparsify(.run)?: step" | tail -n 20
+grep -E "INFO attnlab.sparsify(.run)?: step" /tmp/run/sparsify.log 2>/dev/null | tail -n 3
 grep -vE "it/s]|k/s]|head/s]" /tmp/heads.out | tail -n 30
 ls /tmp/heads
 pack
