@@ -1,6 +1,6 @@
 """Config checks the schema cannot express (pure standard library).
 
-Snakemake imports this while it parses the workflow (``_check_config`` in
+Snakemake imports this while it parses the workflow (``attnlab.validate.check``, from
 common.smk), so a bad value fails in a dry run, before any job; the steps call
 the same checks again where they read the value.
 """
