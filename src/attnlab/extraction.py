@@ -1,23 +1,6 @@
-"""Attention statistics for every layer, head and prompt, into one HDF5 file.
-
-Reading it needs no torch: ``attnlab.h5format``. Layout (``N`` prompts, ``T`` = longest prompt, ``H`` heads, positions are
-token indices of each prompt, left-aligned; padding is NaN or -1):
-
-    /received/layer_{l:02d}  float32 [H, N, T]  attention key j receives from later tokens
-    /lam/layer_{l:02d}       float32 [H, N, T]  λ: attention mass query i puts on non-inserted keys
-    /maps/layer_{l:02d}      float16 [H, N, T, T]  full attention maps (only configured layers)
-    /token_ids               int32   [N, T]     -1 on padding
-    /lengths                 int32   [N]
-    /spans                   int32   [N, 4, 2]  [start, end) of system, inserted, question, and
-                                                cut (the insertion with its separator)
-    /ids                     str     [N]        item ids
-
-Per-layer arrays are chunked ``[1, N, T]``: one head across all prompts is
-one chunk read. Attributes record the model, condition, tokenizer, metric
-definition and package versions; ``complete`` is written last and the file
-is renamed into place only after it, so a killed job never leaves a file
-that reads as complete.
-"""
+"""Attention statistics for every layer, head and prompt, into one HDF5 file: the layout
+(datasets, chunks, attributes, the ``complete`` flag) is ``attnlab.h5format``'s, whose
+``open_attention`` reads it without torch."""
 
 from __future__ import annotations
 

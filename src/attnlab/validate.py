@@ -17,8 +17,7 @@ from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_temp
                             check_layer, check_raw_template, prepared_has_chat_template,
                             prepared_model_shape)
 from attnlab.config import validate_config
-from attnlab.plan import (attention_figures, check_attention_figures, check_fewshot, comparison_pairs,
-                          figure_panels, selected)
+from attnlab.plan import check_attention_figures, check_fewshot, comparison_pairs, figure_panels, selections
 from attnlab.sources import check_model_source, check_sparse_models
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
@@ -27,24 +26,10 @@ SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 def check(config: dict, schema_path: str | Path = SCHEMA, models_dir: str | Path = "resources/models") -> None:
     """Validate ``config`` in place (defaults filled) or raise ConfigError on the first problem."""
     validate_config(config, schema_path)
+    chosen = selections(config)
     _check_sources(config)
-    _check_names(config)
-    _check_models(config, Path(models_dir))
-
-
-def _selections(config: dict) -> dict:
-    """What the workflow will run, as common.smk derives it: the attention and MLP datasets,
-    the composite figures drawn and the models swept."""
-    datasets = list(config["datasets"])
-    attention, mlp, pruning = config["attention"], config["mlp"], config["pruning"]
-    attention_datasets = selected(attention["datasets"], datasets) if attention["enabled"] else []
-    return {
-        "attention_datasets": attention_datasets,
-        "figures": attention_figures(attention["figures"], attention_datasets) if attention["enabled"] else [],
-        "mlp_datasets": (selected(mlp["datasets"], selected(attention["datasets"], datasets))
-                         if mlp["enabled"] else []),
-        "pruning_models": selected(pruning["models"], list(config["models"])) if pruning["enabled"] else [],
-    }
+    _check_names(config, chosen)
+    _check_models(config, chosen, Path(models_dir))
 
 
 def _check_sources(config: dict) -> None:
@@ -60,10 +45,9 @@ def _check_sources(config: dict) -> None:
     check_fewshot(config["models"], config["datasets"], config["prompt"])
 
 
-def _check_names(config: dict) -> None:
+def _check_names(config: dict, chosen: dict) -> None:
     """Datasets, conditions and models named outside their own sections must exist."""
     models, datasets, conditions = list(config["models"]), list(config["datasets"]), list(config["conditions"])
-    chosen = _selections(config)
     check_attention_figures(chosen["figures"], config["conditions"], models, chosen["attention_datasets"])
     for key, names in (("attention.datasets", chosen["attention_datasets"]), ("mlp.datasets", chosen["mlp_datasets"])):
         unknown = [d for d in names if d not in datasets]
@@ -84,9 +68,8 @@ def _check_names(config: dict) -> None:
                           f"{conditions}; set it to two configured conditions or k: 0")
 
 
-def _check_models(config: dict, models_dir: Path) -> None:
+def _check_models(config: dict, chosen: dict, models_dir: Path) -> None:
     """Against each model already prepared: its chat template, layers and heads."""
-    chosen = _selections(config)
     arm_used = any(spec["arm"] for spec in config["conditions"].values())
     for name, model in config["models"].items():
         prepared = models_dir / name

@@ -5,9 +5,9 @@ import sys
 # The pure-stdlib parts of the library are importable even when Snakemake
 # runs outside the project's environment.
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
-from attnlab.plan import (attention_figures, cell_generation, comparison_pairs, fewshot_shots, fewshot_spec,
-                          figure_files, has_length_sweep, has_placement_sweep, length_families,
-                          model_job_threads, placements, selected, sparse_pairs)
+from attnlab.plan import (cell_generation, comparison_pairs, fewshot_shots, fewshot_spec, figure_files,
+                          has_length_sweep, has_placement_sweep, length_families, model_job_threads,
+                          placements, selections, sparse_pairs)
 from attnlab.sources import sparse_bases
 from attnlab.validate import ConfigError, check
 
@@ -34,14 +34,13 @@ LENGTH_SWEEP = has_length_sweep(FAMILIES)
 PLACEMENTS = placements(config["conditions"])
 PLACEMENT_SWEEP = has_placement_sweep(PLACEMENTS)
 
+CHOSEN = selections(config)  # what runs: attention and MLP datasets, composite figures, swept models
 ATTENTION = config["attention"]
-# A selection of null means all, an empty list none.
-ATTENTION_DATASETS = selected(ATTENTION["datasets"], DATASETS) if ATTENTION["enabled"] else []
+ATTENTION_DATASETS = CHOSEN["attention_datasets"]
 HEADS = ATTENTION["heads"]
-# Composite figures read the attention files, so they are drawn only with attention on.
-ATTENTION_FIGURES = attention_figures(ATTENTION["figures"], ATTENTION_DATASETS) if ATTENTION["enabled"] else []
+ATTENTION_FIGURES = CHOSEN["figures"]
 PRUNING = config["pruning"]
-PRUNING_MODELS = selected(PRUNING["models"], MODELS) if PRUNING["enabled"] else []
+PRUNING_MODELS = CHOSEN["pruning_models"]
 TASKS = list(PRUNING["tasks"]) if PRUNING_MODELS else []
 # Compared pairs of a model and its own sparse copy, both swept: heads needed against density.
 SPARSE_PAIRS = [pair for pair in sparse_pairs(comparison_pairs(PRUNING["compare"], PRUNING_MODELS), SPARSE_BASES)
@@ -53,8 +52,7 @@ DENSITY_SWEEPS = {f"{model}/{task}": f"results/pruning/{model}/{task}/sweep.json
 DENSITY_CURVES = {key: path.replace("sweep.json", "sweep.csv") for key, path in DENSITY_SWEEPS.items()}
 DENSITY_SUMMARIES = {copy: f"results/sparsify/{copy}/summary.json" for _, copy in SPARSE_PAIRS}
 MLP = config["mlp"]
-MLP_DATASETS = (selected(MLP["datasets"], selected(ATTENTION["datasets"], DATASETS))
-                if MLP["enabled"] else [])
+MLP_DATASETS = CHOSEN["mlp_datasets"]
 
 
 def _one_of(names):

@@ -10,7 +10,7 @@ import time
 import torch
 
 from attnlab import sparse
-from attnlab.sparsify.settings import SparsifySettings
+from attnlab.sparsify.settings import Calibration, SparsifySettings
 from attnlab.sparsify.train import Trainer, _logits_fit
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: SparsifyS
 
 
 def calibrate_per_layer(trainer: Trainer, ids: torch.Tensor, references: list | None,
-                        start: float, options: dict) -> tuple[list[float], dict]:
+                        start: float, options: Calibration) -> tuple[list[float], dict]:
     """Per-layer inference gate biases at or below the global b' ``start`` (not in the paper).
 
     Closing edges costs very different KL per layer (in a trained copy, layers 3-9 next to
