@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from attnlab.mlp import ArmSettings, arm_applied, redistribute
+from attnlab.interventions import intervened
+from attnlab.mlp import ArmSettings, redistribute
 from attnlab.models import load_model, pick_device
 from common import OUT, embedded_model
 
@@ -51,7 +52,7 @@ def main() -> None:
             model(input_ids=ids, use_cache=False)
 
     def with_arm():
-        with arm_applied(model, settings), torch.inference_mode():
+        with intervened(model, arm=settings), torch.inference_mode():
             model(input_ids=ids, use_cache=False)
 
     plain(), with_arm()  # warm-up

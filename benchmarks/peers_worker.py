@@ -324,10 +324,7 @@ def scoring_attnlab(model_dir, ioi, method):
     def run():
         # The corrupted forward that captures the references is part of the cost.
         patcher = Patcher(model, batch, "corrupted", batch_size=512)
-        try:
-            scores = patcher.attribution() if method == "attribution" else patcher.exact()
-        finally:
-            patcher.close()
+        scores = patcher.attribution() if method == "attribution" else patcher.exact()
         return scores.numpy()
 
     def warm():  # one forward: weights resident, kernels built, before memory is counted
@@ -336,10 +333,7 @@ def scoring_attnlab(model_dir, ioi, method):
 
     def metrics():  # untimed
         patcher = Patcher(model, batch, "corrupted", batch_size=512)
-        try:
-            return {"clean_metric": patcher.metric(), "corrupted_metric": patcher.corrupted_metric()}
-        finally:
-            patcher.close()
+        return {"clean_metric": patcher.metric(), "corrupted_metric": patcher.corrupted_metric()}
     return run, {"pairs": check, "metrics": metrics, "warm": warm}
 
 

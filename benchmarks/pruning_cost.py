@@ -68,7 +68,6 @@ def main() -> None:
                    "sweep_forward_equivalents_per_k": round(sweep_s / len(ks) / unit, 2),
                    "spearman_attribution_vs_exact": round(float(spearmanr(attribution.flatten(),
                                                                           exact.flatten()).statistic), 3)}
-            patcher.close()
             print(json.dumps(row), flush=True)
             report.append(row)
     (OUT / "pruning_cost.json").write_text(json.dumps(report, indent=2))

@@ -34,6 +34,7 @@ import pandas as pd
 import torch
 
 from attnlab import sparse, sparsify
+from attnlab.interventions import intervened
 from attnlab.models import load_model, load_tokenizer
 from attnlab.plots_circuits import gate_bias_label
 from common import OUT, embedded_model
@@ -85,10 +86,9 @@ class Frontier:
 
     def point(self, gate_bias: float, gate=None) -> dict:
         """Held-out KL and density with the gate bias, or with ``gate`` replacing the gate rule."""
-        sparse.set_gate_bias(self.student, gate_bias)
         tracker = sparse.GateTracker(training=False)
         patch = mock.patch.object(sparse, "deterministic_gate", gate) if gate else contextlib.nullcontext()
-        with torch.no_grad(), sparse.tracking(tracker), patch:
+        with torch.no_grad(), intervened(self.student, gates=tracker, gate_bias=gate_bias), patch:
             logits = self.student(input_ids=self.ids, use_cache=False).logits
         _, kl = sparsify.losses.loss_terms(logits, self.ids, self.reference)  # the training's held-out KL
         return {"density": tracker.inference_density(), "kl": float(kl)}

@@ -33,6 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from attnlab import sparse, sparsify
+from attnlab.interventions import intervened
 from attnlab.extraction import extract
 from attnlab.models import load_tokenizer
 from common import embedded_model
@@ -79,7 +80,7 @@ def training_steps(model_dir, ids: torch.Tensor):
 
     def gated_step(model, optimizer, reference):
         tracker = sparse.GateTracker(training=True, generator=torch.Generator().manual_seed(0))
-        with sparse.tracking(tracker):
+        with intervened(model, gates=tracker):
             logits = model(input_ids=ids, use_cache=False).logits
         ce, kl = sparsify.losses.loss_terms(logits, ids, reference)
         loss = (tracker.expected_density() + (kl if kl is not None else ce)) / 2

@@ -1,12 +1,26 @@
 """The reduced attention statistics equal those computed from full eager maps."""
 
+import contextlib
+
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
+from attnlab import interventions
+from attnlab.attention import BatchReduction
 from attnlab.extraction import extract
+
+
+@contextlib.contextmanager
+def _inside(**parts):
+    """What ``intervened`` gives the attention function, for calls of ``attend`` without a model."""
+    token = interventions._inside.set(interventions.Inside(**parts))
+    try:
+        yield
+    finally:
+        interventions._inside.reset(token)
 
 
 def _prompts(lengths, inserted, vocab, seed=0):
@@ -103,9 +117,7 @@ def test_matches_eager_maps_on_smollm2(smollm2_dir, smollm2_tokenizer):
 @pytest.mark.parametrize("arch", list(TINY))
 def test_many_query_blocks_match_eager_maps(arch, monkeypatch):
     """The smallest block (16 query rows) splits these prompts into up to three blocks."""
-    from attnlab import attention
-
-    monkeypatch.setitem(attention.BLOCK_BYTES, "cpu", 1)
+    monkeypatch.setitem(interventions.BLOCK_BYTES, "cpu", 1)
     model = TINY[arch]()
     prompts = _prompts([40, 9, 33], inserted=(5, 12), vocab=101)
     _check(model, prompts, batch_size=2, map_layers=[0])
@@ -128,23 +140,27 @@ def test_attention_sinks_are_refused_not_ignored():
     from attnlab import sparse
 
     model = _gpt_oss()
-    with pytest.raises(NotImplementedError, match=r"attnlab_reduce attention does not implement \['s_aux'\]"):
+    with pytest.raises(NotImplementedError, match=r"attnlab attention does not implement \['s_aux'\]"):
         extract(model, _prompts([12, 9], inserted=(2, 5), vocab=101), 2, [])
     sparse.make_sparse(model, gate_bias=6.0)
-    with pytest.raises(NotImplementedError, match=r"attnlab_sparse attention does not implement \['s_aux'\]"):
+    with pytest.raises(NotImplementedError, match=r"attnlab attention does not implement \['s_aux'\]"):
         model(torch.tensor([[5, 6, 7]]))
 
 
 def test_reducing_attention_refuses_what_it_would_get_wrong():
     from torch import nn
 
-    from attnlab.attention import reducing_attention
-
     q = k = v = torch.zeros(1, 2, 4, 8)
     mask = torch.zeros(1, 1, 4, 4)
-    with pytest.raises(RuntimeError, match="needs the model's attention mask"):
-        reducing_attention(nn.Module(), q, k, v, None)
-    with pytest.raises(NotImplementedError, match=r"does not implement attention dropout \(0.1\)"):
-        reducing_attention(nn.Module(), q, k, v, mask, dropout=0.1)
-    with pytest.raises(NotImplementedError, match=r"\['sinks'\]"):
-        reducing_attention(nn.Module(), q, k, v, mask, sinks=torch.zeros(2))
+    reduce = BatchReduction(torch.ones(1, 4, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.bool))
+    with _inside(reduce=reduce):
+        with pytest.raises(RuntimeError, match="needs the model's attention mask"):
+            interventions.attend(nn.Module(), q, k, v, None)
+        with pytest.raises(RuntimeError, match="needs the whole sequence at once"):
+            interventions.attend(nn.Module(), q, torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), mask)
+        with pytest.raises(NotImplementedError, match=r"does not implement attention dropout \(0.1\)"):
+            interventions.attend(nn.Module(), q, k, v, mask, dropout=0.1)
+        with pytest.raises(NotImplementedError, match=r"\['sinks'\]"):
+            interventions.attend(nn.Module(), q, k, v, mask, sinks=torch.zeros(2))
+    with pytest.raises(RuntimeError, match="on a dense model outside intervened"):
+        interventions.attend(nn.Module(), q, k, v, mask)

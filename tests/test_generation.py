@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from attnlab.generation import check_context, generate_all
+from attnlab.interventions import intervened
 from attnlab.models import load_model, pick_device, pick_dtype
 from attnlab.prompts import build_prompt
 
@@ -120,7 +121,7 @@ def test_arm_changes_decoding_steps_under_continuous_batching(smollm2_dir, smoll
     plain = generate_all(model, smollm2_tokenizer, prompts, 3, 12, engine="continuous")
     mlp.redistribute = counting
     try:
-        with mlp.arm_applied(model, settings):
+        with intervened(model, arm=settings):
             static = generate_all(model, smollm2_tokenizer, prompts, 3, 12, engine="static")
             calls.clear()
             continuous = generate_all(model, smollm2_tokenizer, prompts, 3, 12, engine="continuous")

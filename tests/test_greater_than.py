@@ -116,4 +116,3 @@ def test_greater_than_metric_matches_brute_force(kind):
     assert min(abs(c) for c in clean + corrupted) > 0.05  # far from a trivially zero metric
     assert patcher.metric() == pytest.approx(sum(clean) / 3, rel=1e-4, abs=1e-6)
     assert patcher.corrupted_metric() == pytest.approx(sum(corrupted) / 3, rel=1e-4, abs=1e-6)
-    patcher.close()

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
-from attnlab.mlp import (ActivationRecorder, ArmSettings, arm_applied, gini, prompt_statistics,
+from attnlab.interventions import intervened
+from attnlab.mlp import (ActivationRecorder, ArmSettings, gini, prompt_statistics,
                          redistribute)
 from attnlab.checks import HeadRangeError
 
@@ -174,11 +175,10 @@ def test_recorder_sees_act_fn_of_gate_proj(kind):
     captured = {}
     handle = mlp.gate_proj.register_forward_hook(lambda m, args, out: captured.update(g=out))
     edges = np.linspace(-0.5, 0.5, 11)
-    recorder = ActivationRecorder(model, 1, 0.01, edges)
+    recorder = ActivationRecorder(1, 0.01, edges)
     recorder.mask = mask
-    with torch.no_grad():
+    with torch.no_grad(), intervened(model, activations=recorder):
         model(ids)
-    recorder.remove()
     handle.remove()
     g = captured["g"]
     expected = prompt_statistics(mlp.act_fn(g), g, mask, 0.01)
@@ -200,7 +200,7 @@ def test_arm_runs_on_prefill_and_every_decoding_step():
     ids = torch.randint(3, 64, (1, 5))
     with torch.no_grad():
         plain = model(ids).logits
-        with arm_applied(model, ArmSettings(layer=0, seed=1)):
+        with intervened(model, arm=ArmSettings(layer=0, seed=1)):
             changed = model(ids).logits
             calls.clear()
             model.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
@@ -213,8 +213,12 @@ def test_arm_runs_on_prefill_and_every_decoding_step():
 
 
 def test_mlp_layer_out_of_range():
+    model = _tiny("llama")
     with pytest.raises(HeadRangeError, match="2 layers"):
-        ActivationRecorder(_tiny("llama"), 5, 0.01, np.linspace(0, 1, 3))
+        recorder = ActivationRecorder(5, 0.01, np.linspace(0, 1, 3))
+        with intervened(model, arm=ArmSettings(layer=0), activations=recorder):
+            pass
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())  # ARM's not left in
 
 
 def _arm_outputs(model, ids_rows, settings):
@@ -223,7 +227,7 @@ def _arm_outputs(model, ids_rows, settings):
 
     ids, mask, positions = left_pad(ids_rows)
     seen = []
-    with arm_applied(model, settings), torch.no_grad():
+    with intervened(model, arm=settings), torch.no_grad():
         handle = model.get_decoder().layers[0].mlp.act_fn.register_forward_hook(
             lambda m, args, out: seen.append(out))
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
@@ -251,7 +255,7 @@ def test_arm_draws_in_decoding_match_the_prefill():
     settings = ArmSettings(layer=0, seed=2, c=0.5)
     prompt = torch.tensor([[5, 17, 9, 33, 2]])
     seen = []
-    with arm_applied(model, settings), torch.no_grad():
+    with intervened(model, arm=settings), torch.no_grad():
         handle = model.get_decoder().layers[0].mlp.act_fn.register_forward_hook(
             lambda m, args, out: seen.append(out))
         generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
@@ -263,7 +267,7 @@ def test_arm_draws_in_decoding_match_the_prefill():
     other = torch.tensor([[8, 8, 41, 12, 7, 19, 3, 25]])
     ids = torch.cat([other, torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], dim=1)])
     mask = torch.cat([torch.ones_like(other), torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])])
-    with arm_applied(model, settings), torch.no_grad():
+    with intervened(model, arm=settings), torch.no_grad():
         together = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
                                   do_sample=False, pad_token_id=0)
     assert together[1, -4:].tolist() == generated[0, -4:].tolist()
@@ -272,7 +276,7 @@ def test_arm_draws_in_decoding_match_the_prefill():
 def test_arm_without_token_ids_is_refused():
     model = _tiny("llama")
     embeds = model.get_input_embeddings()(torch.tensor([[5, 17, 9]]))
-    with arm_applied(model, ArmSettings(layer=0)), torch.no_grad():
+    with intervened(model, arm=ArmSettings(layer=0)), torch.no_grad():
         with pytest.raises(RuntimeError, match="input_ids"):
             model(inputs_embeds=embeds)
         model(torch.tensor([[5, 17, 9]]))  # the refused call left nothing behind

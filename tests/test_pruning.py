@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from attnlab.curves import heads_to_reach, k_grid
+from attnlab.interventions import intervened
 from attnlab.pruning import HeadGates, Patcher, build_batch
 from attnlab.tasks import TaskError, TaskPrompts, generate_task, single_tokens, year_formulation
 from test_attention import TINY
@@ -35,19 +36,19 @@ def test_ablating_a_head_changes_only_its_slice():
     model = TINY["llama-gqa"]()
     gates = HeadGates(model)
     seen = {}
-    model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(
-        lambda module, args: seen.__setitem__("z", args[0].detach().clone()))
     ids = torch.randint(3, 100, (2, 9))
     gates.reference = [torch.full((2, 9, 64), 7.0) for _ in range(3)]
-    with torch.no_grad():
+    with torch.no_grad(), intervened(model, head_gates=gates):
+        after_gates = model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(
+            lambda module, args: seen.__setitem__("z", args[0].detach().clone()))
         model(ids)
         kept = seen["z"].view(2, 9, 4, 16)
         gates.gates[1, 2] = 0  # ablate layer 1, head 2 (query heads share KV heads: GQA)
         model(ids)
         ablated = seen["z"].view(2, 9, 4, 16)
+        after_gates.remove()
     assert torch.equal(ablated[:, :, [0, 1, 3]], kept[:, :, [0, 1, 3]])
     assert torch.all(ablated[:, :, 2] == 7.0) and not torch.equal(kept[:, :, 2], ablated[:, :, 2])
-    gates.remove()
 
 
 @pytest.mark.parametrize("ablation", ["corrupted", "mean", "zero"])

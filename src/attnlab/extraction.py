@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from attnlab import attention, sparse
+from attnlab.interventions import intervened
 from attnlab.io import atomic_path
 from attnlab.models import left_pad, padded_span_mask
 from attnlab.prompts import SPANS
@@ -53,8 +54,8 @@ def extract(model, prompts: pd.DataFrame, batch_size: int, map_layers: list[int]
         batch_width = max(lengths)
         padded, real, positions = left_pad(ids)
         inserted = padded_span_mask(lengths, spans[rows], batch_width)
-        with attention.reducing(model, real.bool().to(device), inserted.to(device), map_layers) as out, \
-                torch.inference_mode():
+        out = attention.BatchReduction(real.bool().to(device), inserted.to(device), map_layers=tuple(map_layers))
+        with intervened(model, reduce=out), torch.inference_mode():
             base(input_ids=padded.to(device), attention_mask=real.to(device),
                  position_ids=positions.to(device), use_cache=False)
         for i, (row, length) in enumerate(zip(rows, lengths)):

@@ -24,6 +24,7 @@ import torch
 from scipy.stats import spearmanr
 
 from attnlab import sparse
+from attnlab.interventions import intervened
 from attnlab.curves import crossing, k_grid
 from attnlab.pruning import Patcher, build_batch
 from attnlab.tasks import TaskPrompts, generate_task
@@ -45,23 +46,20 @@ def head_counts(model, tokenizer, task: str, n: int, seed: int, ablations: list[
     rows, curves = [], []
     for ablation in ablations:
         patcher = Patcher(model, batch, ablation, batch_size)
-        try:
-            scores = {"attribution": patcher.attribution()}
-            if "exact" in rankings:
-                scores["exact"] = patcher.exact()
-            common = {"task": task, "n_prompts": len(prompts.clean), "ablation": ablation,
-                      "clean_metric": patcher.metric(), "corrupted_metric": patcher.corrupted_metric(),
-                      "spearman_attribution_vs_exact": _spearman(scores)}
-            for ranking in rankings:
-                order = _order(scores[ranking])
-                sweep = patcher.sweep(order, k_grid(len(order), all_k_up_to, log_points), threshold)
-                rows.append({**common, "ranking": ranking, "threshold": threshold,
-                             **crossing(sweep, threshold), "sweep_points": len(sweep),
-                             "max_explained_effect": float(sweep["explained_effect"].max())})
-                curves.append(sweep.assign(task=task, n_prompts=len(prompts.clean), ablation=ablation,
-                                           ranking=ranking))
-        finally:
-            patcher.close()
+        scores = {"attribution": patcher.attribution()}
+        if "exact" in rankings:
+            scores["exact"] = patcher.exact()
+        common = {"task": task, "n_prompts": len(prompts.clean), "ablation": ablation,
+                  "clean_metric": patcher.metric(), "corrupted_metric": patcher.corrupted_metric(),
+                  "spearman_attribution_vs_exact": _spearman(scores)}
+        for ranking in rankings:
+            order = _order(scores[ranking])
+            sweep = patcher.sweep(order, k_grid(len(order), all_k_up_to, log_points), threshold)
+            rows.append({**common, "ranking": ranking, "threshold": threshold,
+                         **crossing(sweep, threshold), "sweep_points": len(sweep),
+                         "max_explained_effect": float(sweep["explained_effect"].max())})
+            curves.append(sweep.assign(task=task, n_prompts=len(prompts.clean), ablation=ablation,
+                                       ranking=ranking))
         log.info("%s, %s ablation: %s", task, ablation,
                  ", ".join(f"{r['ranking']} {r['heads_to_reach_threshold']}" for r in rows if r["ablation"] == ablation))
     return rows, pd.concat(curves, ignore_index=True)
@@ -93,21 +91,15 @@ def padding_check(model, tokenizer, task: str, n: int, seed: int, batch_size: in
     patcher = Patcher(model, batch, ablation, batch_size)
     half = (torch.rand(patcher.gates.n_layers, patcher.gates.n_heads,
                        generator=torch.Generator().manual_seed(seed)) < 0.5).float()
-    try:
-        batched = {"clean": _per_prompt(patcher, None), "half_ablated": _per_prompt(patcher, half)}
-        open_batched = _open_edges(model, patcher)
-    finally:
-        patcher.close()
+    batched = {"clean": _per_prompt(patcher, None), "half_ablated": _per_prompt(patcher, half)}
+    open_batched = _open_edges(model, patcher)
     single = {"clean": [], "half_ablated": []}
     open_single = 0.0
     for index in range(len(prompts.clean)):
         alone = Patcher(model, build_batch(_subset(prompts, index), tokenizer), ablation, batch_size)
-        try:
-            single["clean"] += _per_prompt(alone, None)
-            single["half_ablated"] += _per_prompt(alone, half)
-            open_single += _open_edges(model, alone)
-        finally:
-            alone.close()
+        single["clean"] += _per_prompt(alone, None)
+        single["half_ablated"] += _per_prompt(alone, half)
+        open_single += _open_edges(model, alone)
     padded = int((batch.mask == 0).sum())
     result = {"task": task, "n_prompts": len(prompts.clean), "ablation": ablation, "padding_tokens": padded,
               **{f"max_abs_diff_{k}": float(np.max(np.abs(np.subtract(batched[k], single[k])))) for k in batched},
@@ -137,7 +129,7 @@ def _open_edges(model, patcher: Patcher) -> float:
     if not sparse.is_sparse(model):
         return 0.0
     tracker = sparse.GateTracker()
-    with torch.no_grad(), sparse.tracking(tracker):
+    with torch.no_grad(), intervened(model, gates=tracker):
         for rows in patcher._chunks():
             patcher.model(input_ids=patcher.batch.clean[rows].to(patcher.device),
                           attention_mask=patcher.batch.mask[rows].to(patcher.device),

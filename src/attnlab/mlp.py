@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,12 +160,18 @@ def _act_fn(model, layer: int) -> torch.nn.Module:
     return mlp.act_fn
 
 
-@contextmanager
-def arm_applied(model, settings: ArmSettings | None):
-    """ARM on the configured layer for every forward inside (prefill and decoding)."""
-    if settings is None:
-        yield
-        return
+def hooks(model, arm: ArmSettings | None, recorder: ActivationRecorder | None) -> list:
+    """The forward hooks of ARM (on its layer's act_fn) and of an activation recorder (on its
+    layer's, after ARM's where both are one), installed by ``interventions.intervened``."""
+    recorded = None if recorder is None else _act_fn(model, recorder.layer)  # fails before any hook is in
+    handles = [] if arm is None else _arm_hooks(model, arm)
+    if recorded is not None:
+        handles.append(recorded.register_forward_hook(recorder.hook))
+    return handles
+
+
+def _arm_hooks(model, settings: ArmSettings) -> list:
+    """ARM on the configured layer for every forward (prefill and decoding)."""
     # (token ids, positions) of the forwards under way, innermost last: the causal-LM wrapper
     # sees input_ids even where it hands its decoder only embeddings (Gemma-3 multimodal).
     stack: list[tuple[torch.Tensor, torch.Tensor] | None] = []
@@ -185,17 +190,14 @@ def arm_applied(model, settings: ArmSettings | None):
         tokens, positions = known[-1]
         return redistribute(output, settings, positions, tokens)
 
+    act_fn = _act_fn(model, settings.layer)
     handles = []
     for module in dict.fromkeys([model, model.get_decoder()]):
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
-    handles.append(_act_fn(model, settings.layer).register_forward_hook(hook))
+    handles.append(act_fn.register_forward_hook(hook))
     log.info("ARM on layer %d's MLP activation: %s", settings.layer, settings)
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return handles
 
 
 def _tokens_and_positions(args, kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -272,17 +274,16 @@ def prompt_statistics(a: torch.Tensor, g: torch.Tensor, mask: torch.Tensor,
 
 
 class ActivationRecorder:
-    """Forward hook on one layer's act_fn: per-prompt statistics and a histogram of ``a``
-    over the tokens selected by ``mask`` (set before each forward)."""
+    """Per-prompt statistics and a histogram of one layer's ``a`` over the tokens selected by
+    ``mask`` (set before each forward), from ``hook`` (on that layer's act_fn, see ``hooks``)."""
 
-    def __init__(self, model, layer: int, threshold: float, edges: np.ndarray):
-        self.threshold, self.edges = threshold, edges
+    def __init__(self, layer: int, threshold: float, edges: np.ndarray):
+        self.layer, self.threshold, self.edges = layer, threshold, edges
         self.counts = np.zeros(len(edges) + 1, np.int64)  # underflow, bins, overflow
         self.rows: list[dict[str, np.ndarray]] = []
         self.mask: torch.Tensor | None = None
-        self._handle = _act_fn(model, layer).register_forward_hook(self._hook)
 
-    def _hook(self, module, args, output):
+    def hook(self, module, args, output):
         if self.mask is None:
             raise RuntimeError("ActivationRecorder.mask must be set before each forward")
         mask = self.mask.to(output.device)
@@ -293,9 +294,6 @@ class ActivationRecorder:
         # bucketize: 0 below the first edge, len(edges) at/above the last
         index = torch.bucketize(values, edges, right=True)
         self.counts += torch.bincount(index, minlength=len(self.edges) + 1).cpu().numpy()
-
-    def remove(self) -> None:
-        self._handle.remove()
 
     def table(self) -> pd.DataFrame:
         return pd.DataFrame({k: np.concatenate([r[k] for r in self.rows]) for k in self.rows[0]})
@@ -311,12 +309,13 @@ def record_activations(model, prompts: pd.DataFrame, layer: int, threshold: floa
                        edges: np.ndarray, batch_size: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per-prompt statistics and the histogram of ``a`` over each prompt's question tokens
     (an insertion inside the question excluded)."""
+    from attnlab.interventions import intervened
     from attnlab.models import left_pad, padded_span_mask
 
-    recorder = ActivationRecorder(model, layer, threshold, edges)
+    recorder = ActivationRecorder(layer, threshold, edges)
     base = model.get_decoder()  # the MLP of `layer` is all we need; skip the LM head
     device = next(model.parameters()).device
-    try:
+    with intervened(model, activations=recorder):
         for start in range(0, len(prompts), batch_size):
             batch = prompts.iloc[start:start + batch_size]
             rows = [np.asarray(ids).tolist() for ids in batch["input_ids"]]
@@ -329,8 +328,6 @@ def record_activations(model, prompts: pd.DataFrame, layer: int, threshold: floa
             with torch.inference_mode():
                 base(input_ids=ids.to(device), attention_mask=mask.to(device),
                      position_ids=positions.to(device), use_cache=False)
-    finally:
-        recorder.remove()
     return recorder.table(), recorder.histogram()
 
 

@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from attnlab.curves import refined_sweep
+from attnlab.interventions import intervened
 from attnlab.models import left_pad
 from attnlab.tasks import TaskError, TaskPrompts, year_continuations
 
@@ -37,7 +38,8 @@ ABLATIONS = ("corrupted", "mean", "zero")
 
 
 class HeadGates:
-    """Forward pre-hooks on every layer's o_proj that gate each head's slice."""
+    """Each head's gate at the input of its layer's o_proj, with the ablation reference; the
+    pre-hooks that apply them are ``hook(layer)``, installed by ``intervened(head_gates=...)``."""
 
     def __init__(self, model):
         config = model.config.get_text_config()
@@ -47,11 +49,9 @@ class HeadGates:
         self.reference: list[torch.Tensor] | None = None  # per layer, like o_proj's input
         self.captured: list[torch.Tensor | None] = [None] * self.n_layers
         self.capturing = False
-        self._handles = [layer.self_attn.o_proj.register_forward_pre_hook(self._hook(i))
-                         for i, layer in enumerate(model.get_decoder().layers)]
 
-    def _hook(self, layer: int):
-        def hook(module, args):
+    def hook(self, layer: int):
+        def gate(module, args):
             z = args[0]
             if self.capturing:
                 self.captured[layer] = z.detach()
@@ -59,14 +59,10 @@ class HeadGates:
                 return None
             shape = (*z.shape[:-1], self.n_heads, self.head_dim)
             reference = self.reference[layer].view(shape)
-            gate = self.gates[layer].view(1, 1, self.n_heads, 1).to(z.dtype)
-            gated = reference + gate * (z.view(shape) - reference)
+            gates = self.gates[layer].view(1, 1, self.n_heads, 1).to(z.dtype)
+            gated = reference + gates * (z.view(shape) - reference)
             return (gated.reshape(z.shape), *args[1:])
-        return hook
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        return gate
 
 
 @dataclass
@@ -159,17 +155,15 @@ class Patcher:
         self.positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
         self.references = self._references(ablation)
 
-    def close(self) -> None:
-        """Remove the gate hooks from the model."""
-        self.gates.remove()
-
     def _chunks(self):
         n = len(self.batch.clean)
         return [slice(i, min(i + self.batch_size, n)) for i in range(0, n, self.batch_size)]
 
     def _logits(self, ids: torch.Tensor, rows: slice) -> torch.Tensor:
-        out = self.model(input_ids=ids[rows].to(self.device), attention_mask=self.batch.mask[rows].to(self.device),
-                         position_ids=self.positions[rows].to(self.device), use_cache=False, logits_to_keep=2)
+        with intervened(self.model, head_gates=self.gates):
+            out = self.model(input_ids=ids[rows].to(self.device), attention_mask=self.batch.mask[rows].to(self.device),
+                             position_ids=self.positions[rows].to(self.device), use_cache=False,
+                             logits_to_keep=2)
         return out.logits
 
     def _metric(self, ids: torch.Tensor, rows: slice) -> torch.Tensor:

@@ -13,25 +13,20 @@ soft-capping, before masks), every edge (i, j) has a gate on ``s_ij + b``
 The penalty is the expected density, the mean of ``σ(s_ij + b)`` over causal
 edges, heads and layers. A model is sparse when its config carries
 ``attnlab_sparse: {gate_bias: b}`` (a list of one b per layer after a per-layer
-calibration, sparsify.calibrate_gate_bias); ``activate`` (called by the project's
-loader) then selects this attention for every forward pass: generation, the
-MLP analysis, pruning. The reducing attention used for extraction applies the
-same deterministic gate (``deterministic_gate``), so received attention and λ of
-a sparse model come from its gated weights.
+calibration, sparsify.calibrate); ``activate`` (called by the project's loader)
+then selects the attention function of ``attnlab.interventions`` for every forward
+pass: generation, the MLP analysis, pruning, extraction. That function applies the
+gates defined here; the same computation reduces the weights for extraction, so
+received attention and λ of a sparse model come from its gated weights.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
-from transformers.models.llama.modeling_llama import repeat_kv
 
-IMPLEMENTATION = "attnlab_sparse"
 CONFIG_KEY = "attnlab_sparse"  # in config.json: {"gate_bias": b, "base": ..., ...}
 
 
@@ -44,26 +39,12 @@ def gate_bias(module: nn.Module) -> float | None:
     settings = getattr(config, CONFIG_KEY, None)
     if not settings:
         return None
-    bias = settings["gate_bias"]
-    return float(bias[module.layer_idx] if isinstance(bias, list) else bias)
+    return layer_bias(settings["gate_bias"], module.layer_idx)
 
 
-# Attention arguments that change the result and that neither this gated attention nor the
-# reducing one (attnlab.attention) implements: attention sinks (gpt-oss: s_aux, sinks) and
-# additive position biases. Either function refuses a call that sets one.
-UNIMPLEMENTED_KWARGS = ("s_aux", "sinks", "position_bias")
-
-
-def refuse_unimplemented(implementation: str, dropout: float, kwargs: dict) -> None:
-    """Fail, naming the argument, rather than compute attention the model does not use."""
-    given = [name for name in UNIMPLEMENTED_KWARGS if kwargs.get(name) is not None]
-    if given:
-        raise NotImplementedError(
-            f"{implementation} attention does not implement {given} (attention sinks or position "
-            "biases), which this model uses; its attention cannot be reduced or gated here")
-    if dropout:
-        raise NotImplementedError(f"{implementation} attention does not implement attention dropout "
-                                  f"({dropout}); set the model config's attention_dropout to 0")
+def layer_bias(bias: GateBias, layer: int) -> float:
+    """One layer's value of a global or per-layer gate bias."""
+    return float(bias[layer] if isinstance(bias, list) else bias)
 
 
 def deterministic_gate(logits: torch.Tensor, bias: float) -> torch.Tensor:
@@ -98,7 +79,7 @@ def stochastic_gate(logits: torch.Tensor, bias: float, generator: torch.Generato
 
 @dataclass
 class GateTracker:
-    """What the gated attention records while it is active (one at a time).
+    """What the gated attention records inside ``interventions.intervened(model, gates=tracker)``.
 
     ``training``: sample gates and collect the expected-density penalty.
     Otherwise the deterministic gate is used and, per layer, open and allowed
@@ -134,20 +115,6 @@ class GateTracker:
                 for layer in sorted(self.open_per_head)}
 
 
-_tracker: GateTracker | None = None
-
-
-@contextlib.contextmanager
-def tracking(tracker: GateTracker):
-    """Make the gated attention record into ``tracker`` while the block runs."""
-    global _tracker
-    previous, _tracker = _tracker, tracker
-    try:
-        yield tracker
-    finally:
-        _tracker = previous
-
-
 def allowed_edges(attention_mask: torch.Tensor | None, queries: int, keys: int,
                   device) -> torch.Tensor:
     """[batch or 1, 1, q, k] bool: the edges the model's mask lets through (causal, window, padding)."""
@@ -158,44 +125,7 @@ def allowed_edges(attention_mask: torch.Tensor | None, queries: int, keys: int,
     return (torch.arange(keys, device=device)[None, :] <= rows)[None, None]
 
 
-def gated_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, attention_mask: torch.Tensor | None,
-                    scaling: float | None = None, dropout: float = 0.0,
-                    softcap: float | None = None, **kwargs):
-    """Eager attention with edge gates on ``s + b`` (module docstring); works with a KV cache."""
-    refuse_unimplemented(IMPLEMENTATION, dropout, kwargs)
-    bias = gate_bias(module)
-    if bias is None:
-        raise RuntimeError(f"{IMPLEMENTATION} attention on a model without '{CONFIG_KEY}' in its "
-                           "config: load sparse models with attnlab.models.load_model")
-    if scaling is None:
-        scaling = module.head_dim ** -0.5
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
-    logits = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    tracker = _tracker
-    allowed = None  # [batch or 1, 1, q, k] bool, computed only where it is needed
-    if attention_mask is None or tracker is not None:
-        allowed = allowed_edges(attention_mask, query.shape[-2], key.shape[-2], query.device)
-    if attention_mask is None:  # no mask given: causal
-        scores = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
-    else:
-        scores = logits + attention_mask[..., :key.shape[-2]]
-    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    if tracker is not None and tracker.training:
-        gate = _training_gate(tracker, module.layer_idx, logits, bias, allowed)
-    else:
-        gate = deterministic_gate(logits, bias)
-        if tracker is not None:
-            _count_open_edges(tracker, module.layer_idx, gate, allowed)
-    weights = weights * gate
-    output = torch.matmul(weights, value)
-    return output.transpose(1, 2).contiguous(), weights
-
-
-def _training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias: float,
+def training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias: float,
                    allowed: torch.Tensor) -> torch.Tensor:
     """Sampled gates; the first pass of a layer records the penalty, a recomputation of the
     layer (gradient checkpointing) replays the same draw and the same graph without recording."""
@@ -220,7 +150,7 @@ def _training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias:
     return gate
 
 
-def _count_open_edges(tracker: GateTracker, layer: int, gate: torch.Tensor, allowed: torch.Tensor) -> None:
+def count_open_edges(tracker: GateTracker, layer: int, gate: torch.Tensor, allowed: torch.Tensor) -> None:
     """Add one call's open and allowed edge counts per head of ``layer``."""
     allowed = allowed.expand_as(gate)
     # Counted as integers: a bfloat16 sum (a bf16 model on CUDA) is exact only up to 256.
@@ -233,44 +163,31 @@ def _count_open_edges(tracker: GateTracker, layer: int, gate: torch.Tensor, allo
         tracker.open_per_head[layer], tracker.edges_per_head[layer] = open_edges, edges
 
 
-AttentionInterface.register(IMPLEMENTATION, gated_attention)
-AttentionMaskInterface.register(IMPLEMENTATION, eager_mask)
-
-
 def is_sparse(model) -> bool:
     return bool(getattr(model.config.get_text_config(), CONFIG_KEY, None))
 
 
 def make_sparse(model, gate_bias: GateBias, **provenance) -> None:
     """Mark ``model`` as sparse (its config carries the gate bias) and select the gated attention."""
-    settings = {"gate_bias": _checked(model, gate_bias), "implementation": IMPLEMENTATION, **provenance}
+    from attnlab import interventions  # the attention function that applies the gates (imports this)
+
+    settings = {"gate_bias": checked_bias(model, gate_bias), "implementation": interventions.IMPLEMENTATION,
+                **provenance}
     for config in _configs(model):
         setattr(config, CONFIG_KEY, settings)
-    model.set_attn_implementation(IMPLEMENTATION)
+    model.set_attn_implementation(interventions.IMPLEMENTATION)
 
 
 def set_gate_bias(model, gate_bias: GateBias) -> None:
     """Change the gate bias of a sparse model in place (its gated attention reads it per call)."""
     if not is_sparse(model):
         raise ValueError("set_gate_bias needs a sparse model (see make_sparse)")
-    bias = _checked(model, gate_bias)
+    bias = checked_bias(model, gate_bias)
     for config in _configs(model):
         getattr(config, CONFIG_KEY)["gate_bias"] = bias
 
 
-@contextlib.contextmanager
-def gate_bias_at(model, gate_bias: GateBias):
-    """The model's gates at ``gate_bias`` inside the block and at its own bias again after it
-    (a calibration measures candidate biases without changing the copy it calibrates)."""
-    own = getattr(model.config.get_text_config(), CONFIG_KEY)["gate_bias"]
-    set_gate_bias(model, gate_bias)
-    try:
-        yield
-    finally:
-        set_gate_bias(model, own)
-
-
-def _checked(model, gate_bias: GateBias) -> GateBias:
+def checked_bias(model, gate_bias: GateBias) -> GateBias:
     """A float, or a list of floats with one bias per decoder layer."""
     if not isinstance(gate_bias, (list, tuple)):
         return float(gate_bias)
@@ -289,4 +206,6 @@ def _configs(model) -> list:
 def activate(model) -> None:
     """Select the gated attention when the model's config says it is sparse (called on load)."""
     if is_sparse(model):
-        model.set_attn_implementation(IMPLEMENTATION)
+        from attnlab import interventions
+
+        model.set_attn_implementation(interventions.IMPLEMENTATION)

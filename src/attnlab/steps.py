@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from attnlab import io
+from attnlab.settings import Extraction, Generation, MlpAnalysis, Scoring, Sweep
 
 log = logging.getLogger("attnlab")
 
@@ -99,24 +100,25 @@ def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
     import torch
 
     from attnlab.generation import check_context, generate_all
-    from attnlab.mlp import arm_applied
+    from attnlab.interventions import intervened
     from attnlab.models import context_length, load_model, load_tokenizer, pick_device, pick_dtype
 
+    generation = Generation(**generation)
     torch.set_num_threads(threads)
-    _seed_everything(generation["seed"])
-    batch_size = _batch_size(generation["batch_size"], batch_size)
+    _seed_everything(generation.seed)
+    batch_size = _batch_size(generation.batch_size, batch_size)
     prompts = io.read_parquet(prompts_path)
-    check_context(prompts, generation["max_new_tokens"], context_length(model_dir))
-    device = pick_device(generation["device"])
-    dtype = pick_dtype(generation["dtype"], device)
+    check_context(prompts, generation.max_new_tokens, context_length(model_dir))
+    device = pick_device(generation.device)
+    dtype = pick_dtype(generation.dtype, device)
     log.info("device %s, dtype %s, batch size %d, greedy, %d new tokens at most",
-             device, dtype, batch_size, generation["max_new_tokens"])
+             device, dtype, batch_size, generation.max_new_tokens)
     model = load_model(model_dir, device, dtype)
     tokenizer = load_tokenizer(model_dir)
     started = time.perf_counter()
-    with arm_applied(model, _arm(arm)):
-        out = generate_all(model, tokenizer, prompts, batch_size, generation["max_new_tokens"],
-                           generation["stop_strings"], generation["engine"])
+    with intervened(model, arm=_arm(arm)):
+        out = generate_all(model, tokenizer, prompts, batch_size, generation.max_new_tokens,
+                           generation.stop_strings, generation.engine)
     elapsed = time.perf_counter() - started
     log.info("%d new tokens in %.1f s (%.1f tokens/s)", out["n_new_tokens"].sum(), elapsed,
              out["n_new_tokens"].sum() / max(elapsed, 1e-9))
@@ -168,15 +170,15 @@ def plot_accuracy(summary_paths: list[str], out_path: str, dataset: str, models:
     plot(table, dataset, models, conditions, out_path, dpi)
 
 
-def _model_and_prompts(model_dir: str, prompts_path: str, settings: dict):
+def _model_and_prompts(model_dir: str, prompts_path: str, settings: Extraction | MlpAnalysis):
     """The first ``max_prompts`` prompts, and the model on the configured device and dtype."""
     from attnlab.models import load_model, pick_device, pick_dtype
 
     prompts = io.read_parquet(prompts_path)
-    if settings["max_prompts"]:
-        prompts = prompts.head(settings["max_prompts"])
-    device = pick_device(settings["device"])
-    dtype = pick_dtype(settings["dtype"], device)
+    if settings.max_prompts:
+        prompts = prompts.head(settings.max_prompts)
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
     return load_model(model_dir, device, dtype), prompts, device, dtype
 
 
@@ -186,15 +188,16 @@ def extract_attention(model_dir: str, prompts_path: str, out_path: str, settings
     import torch
 
     from attnlab.extraction import extract, write_attention
-    from attnlab.mlp import arm_applied
+    from attnlab.interventions import intervened
 
+    settings = Extraction(**settings)
     torch.set_num_threads(threads)
-    batch_size = _batch_size(settings["batch_size"], batch_size)
+    batch_size = _batch_size(settings.batch_size, batch_size)
     model, prompts, device, dtype = _model_and_prompts(model_dir, prompts_path, settings)
     log.info("extracting %d prompts on %s (%s), batch size %d", len(prompts), device, dtype, batch_size)
     started = time.perf_counter()
-    with arm_applied(model, _arm(arm)):
-        extraction = extract(model, prompts, batch_size, settings["full_map_layers"])
+    with intervened(model, arm=_arm(arm)):
+        extraction = extract(model, prompts, batch_size, settings.full_map_layers)
     elapsed = time.perf_counter() - started
     log.info("%d tokens in %.1f s (%.0f tokens/s)", prompts["n_prompt_tokens"].sum(), elapsed,
              prompts["n_prompt_tokens"].sum() / max(elapsed, 1e-9))
@@ -278,14 +281,15 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     from attnlab.pruning import Patcher, build_batch
     from attnlab.tasks import generate_task
 
+    settings = Scoring(**settings)
     torch.set_num_threads(threads)
-    _seed_everything(settings["seed"])
+    _seed_everything(settings.seed)
     tokenizer = load_tokenizer(model_dir)
-    prompts = generate_task(task, tokenizer, settings["n"], settings["seed"])
+    prompts = generate_task(task, tokenizer, settings.n, settings.seed)
     io.write_json(dataclasses.asdict(prompts), prompts_path)
-    model = load_model(model_dir, pick_device(settings["device"]), torch.float32)
-    patcher = Patcher(model, build_batch(prompts, tokenizer), settings["ablation"],
-                      _batch_size(settings["batch_size"], batch_size))
+    model = load_model(model_dir, pick_device(settings.device), torch.float32)
+    patcher = Patcher(model, build_batch(prompts, tokenizer), settings.ablation,
+                      _batch_size(settings.batch_size, batch_size))
     clean, corrupted = patcher.metric(), patcher.corrupted_metric()
     log.info("%s: clean metric %.3f, corrupted %.3f (%d prompts)", task, clean, corrupted, len(prompts.clean))
     started = time.perf_counter()
@@ -295,14 +299,14 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     scores = pd.DataFrame({"layer": np.repeat(np.arange(layers), heads), "head": np.tile(np.arange(heads), layers),
                            "attribution": attribution.flatten().numpy()})
     summary = {"task": task, "n_prompts": len(prompts.clean), "clean_metric": clean,
-               "corrupted_metric": corrupted, "ablation": settings["ablation"],
-               "ranking": settings["ranking"], **prompts.info}
-    if settings["exact"] or settings["ranking"] == "exact":
+               "corrupted_metric": corrupted, "ablation": settings.ablation,
+               "ranking": settings.ranking, **prompts.info}
+    if settings.exact or settings.ranking == "exact":
         started = time.perf_counter()
         scores["exact"] = patcher.exact().flatten().numpy()
         timings["exact_s"] = time.perf_counter() - started
         summary["spearman_attribution_vs_exact"] = float(spearmanr(scores["attribution"], scores["exact"]).statistic)
-    ranking = scores[settings["ranking"]]
+    ranking = scores[settings.ranking]
     scores["rank"] = ranking.rank(ascending=False, method="first").astype(int)
     io.write_csv(scores.sort_values("rank"), scores_path)
     io.write_json({**summary, **timings}, summary_path)
@@ -319,24 +323,25 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     from attnlab.pruning import Patcher, build_batch
     from attnlab.tasks import TaskPrompts
 
+    settings = Sweep(**settings)
     torch.set_num_threads(threads)
-    _seed_everything(settings["seed"])
+    _seed_everything(settings.seed)
     tokenizer = load_tokenizer(model_dir)
     prompts = TaskPrompts(**io.read_json(prompts_path))
-    model = load_model(model_dir, pick_device(settings["device"]), torch.float32)
-    patcher = Patcher(model, build_batch(prompts, tokenizer), settings["ablation"],
-                      _batch_size(settings["batch_size"], batch_size))
+    model = load_model(model_dir, pick_device(settings.device), torch.float32)
+    patcher = Patcher(model, build_batch(prompts, tokenizer), settings.ablation,
+                      _batch_size(settings.batch_size, batch_size))
     scores = pd.read_csv(scores_path).sort_values("rank")
     order = list(zip(scores["layer"], scores["head"]))
     started = time.perf_counter()
-    sweep = patcher.sweep(order, k_grid(len(order), settings["all_k_up_to"], settings["log_points"]),
-                          settings["threshold"])
+    sweep = patcher.sweep(order, k_grid(len(order), settings.all_k_up_to, settings.log_points),
+                          settings.threshold)
     elapsed = time.perf_counter() - started
     io.write_csv(sweep, sweep_path)
     io.write_json({"task": task, "heads": len(order), "sweep_s": elapsed, "points": len(sweep),
-                   "refined_points": int(sweep["refined"].sum()), "threshold": settings["threshold"],
-                   **crossing(sweep, settings["threshold"]), **fragility(sweep, settings["threshold"]),
-                   "ablation": settings["ablation"], "ranking": settings["ranking"]}, summary_path)
+                   "refined_points": int(sweep["refined"].sum()), "threshold": settings.threshold,
+                   **crossing(sweep, settings.threshold), **fragility(sweep, settings.threshold),
+                   "ablation": settings.ablation, "ranking": settings.ranking}, summary_path)
 
 
 def plot_pruning(sweep_paths: dict[str, str], out_path: str, task: str, compare, threshold: float,
@@ -381,18 +386,20 @@ def mlp_activations(model_dir: str, prompts_path: str, stats_path: str, histogra
     """Statistics and a histogram of one layer's MLP activation over the question tokens."""
     import torch
 
-    from attnlab.mlp import arm_applied, record_activations
+    from attnlab.interventions import intervened
+    from attnlab.mlp import record_activations
 
+    settings = MlpAnalysis(**settings)
     torch.set_num_threads(threads)
-    batch_size = _batch_size(settings["batch_size"], batch_size)
+    batch_size = _batch_size(settings.batch_size, batch_size)
     model, prompts, device, dtype = _model_and_prompts(model_dir, prompts_path, settings)
-    bins = settings["histogram"]
+    bins = settings.histogram
     edges = np.linspace(bins["low"], bins["high"], bins["bins"] + 1)
-    log.info("layer %d MLP activations of %d prompts on %s (%s)", settings["layer"], len(prompts),
+    log.info("layer %d MLP activations of %d prompts on %s (%s)", settings.layer, len(prompts),
              device, dtype)
-    with arm_applied(model, _arm(arm)):
-        stats, histogram = record_activations(model, prompts, settings["layer"],
-                                              settings["near_zero"], edges, batch_size)
+    with intervened(model, arm=_arm(arm)):
+        stats, histogram = record_activations(model, prompts, settings.layer, settings.near_zero,
+                                              edges, batch_size)
     stats.insert(0, "id", prompts["id"].values)
     outside = histogram["count"].iloc[[0, -1]].sum() / histogram["count"].sum()
     log.info("near-zero share %.4f, L1 %.2f, Gini %.3f; %.2f%% of values outside the histogram range",

@@ -8,6 +8,7 @@ sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 from attnlab.plan import (cell_generation, comparison_pairs, fewshot_shots, fewshot_spec, figure_files,
                           has_length_sweep, has_placement_sweep, length_families, model_job_threads,
                           placements, selections, sparse_pairs)
+from attnlab import settings as typed
 from attnlab.sources import sparse_bases
 from attnlab.validate import ConfigError, check
 
@@ -118,6 +119,7 @@ def fewshot_input(wildcards):
 
 
 def generation_settings(wildcards):
+    """The cell's whole generation section: the fields of settings.Generation, in the config's order."""
     return cell_generation(config, wildcards.model, wildcards.dataset)
 
 
@@ -134,8 +136,7 @@ def arm_settings(wildcards):
 
 
 def mlp_settings(wildcards):
-    keys = ("layer", "near_zero", "histogram", "max_prompts", "batch_size", "device", "dtype")
-    return {key: MLP[key] for key in keys}
+    return typed.slice_of(typed.MlpAnalysis, MLP)
 
 
 def mlp_files(wildcards):
@@ -164,8 +165,7 @@ def mlp_batch(wildcards, attempt):
 
 
 def extraction_settings(wildcards):
-    keys = ("max_prompts", "batch_size", "device", "dtype", "full_map_layers")
-    return {key: ATTENTION[key] for key in keys}
+    return typed.slice_of(typed.Extraction, ATTENTION)
 
 
 def attention_files(wildcards):
@@ -185,16 +185,11 @@ def composite_figure_files(wildcards):
 
 
 def scoring_settings(wildcards):
-    """What score_heads reads: the task, the ablation and the ranking (not the sweep's grid)."""
-    keys = ("seed", "ablation", "ranking", "exact", "batch_size", "device")
-    return {**{key: PRUNING[key] for key in keys}, **PRUNING["tasks"][wildcards.task]}
+    return typed.slice_of(typed.Scoring, {**PRUNING, **PRUNING["tasks"][wildcards.task]})
 
 
 def sweep_settings(wildcards):
-    """What sweep_heads reads: the grid, and the threshold it refines the grid around."""
-    keys = ("seed", "ablation", "ranking", "batch_size", "device", "all_k_up_to", "log_points",
-            "threshold")
-    return {key: PRUNING[key] for key in keys}
+    return typed.slice_of(typed.Sweep, PRUNING)
 
 
 def pruning_batch(wildcards, attempt):

@@ -10,6 +10,7 @@ import time
 import torch
 
 from attnlab import sparse
+from attnlab.interventions import intervened
 from attnlab.sparsify.settings import Calibration, SparsifySettings
 from attnlab.sparsify.train import Trainer, _logits_fit
 
@@ -127,7 +128,7 @@ def _lowered(biases: list[float], layers: list[int], step: float) -> list[float]
 
 def _measure(trainer: Trainer, bias: sparse.GateBias, ids: torch.Tensor, references) -> dict:
     """KL and density of the student on ``ids`` with its gates at ``bias`` (its own bias after)."""
-    with sparse.gate_bias_at(trainer.student, bias):
+    with intervened(trainer.student, gate_bias=bias):
         measured, _ = trainer.evaluate(ids, references)
     return {"kl": measured["kl"], "density": measured["density"]}
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from attnlab import io, sparse
+from attnlab import interventions, io, sparse
+from attnlab.interventions import intervened
 from attnlab.sparsify import losses
 from attnlab.sparsify.errors import SparsifyError
 from attnlab.sparsify.settings import SparsifySettings
@@ -131,7 +132,9 @@ class Trainer:
             base_dir, dtype=frozen if lora else torch.float32).to(device)
         sparse.make_sparse(student, settings.gate_bias, base=settings.base)
         if settings.gradient_checkpointing:
-            student.gradient_checkpointing_enable()
+            # the recomputation in the backward pass replays the forward's gates (intervened)
+            student.activation_checkpointing_enable({"use_reentrant": False,
+                                                     "context_fn": interventions.recompute_context})
             student.config.use_cache = False
         self.student = self._trainable(student).train()
         self.optimizer = self._optimizer(self.student)
@@ -167,7 +170,7 @@ class Trainer:
         if self.control is not None:
             target = self._control_step(ids, state.step)
         tracker = sparse.GateTracker(training=True, generator=self.generator, gradient=settings.gate_gradient)
-        with sparse.tracking(tracker):  # also around backward: checkpointed layers replay their gates
+        with intervened(self.student, gates=tracker):  # also around backward: checkpointed layers replay their gates
             with _autocast(self.device, settings.dtype):
                 logits = self.student(input_ids=ids, use_cache=False).logits
             return self._update(logits, ids, reference, target, tracker, state)
@@ -238,7 +241,7 @@ class Trainer:
             with _autocast(self.device, self.settings.dtype, training=False):
                 reference = (references[index] if references is not None
                              else self.dense(input_ids=ids, use_cache=False).logits)
-                with sparse.tracking(tracker):
+                with intervened(self.student, gates=tracker):
                     logits = self.student(input_ids=ids, use_cache=False).logits
             ce, kl = losses.loss_terms(logits, ids, reference)
             ce_dense, _ = losses.loss_terms(reference, ids, None)

@@ -1,0 +1,88 @@
+"""Typed settings of the workflow's steps: frozen dataclasses built where a step starts
+(``steps``) from the slice of the validated config its rule passes (``slice_of``, called in
+common.smk). The keys a step reads are declared once, as the fields of its dataclass; the
+schema (config/schema.yaml) holds their defaults, ranges and meaning.
+
+Post-training's settings are ``attnlab.sparsify.settings.SparsifySettings``, ARM's
+``attnlab.mlp.ArmSettings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+def slice_of(cls, config: dict) -> dict:
+    """What ``cls`` reads from ``config``, in field order (a rule's params: Snakemake reruns a
+    job when they change, so a key the step does not read never reruns it)."""
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in config]
+    if missing:
+        raise KeyError(f"{cls.__name__} reads {missing}, which the config section lacks "
+                       f"(has: {sorted(config)}); was the config validated (attnlab.validate.check)?")
+    return {f.name: config[f.name] for f in dataclasses.fields(cls)}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Greedy generation of one model x dataset cell (``plan.cell_generation``)."""
+
+    max_new_tokens: int
+    batch_size: int
+    device: str
+    dtype: str
+    seed: int
+    stop_strings: list[str]
+    engine: str
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """attention: the reduction of every layer and head into one HDF5 file per cell."""
+
+    max_prompts: int | None
+    batch_size: int
+    device: str
+    dtype: str
+    full_map_layers: list[int]
+
+
+@dataclass(frozen=True)
+class MlpAnalysis:
+    """mlp: statistics of one layer's MLP activation."""
+
+    layer: int
+    near_zero: float
+    histogram: dict[str, Any]
+    max_prompts: int | None
+    batch_size: int
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """pruning: one task's prompts and every head's score (not the sweep's grid)."""
+
+    seed: int
+    ablation: str
+    ranking: str
+    exact: bool
+    batch_size: int
+    device: str
+    n: int  # the task's clean/corrupted pairs (pruning.tasks.<task>.n)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """pruning: the top-k sweep's grid, and the threshold it refines the grid around."""
+
+    seed: int
+    ablation: str
+    ranking: str
+    batch_size: int
+    device: str
+    all_k_up_to: int
+    log_points: int
+    threshold: float
