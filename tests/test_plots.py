@@ -102,7 +102,7 @@ def test_inserted_shading_comes_from_every_prompt(tmp_path):
     import matplotlib.pyplot as plt
 
     from attnlab.attention_analysis import inserted_share, read_head
-    from attnlab.plots import _shade_inserted
+    from attnlab.plots_attention import _shade_inserted
 
     path = _attention_file(tmp_path / "mless_inside.h5", _varying_prompts([(8, 12), (10, 14), (20, 24)]))
     head = read_head(path, layer=1, head=2)
@@ -120,7 +120,7 @@ def test_shared_inserted_run_is_shaded_dark(tmp_path):
     import matplotlib.pyplot as plt
 
     from attnlab.attention_analysis import read_head
-    from attnlab.plots import _shade_inserted
+    from attnlab.plots_attention import _shade_inserted
 
     path = _attention_file(tmp_path / "mless.h5", _varying_prompts([(5, 10), (5, 12), (5, 10)]))
     fig, ax = plt.subplots()
@@ -134,7 +134,7 @@ def test_question_random_prompts_shade_each_insertion(smollm2_tokenizer, tmp_pat
     import matplotlib.pyplot as plt
 
     from attnlab.attention_analysis import inserted_share, read_head, runs_of
-    from attnlab.plots import plot_attention_head
+    from attnlab.plots_attention import plot_attention_head
     from attnlab.prompts import make_prompts
 
     questions = pd.DataFrame({"id": ["a", "b", "c"], "answer": ["2", "3", "4"], "question": [
@@ -186,7 +186,7 @@ def test_composite_zoom_shows_the_inserted_positions(tmp_path):
     import matplotlib.pyplot as plt
 
     from attnlab.attention_analysis import read_head
-    from attnlab.plots import _draw_conditions, _zoom_on_inserted
+    from attnlab.plots_attention import _draw_conditions, _zoom_on_inserted
 
     per_condition = {
         "none": read_head(_attention_file(tmp_path / "none.h5", _varying_prompts([(5, 5)] * 3)), 0, 0),

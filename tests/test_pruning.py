@@ -175,7 +175,7 @@ def test_patcher_sweep_refines_between_grid_points():
 # ---- fragile counts: a late jump, an overshoot, a fall back below the threshold ----
 
 
-def _curve(effects) -> "pd.DataFrame":
+def _curve(effects):
     import pandas as pd
 
     return pd.DataFrame({"heads_kept": np.arange(len(effects)), "explained_effect": effects})

@@ -1,0 +1,81 @@
+"""Shared by the steps: logging into the rule's log, seeds, the retry batch size, summaries."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pandas as pd
+
+from attnlab import io
+from attnlab.settings import Extraction, MlpAnalysis
+
+
+log = logging.getLogger("attnlab")
+
+
+def setup_logging(log_path: str | None = None) -> None:
+    """Send stderr (tqdm bars, warnings, our logging) to the rule's log file."""
+    if log_path:
+        sys.stderr = open(log_path, "w", buffering=1)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _batch_size(configured: int, given: int | None) -> int:
+    """The batch this attempt uses: Snakemake halves it for each retry (resources.batch_size)."""
+    batch = given or configured
+    if batch < configured:
+        log.warning("batch size %d (configured %d, halved for a retry after running out of memory)",
+                    batch, configured)
+    limit = os.environ.get("ATTNLAB_TEST_OOM_ABOVE_BATCH")  # fault injection for the retry test
+    if limit and batch > int(limit):
+        raise MemoryError(f"simulated out-of-memory at batch size {batch} "
+                          f"(ATTNLAB_TEST_OOM_ABOVE_BATCH={limit})")
+    return batch
+
+
+def _arm(arm: dict | None):
+    from attnlab.mlp import ArmSettings
+
+    return ArmSettings(**arm) if arm else None
+
+
+def _read_summaries(paths: list[str]) -> pd.DataFrame:
+    """One row per graded model x dataset x condition cell."""
+    return pd.DataFrame([io.read_json(p) for p in paths])
+
+
+# Summary keys added after the tables' first release: last, so every earlier column keeps
+# its position (the summaries' sorted keys would put them among the lenient_* columns).
+LATER_COLUMNS = ("lenient_substring_only", "lenient_exact_acc")
+
+
+def _ordered(table: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """``keys`` first, then the other columns as read, LATER_COLUMNS last."""
+    later = [c for c in LATER_COLUMNS if c in table.columns]
+    return table[keys + [c for c in table.columns if c not in keys and c not in later] + later]
+
+
+def _model_and_prompts(model_dir: str, prompts_path: str, settings: Extraction | MlpAnalysis):
+    """The first ``max_prompts`` prompts, and the model on the configured device and dtype."""
+    from attnlab.models import load_model, pick_device, pick_dtype
+
+    prompts = io.read_parquet(prompts_path)
+    if settings.max_prompts:
+        prompts = prompts.head(settings.max_prompts)
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    return load_model(model_dir, device, dtype), prompts, device, dtype

@@ -1,0 +1,97 @@
+"""Generation, grading and the accuracy tables and figures."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+
+from attnlab import io
+from attnlab.settings import Generation
+from attnlab.steps.common import _arm, _batch_size, _ordered, _read_summaries, _seed_everything, log
+
+
+def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
+             threads: int, arm: dict | None = None, batch_size: int | None = None) -> None:
+    import torch
+
+    from attnlab.generation import check_context, generate_all
+    from attnlab.interventions import intervened
+    from attnlab.models import context_length, load_model, load_tokenizer, pick_device, pick_dtype
+
+    generation = Generation(**generation)
+    torch.set_num_threads(threads)
+    _seed_everything(generation.seed)
+    batch_size = _batch_size(generation.batch_size, batch_size)
+    prompts = io.read_parquet(prompts_path)
+    check_context(prompts, generation.max_new_tokens, context_length(model_dir))
+    device = pick_device(generation.device)
+    dtype = pick_dtype(generation.dtype, device)
+    log.info("device %s, dtype %s, batch size %d, greedy, %d new tokens at most",
+             device, dtype, batch_size, generation.max_new_tokens)
+    model = load_model(model_dir, device, dtype)
+    tokenizer = load_tokenizer(model_dir)
+    started = time.perf_counter()
+    with intervened(model, arm=_arm(arm)):
+        out = generate_all(model, tokenizer, prompts, batch_size, generation.max_new_tokens,
+                           generation.stop_strings, generation.engine)
+    elapsed = time.perf_counter() - started
+    log.info("%d new tokens in %.1f s (%.1f tokens/s)", out["n_new_tokens"].sum(), elapsed,
+             out["n_new_tokens"].sum() / max(elapsed, 1e-9))
+    out["device"], out["dtype"], out["decoding"] = str(device), str(dtype), "greedy"
+    io.write_parquet(out, out_path)
+
+
+def grade(prompts_path: str, generations_path: str, items_path: str, summary_path: str,
+          keys: dict, grading: dict) -> None:
+    from attnlab.grading import grade_items, summarise
+
+    graded = grade_items(io.read_parquet(prompts_path), io.read_parquet(generations_path),
+                         grading["fallback"])
+    summary = {**keys, **summarise(graded, grading["bootstrap"])}
+    log.info("%s: math-verify %.1f%%, lenient %.1f%% (%d of them substring-only matches; n=%d)", keys,
+             summary["math_verify_acc"], summary["lenient_acc"], summary["lenient_substring_only"],
+             summary["n"])
+    io.write_csv(graded, items_path)
+    io.write_json(summary, summary_path)
+
+
+def accuracy_table(summary_paths: list[str], out_path: str) -> None:
+    keys = ["model", "dataset", "condition"]
+    table = _ordered(_read_summaries(summary_paths), keys)
+    io.write_csv(table.sort_values(["dataset", "model"], kind="stable"), out_path)
+
+
+def plot_accuracy(summary_paths: list[str], out_path: str, dataset: str, models: list[str],
+                  conditions: list[str], dpi: int) -> None:
+    from attnlab.plots import plot_accuracy as plot
+
+    table = _read_summaries(summary_paths)
+    plot(table, dataset, models, conditions, out_path, dpi)
+
+
+def plot_length_sweep(summary_paths: list[str], out_path: str, model: str, dataset: str,
+                      families: dict, dpi: int) -> None:
+    from attnlab.plots import plot_length_sweep as plot
+
+    table = _read_summaries(summary_paths)
+    plot(table, families, model, dataset, out_path, dpi)
+
+
+def placement_table(summary_paths: list[str], placements: dict, out_path: str) -> None:
+    """Accuracy of every non-ARM condition with its inserted kind, length and placement."""
+    table = _read_summaries(summary_paths)
+    table = table[table["condition"].isin(list(placements))]
+    info = pd.DataFrame([{"condition": c, **p} for c, p in placements.items()])
+    info["family"] = info["family"].fillna("none")
+    table = info.merge(table, on="condition", validate="1:m")
+    keys = ["dataset", "model", "family", "length", "placement", "condition"]
+    table = _ordered(table, keys)
+    io.write_csv(table.sort_values(keys[:4], kind="stable"), out_path)
+
+
+def plot_placement(table_path: str, out_path: str, dataset: str, models: list[str], dpi: int) -> None:
+    from attnlab.plots import plot_placement as plot
+
+    table = pd.read_csv(table_path)
+    plot(table[table["dataset"] == dataset], dataset, models, out_path, dpi)
