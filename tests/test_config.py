@@ -321,3 +321,20 @@ def test_one_entry_point_checks_schema_and_cross_references_without_snakemake(tm
     config["attention"]["heads"] = [{"layer": 5, "head": 0}]
     with pytest.raises(ConfigError, match="attention.heads"):
         check(config, models_dir=tmp_path)
+
+
+def test_jobs_import_this_workflows_own_library(tmp_path):
+    """A job's script finds the library beside its Snakefile, before any installed attnlab (a
+    conda env without the package, a virtualenv shared by two clones): no path line needed."""
+    from conftest import copy_config, copy_workflow
+
+    snakefile = copy_workflow(tmp_path / "clone")
+    script = tmp_path / "clone/workflow/scripts/prepare_dataset.py"
+    script.write_text(script.read_text() + "import logging, attnlab\n"
+                      "logging.getLogger('attnlab').info('library: %s', attnlab.__file__)\n")
+    config = copy_config("tiny.yaml", tmp_path)
+    result = snakemake("results/data/gsm8k.parquet", "--cores", "1", "--configfile", str(config),
+                       workdir=tmp_path, snakefile=snakefile)
+    assert result.returncode == 0, result.stdout[-3000:]
+    log = (tmp_path / "results/logs/prepare_dataset/gsm8k.log").read_text()
+    assert f"library: {tmp_path / 'clone/src/attnlab/__init__.py'}" in log, log[-2000:]

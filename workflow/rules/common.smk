@@ -2,9 +2,14 @@ import os
 import re
 import sys
 
-# The pure-stdlib parts of the library are importable even when Snakemake
-# runs outside the project's environment.
-sys.path.insert(0, os.path.join(workflow.basedir, "src"))
+# This workflow's own library comes first, for Snakemake (its pure-stdlib parts: it may run
+# outside the project's environment) and for every job's scripts, installed or not (a conda
+# env without the package, a virtualenv shared by two clones): they import it without a path line.
+LIBRARY = os.path.join(workflow.basedir, "src")
+sys.path.insert(0, LIBRARY)
+_paths = os.environ.get("PYTHONPATH", "")
+if LIBRARY not in _paths.split(os.pathsep):  # set for the jobs, not read from the user
+    os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [LIBRARY, _paths])))
 from attnlab.plan import (cell_generation, comparison_pairs, fewshot_shots, fewshot_spec, figure_files,
                           has_length_sweep, has_placement_sweep, length_families, model_job_threads,
                           placements, selections, sparse_pairs)

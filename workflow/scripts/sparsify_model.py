@@ -1,7 +1,4 @@
-import sys
-
-sys.path.insert(0, f"{snakemake.scriptdir}/../../src")  # attnlab, installed or not
-from attnlab import steps  # noqa: E402
+from attnlab import steps
 
 steps.setup_logging(snakemake.log[0])
 steps.sparsify_model(
