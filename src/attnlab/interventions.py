@@ -31,7 +31,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from attnlab import sparse
+from attnlab import mlp, sparse
 from attnlab.attention import BatchReduction, LayerStats
 
 IMPLEMENTATION = "attnlab"
@@ -77,8 +77,6 @@ def intervened(model, *, gates: sparse.GateTracker | None = None,
             handles += [layer.self_attn.o_proj.register_forward_pre_hook(head_gates.hook(index))
                         for index, layer in enumerate(model.get_decoder().layers)]
         if arm is not None or activations is not None:
-            from attnlab import mlp  # imports this module (record_activations)
-
             handles += mlp.hooks(model, arm, activations)
         yield inside
     finally:
