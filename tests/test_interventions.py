@@ -18,12 +18,10 @@ def _hooks(model) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
-def _everything(model, ids, gates_closed=False):
+def _everything(model, ids):
     """Every part at once on ``model`` (sparse), for one forward; returns what each recorded."""
     head_gates = HeadGates(model)
     head_gates.reference = [torch.zeros(*ids.shape, 64) for _ in range(3)]
-    if gates_closed:
-        head_gates.gates[1] = 0
     tracker = sparse.GateTracker()
     reduce = BatchReduction(torch.ones_like(ids, dtype=torch.bool), torch.zeros_like(ids, dtype=torch.bool))
     recorder = ActivationRecorder(1, 0.01, np.linspace(-1, 1, 5))

@@ -11,21 +11,18 @@ import pandas as pd
 
 from attnlab import io
 from attnlab.settings import Extraction, MlpAnalysis
-from attnlab.steps.common import _arm, _batch_size, _model_and_prompts, log
+from attnlab.steps.common import _arm, _model_and_prompts, log
 
 
 def extract_attention(model_dir: str, prompts_path: str, out_path: str, settings: dict,
                       attrs: dict, threads: int, arm: dict | None = None,
                       batch_size: int | None = None) -> None:
-    import torch
-
     from attnlab.extraction import extract, write_attention
     from attnlab.interventions import intervened
 
     settings = Extraction(**settings)
-    torch.set_num_threads(threads)
-    batch_size = _batch_size(settings.batch_size, batch_size)
-    model, prompts, device, dtype = _model_and_prompts(model_dir, prompts_path, settings)
+    model, prompts, device, dtype, batch_size = _model_and_prompts(model_dir, prompts_path, settings,
+                                                                   threads, batch_size)
     log.info("extracting %d prompts on %s (%s), batch size %d", len(prompts), device, dtype, batch_size)
     started = time.perf_counter()
     with intervened(model, arm=_arm(arm)):
@@ -109,15 +106,12 @@ def mlp_activations(model_dir: str, prompts_path: str, stats_path: str, histogra
                     settings: dict, threads: int, arm: dict | None = None,
                     batch_size: int | None = None) -> None:
     """Statistics and a histogram of one layer's MLP activation over the question tokens."""
-    import torch
-
     from attnlab.interventions import intervened
     from attnlab.mlp import record_activations
 
     settings = MlpAnalysis(**settings)
-    torch.set_num_threads(threads)
-    batch_size = _batch_size(settings.batch_size, batch_size)
-    model, prompts, device, dtype = _model_and_prompts(model_dir, prompts_path, settings)
+    model, prompts, device, dtype, batch_size = _model_and_prompts(model_dir, prompts_path, settings,
+                                                                   threads, batch_size)
     bins = settings.histogram
     edges = np.linspace(bins["low"], bins["high"], bins["bins"] + 1)
     log.info("layer %d MLP activations of %d prompts on %s (%s)", settings.layer, len(prompts),

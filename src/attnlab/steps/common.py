@@ -69,13 +69,20 @@ def _ordered(table: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return table[keys + [c for c in table.columns if c not in keys and c not in later] + later]
 
 
-def _model_and_prompts(model_dir: str, prompts_path: str, settings: Extraction | MlpAnalysis):
-    """The first ``max_prompts`` prompts, and the model on the configured device and dtype."""
+def _model_and_prompts(model_dir: str, prompts_path: str, settings: Extraction | MlpAnalysis,
+                       threads: int, batch_size: int | None):
+    """(model, prompts, device, dtype, batch size) of a job that runs prompts through a model:
+    the first ``max_prompts`` prompts, the model on the configured device and dtype, the
+    batch of this attempt (``_batch_size``), torch on ``threads`` threads."""
+    import torch
+
     from attnlab.models import load_model, pick_device, pick_dtype
 
+    torch.set_num_threads(threads)
+    batch_size = _batch_size(settings.batch_size, batch_size)
     prompts = io.read_parquet(prompts_path)
     if settings.max_prompts:
         prompts = prompts.head(settings.max_prompts)
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
-    return load_model(model_dir, device, dtype), prompts, device, dtype
+    return load_model(model_dir, device, dtype), prompts, device, dtype, batch_size
