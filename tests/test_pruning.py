@@ -132,8 +132,9 @@ def test_gemma3_does_ioi(gemma3_dir):
 
 
 def test_sweep_is_refined_around_the_first_crossing():
-    """The crossing of 0.9 lies between grid points 20 and 40: every k in between is measured,
-    so the heads needed are exact (27), not the grid's 40; a later dip is reported."""
+    """The grid's crossing of 0.9 lies between grid points 20 and 40: every k in between is
+    measured, so the count is 27 and not the grid's 40; a later dip is reported. With k below
+    it unmeasured, 27 is an upper bound, said so; a complete sweep's count is exact."""
     from attnlab.curves import crossing, refined_sweep
 
     def effect(k):  # explained effect of keeping k of 100 heads; dips below 0.9 at k = 70
@@ -149,14 +150,31 @@ def test_sweep_is_refined_around_the_first_crossing():
     assert sorted(calls) == sweep["heads_kept"].tolist()  # each k measured once
     assert sweep.loc[sweep["refined"], "heads_kept"].tolist() == list(range(21, 40))
     np.testing.assert_allclose(sweep["explained_effect"], [effect(k) for k in sweep["heads_kept"]])
-    assert crossing(sweep, 0.9) == {"heads_to_reach_threshold": 27, "heads_to_reach_exact": True,
-                                    "crosses_back_below": True}
-    # Without refinement the grid overestimates the number and says so.
+    # 0, 10, 20 and 21-26 measured below 27: 18 k unmeasured
+    assert crossing(sweep, 0.9) == {"heads_to_reach_threshold": 27, "heads_to_reach_exact": False,
+                                    "unmeasured_below": 18, "crosses_back_below": True}
+    # Without refinement the grid overestimates the number more.
     coarse = refined_sweep(metric_at, 100, grid)
     assert crossing(coarse, 0.9) == {"heads_to_reach_threshold": 40, "heads_to_reach_exact": False,
-                                     "crosses_back_below": True}
+                                     "unmeasured_below": 37, "crosses_back_below": True}
     assert crossing(refined_sweep(metric_at, 100, [0, 20, 40, 100], 0.9), 0.9)["crosses_back_below"] is False
     assert crossing(sweep, 1.5)["heads_to_reach_threshold"] is None
+    complete = refined_sweep(metric_at, 100, list(range(101)), threshold=0.9)
+    assert crossing(complete, 0.9)["heads_to_reach_exact"] and crossing(complete, 0.9)["unmeasured_below"] == 0
+
+
+def test_a_grid_count_is_an_upper_bound_on_a_curve_that_is_not_monotonic():
+    """A spike to the threshold between grid points (k = 15) is not seen: the grid's count
+    (27) is larger than the fewest heads (15), and is reported as not exact."""
+    from attnlab.curves import count_text, crossing, refined_sweep
+
+    def metric_at(k):
+        return 0.95 if k == 15 else min(1.0, k / 30)
+    on_grid = crossing(refined_sweep(metric_at, 100, [0, 10, 20, 40, 70, 100], 0.9), 0.9)
+    every_k = crossing(refined_sweep(metric_at, 100, list(range(101)), 0.9), 0.9)
+    assert (on_grid["heads_to_reach_threshold"], on_grid["heads_to_reach_exact"]) == (27, False)
+    assert (every_k["heads_to_reach_threshold"], every_k["heads_to_reach_exact"]) == (15, True)
+    assert count_text(27, False) == "≤27" and count_text(15, True) == "15" and count_text(None, True) == "never"
 
 
 def test_patcher_sweep_refines_between_grid_points():
@@ -248,6 +266,16 @@ def test_pruning_figure_says_fragile_beside_the_ratio(tmp_path, monkeypatch):
     assert legend == ["dense (217 heads to 0.9; fragile)", "sparse (19 heads to 0.9)"]
     assert any("late jump" in t for t in texts) and any("overshoot +0.30" in t for t in texts)
     assert any("fragile count: late jump" in t.get_text() for t in drawn["fig"].texts)
+
+    # The copy swept on a grid: its count is an upper bound, and the figure says so.
+    on_grid = _curve(smooth)
+    on_grid = on_grid[on_grid["heads_kept"].isin([0, 5, 10, 15, 16, 17, 18, 19, 20, 40, 270])]
+    plots.plot_pruning({"dense": _late_jump_curve(), "sparse": on_grid}, "ioi", ["dense", "sparse"],
+                       0.9, "corrupted", "attribution", tmp_path / "p.png")
+    ax = drawn["fig"].axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()][1] == "sparse (≤19 heads to 0.9)"
+    assert any("≤N: first crossing found on the sweep's log grid (refined around it), an upper bound "
+               "(sparse)" in t for t in (t.get_text().replace("\n", " ") for t in ax.texts))
 
 
 def test_heads_vs_density_rows_say_when_their_ratio_is_fragile():

@@ -748,12 +748,17 @@ def test_heads_vs_density_figure_labels_dense_over_copy(tmp_path, monkeypatch):
     plot_heads_vs_density(table.assign(heads_fewer_fragile=[False, True, False]), "dense", tmp_path / "g.png")
     assert sorted(labels) == ["0.5×", "2× (fragile)"]
 
+    labels.clear()  # the copy's count comes from a grid: an upper bound, so its N× is not exact
+    plot_heads_vs_density(table.assign(heads_to_reach_exact=[True, False, True]), "dense", tmp_path / "h.png")
+    assert sorted(labels) == ["0.5×", "2× (grid)"]
+
 
 def test_heads_vs_density_table_puts_each_copy_beside_its_own_base():
     from attnlab.curves import heads_vs_density_table
 
     sweep = lambda needed, back=False: {"ablation": "corrupted", "ranking": "exact", "threshold": 0.9,  # noqa: E731
-                                        "heads_to_reach_threshold": needed, "crosses_back_below": back}
+                                        "heads_to_reach_threshold": needed, "heads_to_reach_exact": True,
+                                        "unmeasured_below": 0, "crosses_back_below": back}
     sweeps = {("a", "ioi"): sweep(10), ("a-sparse", "ioi"): sweep(5), ("b", "ioi"): sweep(8),
               ("b-sparse", "ioi"): sweep(None)}
     densities = {"a-sparse": {"heldout_density": 0.05, "heldout_kl": 0.1},

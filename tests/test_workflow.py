@@ -15,6 +15,8 @@ import pandas as pd
 import pytest
 import yaml
 
+from attnlab.curves import k_grid
+
 from conftest import copy_config, copy_workflow, job_counts, snakemake
 
 pytestmark = pytest.mark.slow
@@ -227,7 +229,17 @@ def test_pruning_outputs(tiny_run):
     assert summary["clean_metric"] > summary["corrupted_metric"]
     assert -1 <= summary["spearman_attribution_vs_exact"] <= 1
     sweep = pd.read_csv(workdir / f"results/pruning/{MODEL}/ioi/sweep.csv")
-    assert sweep["heads_kept"].tolist() == list(range(271))
+    grid = k_grid(270, max_all=100)  # the log grid, with every k between the two points around the crossing
+    kept = sweep["heads_kept"]
+    assert kept.is_monotonic_increasing and set(grid) <= set(kept)
+    assert set(kept[sweep["refined"]]) == set(kept) - set(grid)
+    crossed = json.loads((workdir / f"results/pruning/{MODEL}/ioi/sweep.json").read_text())
+    assert crossed["refined_points"] == int(sweep["refined"].sum())
+    if crossed["heads_to_reach_threshold"]:  # found to the head, an upper bound off the grid
+        needed = crossed["heads_to_reach_threshold"]
+        assert needed - 1 in set(kept)
+        assert crossed["unmeasured_below"] == needed - int((kept < needed).sum())
+        assert crossed["heads_to_reach_exact"] == (crossed["unmeasured_below"] == 0)
     assert sweep["explained_effect"].iloc[0] == 0.0 and sweep["explained_effect"].iloc[-1] == 1.0
     assert sweep["metric"].iloc[-1] == pytest.approx(summary["clean_metric"], abs=1e-4)
     assert (workdir / "results/figures/pruning/ioi.png").stat().st_size > 10_000

@@ -15,8 +15,9 @@ from tqdm import tqdm
 def refined_sweep(metric_at: Callable[[int], float], n_heads: int, ks: list[int],
                   threshold: float | None = None) -> pd.DataFrame:
     """``metric_at(k)`` for every k of the grid, then for every k strictly between the
-    last grid point below ``threshold`` and the first at or above it, so that the
-    first crossing (``heads_to_reach``) is exact rather than as coarse as the grid.
+    last grid point below ``threshold`` and the first at or above it, so that the grid's
+    first crossing is found to the head rather than to the grid's step (an upper bound on the
+    fewest heads unless every k below it is measured: ``crossing``).
     Columns: heads_kept, metric, explained_effect, refined (k added by the refinement).
     """
     if 0 not in ks or n_heads not in ks:
@@ -46,23 +47,37 @@ def refined_sweep(metric_at: Callable[[int], float], n_heads: int, ks: list[int]
 def crossing(sweep: pd.DataFrame, threshold: float) -> dict:
     """What a sweep says about reaching the threshold.
 
-    heads_to_reach_threshold: fewest heads whose explained effect reaches it
-    (None: never); heads_to_reach_exact: every k just below that number was
-    measured too (a refined or complete sweep), so it is not a grid point's
-    overestimate; crosses_back_below: a measured k above it falls below the
-    threshold again (a non-monotonic curve; dips between grid points are not seen).
+    heads_to_reach_threshold: fewest measured heads whose explained effect reaches it
+    (None: never). heads_to_reach_exact: every k below that number was measured too (a
+    complete sweep up to it), so no fewer heads reach it. Otherwise the number is the first
+    crossing found on the grid (every k between the grid points around it measured): an upper
+    bound, since on a curve that is not monotonic an unmeasured k below it may reach the
+    threshold as well; unmeasured_below counts those k. crosses_back_below: a measured k
+    above it falls below the threshold again (dips between grid points are not seen).
     """
     needed = heads_to_reach(sweep, threshold)
     measured = set(sweep["heads_kept"])
     if needed is None:
         exact = measured == set(range(max(measured) + 1))
-        back = False
+        unmeasured, back = None, False
     else:
-        exact = needed == 0 or needed - 1 in measured
+        unmeasured = needed - len({k for k in measured if k < needed})
+        exact = unmeasured == 0
         later = sweep[sweep["heads_kept"] > needed]
         back = bool((later["explained_effect"] < threshold).any())
     return {"heads_to_reach_threshold": needed, "heads_to_reach_exact": bool(exact),
-            "crosses_back_below": back}
+            "unmeasured_below": unmeasured, "crosses_back_below": back}
+
+
+def count_text(needed: int | None, exact: bool) -> str:
+    """A count to the threshold as figures print it: "never", "17", or "≤190" for an upper
+    bound (the first crossing found on a grid; see ``crossing``)."""
+    if needed is None:
+        return "never"
+    return f"{needed}" if exact else f"≤{needed}"
+
+
+GRID_NOTE = "≤N: first crossing found on the sweep's log grid (refined around it), an upper bound"
 
 
 def k_grid(n_heads: int, max_all: int = 300, points: int = 40) -> list[int]:
@@ -186,7 +201,8 @@ def heads_vs_density_table(pairs: list[tuple[str, str]], sweeps: dict[tuple[str,
                 rows.append({"label": model, "base": dense, "heldout_density": held_out["heldout_density"],
                              "heldout_kl": held_out["heldout_kl"], "task": task, "n_prompts": n,
                              **{key: sweep[key] for key in ("ablation", "ranking", "threshold",
-                                                            "heads_to_reach_threshold", "crosses_back_below")}})
+                                                            "heads_to_reach_threshold", "heads_to_reach_exact",
+                                                            "unmeasured_below", "crosses_back_below")}})
     table = pd.DataFrame(rows).drop_duplicates(["label", "base", "task"], ignore_index=True)
     needed = table.set_index(["label", "task"])["heads_to_reach_threshold"]
     table["heads_fewer"] = [heads_ratio(needed.get((row.base, row.task)), row.heads_to_reach_threshold)

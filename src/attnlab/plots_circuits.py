@@ -17,15 +17,19 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
     a count that rests on a late jump, a curve that overshoots 1 or falls back below the
     threshold is marked on its curve and the N× label says "fragile" with the reason."""
     from attnlab.plan import comparison_pairs
-    from attnlab.curves import FRAGILITY_DEFINITION, fragility, heads_to_reach
+    from attnlab.curves import FRAGILITY_DEFINITION, GRID_NOTE, count_text, crossing, fragility
 
     fig, ax = plt.subplots(figsize=(7.5, 5))
     colours = plt.get_cmap("tab10")
-    needed, flags = {}, {}
+    needed, flags, bounds = {}, {}, []
     for k, (model, sweep) in enumerate(sweeps.items()):
-        needed[model], flags[model] = heads_to_reach(sweep, threshold), fragility(sweep, threshold)
+        count, flags[model] = crossing(sweep, threshold), fragility(sweep, threshold)
+        needed[model] = count["heads_to_reach_threshold"]
+        if needed[model] is not None and not count["heads_to_reach_exact"]:
+            bounds.append(model)
         fragile = "; fragile" if flags[model]["fragile"] else ""
-        label = f"{model} ({needed[model] if needed[model] is not None else 'never'} heads to {threshold:g}{fragile})"
+        text = count_text(needed[model], count["heads_to_reach_exact"])
+        label = f"{model} ({text} heads to {threshold:g}{fragile})"
         ax.plot(sweep["heads_kept"], sweep["explained_effect"], color=colours(k % 10), lw=1.5, label=label)
         if needed[model] is not None:
             ax.plot([needed[model]], [threshold], "o", color=colours(k % 10))
@@ -36,6 +40,8 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
         if needed.get(first) and needed.get(second):
             labels.append(_ratio_label(first, second, needed, threshold)
                           + _fragile_note({m: flags[m] for m in (first, second)}))
+    if bounds:
+        labels.append(textwrap.fill(f"{GRID_NOTE} ({', '.join(bounds)}): N× from such counts is not exact", 80))
     if labels:
         ax.text(0.02, 0.96, "\n".join(labels), ha="left", va="top", transform=ax.transAxes, fontsize=9,
                 bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
@@ -178,12 +184,17 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
             prefix = f"{family}: " if several else ""
             ax.plot(line["heldout_density"], line["heads_to_reach_threshold"], marker="o",
                     label=f"{prefix}{ablation}, {ranking}, n={n}")
-            dense = line[line["heldout_density"] >= 1]["heads_to_reach_threshold"]
-            for _, row in line[line["heldout_density"] < 1].iterrows():
-                ratio = heads_ratio(dense.iloc[0] if len(dense) else None, row["heads_to_reach_threshold"])
+            exact = line.get("heads_to_reach_exact", pd.Series(True, index=line.index)).astype(bool)
+            dense = line[line["heldout_density"] >= 1]
+            for index, row in line[line["heldout_density"] < 1].iterrows():
+                ratio = heads_ratio(dense["heads_to_reach_threshold"].iloc[0] if len(dense) else None,
+                                    row["heads_to_reach_threshold"])
                 if not np.isnan(ratio):
-                    fragile = " (fragile)" if row.get("heads_fewer_fragile", False) else ""
-                    ax.annotate(f"{ratio:.2g}×{fragile}", (row["heldout_density"], row["heads_to_reach_threshold"]),
+                    bound = not (exact[dense.index].all() and exact[index])  # either count off a grid
+                    notes = [note for note, on in (("fragile", row.get("heads_fewer_fragile", False)),
+                                                   ("grid", bound)) if on]
+                    ax.annotate(f"{ratio:.2g}×" + (f" ({', '.join(notes)})" if notes else ""),
+                                (row["heldout_density"], row["heads_to_reach_threshold"]),
                                 fontsize=6, xytext=(2, 2), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_title(task)
@@ -194,6 +205,9 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
     fragile_note = ("; (fragile): either count rests on a late jump, an overshoot past 1 or a curve "
                     "falling back below the threshold (heads_vs_density.csv says which)"
                     if "heads_fewer_fragile" in table else "")
+    if "heads_to_reach_exact" in table and not table["heads_to_reach_exact"].all():
+        fragile_note += ("; (grid): either count is the first crossing found on the sweep's log grid, "
+                         "an upper bound (heads_to_reach_exact, unmeasured_below)")
     fig.suptitle(f"Heads needed vs density; labels: N× = heads {dense_name} needs / heads the copy needs "
                  "(> 1: the copy needs fewer); density on held-out text at the copy's inference gate bias"
                  + fragile_note, fontsize=8, wrap=True)

@@ -100,14 +100,16 @@ def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
     """Each dense model's heads to the threshold beside its sparse copies' (sweep_paths keyed
     "model/task"), against the copies' held-out density (their summary.json); whether each
     count, and so each N×, is fragile comes from the sweep's curve (curve_paths, same keys)."""
-    from attnlab.curves import flag_fragile_counts, fragility, heads_vs_density_table
+    from attnlab.curves import crossing, flag_fragile_counts, fragility, heads_vs_density_table
     from attnlab.plots_circuits import plot_heads_vs_density
 
     sweeps = {tuple(key.split("/")): io.read_json(path) for key, path in sweep_paths.items()}
+    curves = {tuple(key.split("/")): pd.read_csv(path) for key, path in curve_paths.items()}
+    for key, curve in curves.items():  # from the curve: a sweep.json of older code meant less by "exact"
+        sweeps[key].update(crossing(curve, sweeps[key]["threshold"]))
     densities = {model: io.read_json(path) for model, path in summary_paths.items()}
     table = heads_vs_density_table([tuple(pair) for pair in pairs], sweeps, densities, n_prompts)
-    flags = {tuple(key.split("/")): fragility(pd.read_csv(path), sweeps[tuple(key.split("/"))]["threshold"])
-             for key, path in curve_paths.items()}
+    flags = {key: fragility(curve, sweeps[key]["threshold"]) for key, curve in curves.items()}
     table = flag_fragile_counts(table, flags)
     io.write_csv(table, table_path)
     with io.atomic_path(figure_path) as tmp:
