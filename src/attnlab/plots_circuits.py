@@ -78,19 +78,19 @@ def _fragile_note(flags: dict[str, dict]) -> str:
 def _mark_fragility(ax, sweep: pd.DataFrame, needed: int | None, threshold: float, flags: dict,
                     colour) -> None:
     """Mark on the curve what makes its count fragile: the late climb (thick), the overshoot's
-    peak (▲) and the lowest point after falling back below the threshold (▼)."""
+    peak (▲) and the lowest point after falling back below the threshold (▼), above the N× box."""
     if flags["late_jump"]:
         climb = sweep[(sweep["heads_kept"] >= flags["jump_from_heads"]) & (sweep["heads_kept"] <= needed)]
         ax.plot(climb["heads_kept"], climb["explained_effect"], color=colour, lw=5, alpha=0.35)
         ax.annotate(f"late jump +{flags['jump_rise']:.2f}\nover {flags['jump_width_heads']} heads",
                     (needed, threshold), xytext=(-6, 8), textcoords="offset points", ha="right",
-                    fontsize=7, color=colour)
+                    fontsize=7, color=colour, zorder=4)
     if flags["overshoots"]:
-        ax.plot([flags["overshoot_at_heads"]], [flags["max_explained_effect"]], "^", color=colour)
+        ax.plot([flags["overshoot_at_heads"]], [flags["max_explained_effect"]], "^", color=colour, zorder=4)
         ax.annotate(f"overshoot +{flags['overshoot']:.2f}", (flags["overshoot_at_heads"], flags["max_explained_effect"]),
-                    xytext=(-5, 2), textcoords="offset points", ha="right", fontsize=7, color=colour)
+                    xytext=(-5, 2), textcoords="offset points", ha="right", fontsize=7, color=colour, zorder=4)
     if flags["cross_back_at_heads"] is not None:
-        ax.plot([flags["cross_back_at_heads"]], [flags["cross_back_min"]], "v", color=colour)
+        ax.plot([flags["cross_back_at_heads"]], [flags["cross_back_min"]], "v", color=colour, zorder=4)
 
 
 def gate_bias_label(bias) -> str:
