@@ -77,7 +77,8 @@ def count_text(needed: int | None, exact: bool) -> str:
     return f"{needed}" if exact else f"≤{needed}"
 
 
-GRID_NOTE = "≤N: first crossing found on the sweep's log grid (refined around it), an upper bound"
+GRID_COUNT = "first crossing found on the sweep's log grid (refined around it), an upper bound"
+GRID_NOTE = f"≤N: {GRID_COUNT}"
 
 
 def k_grid(n_heads: int, max_all: int = 300, points: int = 40) -> list[int]:

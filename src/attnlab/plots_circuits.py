@@ -170,7 +170,7 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
     dense model x ablation x ranking x prompt count; the dense model sits at density 1 and each
     copy is labelled N× against it. A curve that never reaches the threshold has no point (NaN).
     ``base`` names the dense model where the table has no ``base`` column."""
-    from attnlab.curves import heads_ratio
+    from attnlab.curves import GRID_COUNT, heads_ratio
 
     if "base" not in table:
         table = table.assign(base=base)
@@ -206,8 +206,7 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
                     "falling back below the threshold (heads_vs_density.csv says which)"
                     if "heads_fewer_fragile" in table else "")
     if "heads_to_reach_exact" in table and not table["heads_to_reach_exact"].all():
-        fragile_note += ("; (grid): either count is the first crossing found on the sweep's log grid, "
-                         "an upper bound (heads_to_reach_exact, unmeasured_below)")
+        fragile_note += f"; (grid): either count is the {GRID_COUNT} (heads_to_reach_exact, unmeasured_below)"
     fig.suptitle(f"Heads needed vs density; labels: N× = heads {dense_name} needs / heads the copy needs "
                  "(> 1: the copy needs fewer); density on held-out text at the copy's inference gate bias"
                  + fragile_note, fontsize=8, wrap=True)
