@@ -208,11 +208,16 @@ def test_figures_and_tables_are_drawn_without_importing_torch(tmp_path):
 
     curve = pd.DataFrame({"heads_kept": range(11), "explained_effect": np.linspace(0, 1, 11)})
     curve["metric"] = curve["explained_effect"]
+    curve["ranking"] = "exact"
+    per_prompt = pd.DataFrame({"heads_kept": np.repeat(range(11), 4), "prompt": np.tile(range(4), 11),
+                               "metric": np.repeat(np.linspace(0, 1, 11), 4) + np.tile([0, .1, -.1, 0], 11),
+                               "ranking": "exact"})
     for model in ("dense", "copy"):
         curve.to_csv(tmp_path / f"{model}.csv", index=False)
+        per_prompt.to_parquet(tmp_path / f"{model}.parquet")
         (tmp_path / f"{model}.json").write_text(json.dumps(
-            {"ablation": "corrupted", "ranking": "exact", "threshold": 0.9,
-             "heads_to_reach_threshold": 9, "crosses_back_below": False}))
+            {"ablation": "corrupted", "ranking": "exact", "threshold": 0.9, "heads_interval": [8, 10],
+             "counted_prompts_digest": "same", "heads_to_reach_threshold": 9, "crosses_back_below": False}))
     (tmp_path / "summary.json").write_text(json.dumps({"heldout_density": 0.05, "heldout_kl": 0.1}))
     script = f"""
 import sys
@@ -220,15 +225,22 @@ from pathlib import Path
 import attnlab.attention_analysis, attnlab.curves, attnlab.h5format, attnlab.plots
 from attnlab import steps
 d = Path({str(tmp_path)!r})
-steps.plot_pruning({{m: d / f"{{m}}.csv" for m in ("dense", "copy")}}, d / "ioi.png", "ioi",
-                   ["dense", "copy"], 0.9, "corrupted", "exact", 50)
+bootstrap = {{"n_resamples": 100, "confidence": 0.95, "seed": 0}}
+steps.plot_pruning({{m: {{"sweep": d / f"{{m}}.csv", "summary": d / f"{{m}}.json", "per_prompt": d / f"{{m}}.parquet"}}
+                    for m in ("dense", "copy")}}, d / "ioi.png", "ioi", ["dense", "copy"], 0.9, "corrupted",
+                   "exact", bootstrap, 50)
 steps.heads_vs_density({{f"{{m}}/ioi": d / f"{{m}}.json" for m in ("dense", "copy")}},
                        {{f"{{m}}/ioi": d / f"{{m}}.csv" for m in ("dense", "copy")}},
-                       {{"copy": d / "summary.json"}}, [["dense", "copy"]], {{"ioi": 8}},
+                       {{f"{{m}}/ioi": d / f"{{m}}.parquet" for m in ("dense", "copy")}},
+                       {{"copy": d / "summary.json"}}, [["dense", "copy"]], {{"ioi": 8}}, bootstrap,
                        d / "table.csv", d / "density.png", 50)
 assert "torch" not in sys.modules, "a figure step imported torch"
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "ioi.png").stat().st_size > 0 and (tmp_path / "density.png").stat().st_size > 0
-    assert pd.read_csv(tmp_path / "table.csv")["heads_fewer"].tolist() == [1.0, 1.0]
+    table = pd.read_csv(tmp_path / "table.csv")
+    assert table["heads_fewer"].tolist() == [1.0, 1.0]
+    # the copy against its base, paired on the same prompts: every resample gives N× = 1
+    assert table.loc[1, ["heads_fewer_low", "heads_fewer_high"]].tolist() == [1.0, 1.0]
+    assert table.loc[1, "heads_fewer_paired"] and table.loc[1, ["heads_low", "heads_high"]].tolist() == [8, 10]

@@ -44,6 +44,16 @@ def refined_sweep(metric_at: Callable[[int], float], n_heads: int, ks: list[int]
     return frame
 
 
+def extend_sweep(sweep: pd.DataFrame, metrics: dict[int, float]) -> pd.DataFrame:
+    """``sweep`` with the metric at more k (marked ``refined``), their explained effect taken
+    against the sweep's own m(0) and m(all)."""
+    none_kept, all_kept = sweep["metric"].iloc[0], sweep["metric"].iloc[-1]
+    added = pd.DataFrame({"heads_kept": list(metrics), "metric": list(metrics.values()), "refined": True})
+    added["explained_effect"] = (added["metric"] - none_kept) / (all_kept - none_kept)
+    frame = pd.concat([sweep, added[sweep.columns]], ignore_index=True)
+    return frame.sort_values("heads_kept", ignore_index=True)
+
+
 def crossing(sweep: pd.DataFrame, threshold: float) -> dict:
     """What a sweep says about reaching the threshold.
 
@@ -216,3 +226,105 @@ def heads_ratio(dense, copy) -> float:
     if dense is None or copy is None or pd.isna(dense) or pd.isna(copy) or copy == 0:
         return float("nan")
     return float(dense) / float(copy)
+
+
+# ---- intervals over prompts: the bootstrap of a count to the threshold ----
+# A count is measured on a sample of prompts. Resampling those prompts (with replacement)
+# and recomputing the explained-effect curve from the per-prompt metrics at every measured k
+# gives the count's sampling spread without another forward pass. Two counts compared as an
+# N× are resampled with the same draws when they were measured on the same prompts (a model
+# and its own sparse copy), independently otherwise.
+
+
+def resample_draws(n_prompts: int, n_resamples: int, seed: int) -> np.ndarray:
+    """Prompt indices of each bootstrap resample: [n_resamples, n_prompts], seeded."""
+    return np.random.default_rng(seed).integers(0, n_prompts, size=(n_resamples, n_prompts))
+
+
+def per_prompt_matrix(per_prompt: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(the measured k, ascending; the metric of each prompt at each k: [k, prompts]) from
+    long rows (heads_kept, prompt, metric) of one curve."""
+    wide = per_prompt.pivot(index="heads_kept", columns="prompt", values="metric").sort_index()
+    if wide.isna().any().any():
+        raise ValueError("per-prompt metrics missing for some k: every prompt is measured at every k")
+    return wide.index.to_numpy(), wide.to_numpy(float)
+
+
+def resampled_effects(metrics: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """Explained effect at every k for each resample: [resamples, k]; the first k is none kept,
+    the last all kept (NaN where a resample's m(all) equals its m(0))."""
+    means = np.stack([metrics[:, rows].mean(-1) for rows in draws])  # [resamples, k]
+    span = means[:, -1:] - means[:, :1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(span != 0, (means - means[:, :1]) / span, np.nan)
+
+
+def first_reaching(ks: np.ndarray, effects: np.ndarray, threshold: float) -> np.ndarray:
+    """Per resample, the fewest measured heads whose explained effect reaches ``threshold``
+    (inf where none does)."""
+    reached = effects >= threshold
+    return np.where(reached.any(-1), ks[reached.argmax(-1)].astype(float), np.inf)
+
+
+def order_interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
+    """The central ``confidence`` interval of resampled values as order statistics (no
+    interpolation: counts stay whole numbers, inf stays "never"); NaN values are dropped."""
+    values = np.sort(values[~np.isnan(values)])
+    if not len(values):
+        return float("nan"), float("nan")
+    tail = (1 - confidence) / 2
+    return float(np.quantile(values, tail, method="lower")), float(np.quantile(values, 1 - tail, method="higher"))
+
+
+def count_interval(ks: np.ndarray, metrics: np.ndarray, threshold: float, draws: np.ndarray,
+                   confidence: float) -> dict:
+    """The bootstrap interval of the heads needed to reach ``threshold`` and the pointwise band
+    of the curve. Each resample's count is its first crossing among the measured k, so an end of
+    an end is to the head only where the k just below it were measured (``interval_gaps``)."""
+    effects = resampled_effects(metrics, draws)
+    counts = first_reaching(ks, effects, threshold)
+    low, high = order_interval(counts, confidence)
+    tail = 100 * (1 - confidence) / 2
+    return {"counts": counts, "low": _whole(low), "high": _whole(high),
+            "never_share": float(np.isinf(counts).mean()),
+            "band_low": np.nanpercentile(effects, tail, axis=0),
+            "band_high": np.nanpercentile(effects, 100 - tail, axis=0)}
+
+
+def _whole(value: float) -> int | None:
+    """A count as JSON holds it: None for never (inf) or undefined (NaN)."""
+    return None if not np.isfinite(value) else int(value)
+
+
+def interval_gaps(measured, low: int | None, high: int | None) -> list[int]:
+    """The unmeasured k just below each end of the interval, back to the measured k before it:
+    measuring them finds each end to the head, as the refinement around the count's own crossing
+    does (``refined_sweep``). An end that is never reached needs none."""
+    measured = sorted(set(int(k) for k in measured))
+    gaps: set[int] = set()
+    for end in (low, high):
+        if end is not None:
+            start = max((k for k in measured if k < end), default=0)
+            gaps.update(k for k in range(start + 1, end) if k not in measured)
+    return sorted(gaps)
+
+
+def ratio_interval(counts_first: np.ndarray, counts_second: np.ndarray, confidence: float) -> dict:
+    """The interval of N× = first's count / second's over resamples (paired or not, as the
+    draws behind the counts were). A resample where neither reaches the threshold has no ratio
+    (undefined_share); one where only the second never does gives 0, only the first: inf."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratios = counts_first / counts_second
+    low, high = order_interval(ratios, confidence)
+    return {"low": low, "high": high, "undefined_share": float(np.isnan(ratios).mean())}
+
+
+def interval_text(low: int | float | None, high: int | float | None, digits: int | None = None) -> str:
+    """``[12, 25]``; an end that is never reached prints "never" (counts) or "∞" (ratios)."""
+    def end(value):
+        if value is None or (isinstance(value, float) and np.isinf(value)):
+            return "never" if digits is None else "∞"
+        if isinstance(value, float) and np.isnan(value):
+            return "?"
+        return f"{value:.{digits}f}" if digits is not None else f"{int(value)}"
+    return f"[{end(low)}, {end(high)}]"

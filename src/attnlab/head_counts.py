@@ -54,7 +54,7 @@ def head_counts(model, tokenizer, task: str, n: int, seed: int, ablations: list[
                   "spearman_attribution_vs_exact": _spearman(scores)}
         for ranking in rankings:
             order = _order(scores[ranking])
-            sweep = patcher.sweep(order, k_grid(len(order), all_k_up_to, log_points), threshold)
+            sweep, _ = patcher.sweep(order, k_grid(len(order), all_k_up_to, log_points), threshold)
             rows.append({**common, "ranking": ranking, "threshold": threshold,
                          **crossing(sweep, threshold), "sweep_points": len(sweep),
                          "max_explained_effect": float(sweep["explained_effect"].max())})

@@ -8,15 +8,17 @@ Parts, in any combination (a block nested in another adds its parts to the outer
 - ``reduce``: an ``attention.BatchReduction``: per-layer attention statistics (extraction);
 - ``head_gates``: a ``pruning.HeadGates``: each head's slice gated at the input of o_proj;
 - ``arm``: ``mlp.ArmSettings``: ARM on one layer's MLP activation;
-- ``activations``: an ``mlp.ActivationRecorder``: statistics of one layer's MLP activation.
+- ``activations``: an ``mlp.ActivationRecorder``: statistics of one layer's MLP activation;
+- ``record``: a ``resume.LayerInputs``: every decoder layer's input and o_proj's input;
+- ``resume``: a ``resume.ResumeAt``: the forward starts at one layer from recorded inputs.
 
 The first three act inside the attention computation, through one function registered with
 transformers' attention interface (``attend``): per block of queries it takes the scores,
 applies a sparse model's gates and reduces the weights. What it does comes from the model's
 config (a sparse model always gates) and from one context variable, which ``intervened``
-sets on entry and resets on exit. The other parts are forward hooks on o_proj and on the
-MLP's ``act_fn``, installed on entry and removed on exit, exceptions included: nothing of a
-block outlives it.
+sets on entry and resets on exit. The other parts are forward hooks on o_proj, the decoder
+layers and the MLP's ``act_fn``, and (``resume``) stand-ins for the layers below the resumed
+one, installed on entry and removed on exit, exceptions included: nothing of a block outlives it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from attnlab import mlp, sparse
 from attnlab.attention import BatchReduction, LayerStats
+from attnlab.resume import LayerInputs, ResumeAt
 
 IMPLEMENTATION = "attnlab"
 
@@ -62,7 +65,8 @@ def current() -> Inside:
 @contextlib.contextmanager
 def intervened(model, *, gates: sparse.GateTracker | None = None,
                gate_bias: sparse.GateBias | None = None, reduce: BatchReduction | None = None,
-               head_gates=None, arm=None, activations=None):
+               head_gates=None, arm=None, activations=None, record: LayerInputs | None = None,
+               resume: ResumeAt | None = None):
     """Run ``model`` with the given parts (module docstring) inside the block; yield what the
     attention function sees."""
     inside = _merged(model, gates=gates, gate_bias=gate_bias, reduce=reduce)
@@ -78,6 +82,10 @@ def intervened(model, *, gates: sparse.GateTracker | None = None,
                         for index, layer in enumerate(model.get_decoder().layers)]
         if arm is not None or activations is not None:
             handles += mlp.hooks(model, arm, activations)
+        if record is not None:
+            handles += record.hooks(model)
+        if resume is not None:
+            handles.append(resume.install(model))
         yield inside
     finally:
         for handle in handles:

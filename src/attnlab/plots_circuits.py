@@ -12,13 +12,18 @@ from attnlab.plots import _save, plt
 
 
 def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] | None,
-                 threshold: float, ablation: str, ranking: str, out_path, dpi: int = 150) -> None:
+                 threshold: float, ablation: str, ranking: str, out_path, dpi: int = 150,
+                 summaries: dict[str, dict] | None = None, ratios: dict[tuple, dict] | None = None) -> None:
     """Explained effect vs number of heads kept, one curve per model, with an "N×" label;
     a count that rests on a late jump, a curve that overshoots 1 or falls back below the
-    threshold is marked on its curve and the N× label says "fragile" with the reason."""
+    threshold is marked on its curve and the N× label says "fragile" with the reason.
+    ``summaries`` (each model's sweep.json) give the counts' intervals and the prompts they rest
+    on, ``ratios`` (keyed by compared pair, from ``counting.ratio_between``) the N×'s; a curve
+    with ``effect_low``/``effect_high`` columns is drawn with its band."""
     from attnlab.plan import comparison_pairs
-    from attnlab.curves import FRAGILITY_DEFINITION, GRID_NOTE, count_text, crossing, fragility
+    from attnlab.curves import FRAGILITY_DEFINITION, GRID_NOTE, count_text, crossing, fragility, interval_text
 
+    summaries, ratios = summaries or {}, ratios or {}
     fig, ax = plt.subplots(figsize=(7.5, 5))
     colours = plt.get_cmap("tab10")
     needed, flags, bounds = {}, {}, []
@@ -29,16 +34,22 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
             bounds.append(model)
         fragile = "; fragile" if flags[model]["fragile"] else ""
         text = count_text(needed[model], count["heads_to_reach_exact"])
+        if "heads_interval" in summaries.get(model, {}):
+            text += " " + interval_text(*summaries[model]["heads_interval"])
         label = f"{model} ({text} heads to {threshold:g}{fragile})"
-        ax.plot(sweep["heads_kept"], sweep["explained_effect"], color=colours(k % 10), lw=1.5, label=label)
+        colour = colours(k % 10)
+        if {"effect_low", "effect_high"} <= set(sweep):
+            ax.fill_between(sweep["heads_kept"], sweep["effect_low"], sweep["effect_high"], color=colour,
+                            alpha=0.15, lw=0)
+        ax.plot(sweep["heads_kept"], sweep["explained_effect"], color=colour, lw=1.5, label=label)
         if needed[model] is not None:
-            ax.plot([needed[model]], [threshold], "o", color=colours(k % 10))
-        _mark_fragility(ax, sweep, needed[model], threshold, flags[model], colours(k % 10))
+            ax.plot([needed[model]], [threshold], "o", color=colour)
+        _mark_fragility(ax, sweep, needed[model], threshold, flags[model], colour)
     ax.axhline(threshold, ls="--", color="grey", lw=1)
     labels = []
     for first, second in comparison_pairs(compare, list(sweeps)):
         if needed.get(first) and needed.get(second):
-            labels.append(_ratio_label(first, second, needed, threshold)
+            labels.append(_ratio_label(first, second, needed, threshold, ratios.get((first, second)))
                           + _fragile_note({m: flags[m] for m in (first, second)}))
     if bounds:
         labels.append(textwrap.fill(f"{GRID_NOTE} ({', '.join(bounds)}): N× from such counts is not exact", 80))
@@ -53,17 +64,40 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
                  "explained effect = (m(k) − m(0)) / (m(all) − m(0)), MLPs intact", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    fig.text(0.01, 0.005, textwrap.fill(FRAGILITY_DEFINITION, 130), fontsize=6.5, va="bottom")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    notes = [FRAGILITY_DEFINITION]
+    if summaries:
+        notes.insert(0, _prompts_note(summaries))
+    fig.text(0.01, 0.005, "\n".join(textwrap.fill(note, 130) for note in notes), fontsize=6.5, va="bottom")
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * sum(len(textwrap.wrap(n, 130)) for n in notes), 1, 1))
     _save(fig, out_path, dpi)
 
 
-def _ratio_label(first: str, second: str, needed: dict, threshold: float) -> str:
+def _prompts_note(summaries: dict[str, dict]) -> str:
+    """What the counts and intervals rest on: prompts ranked on and counted on, the bootstrap."""
+    parts = []
+    for model, summary in summaries.items():
+        ranked, counted = summary.get("n_prompts_ranked_on"), summary.get("n_prompts_counted_on")
+        if summary.get("rank_share"):
+            parts.append(f"{model}: ranked on {ranked} prompts, counted on {counted} others")
+        elif counted is not None:
+            parts.append(f"{model}: ranked and counted on the same {counted} prompts")
+    first = next(iter(summaries.values()))
+    confidence, resamples = first.get("interval_confidence"), first.get("bootstrap_resamples")
+    band = (f"; [a, b] and bands: {confidence:.0%} bootstrap intervals over the counted prompts "
+            f"({resamples} resamples; paired for models on the same prompts)" if confidence else "")
+    return "; ".join(parts) + band
+
+
+def _ratio_label(first: str, second: str, needed: dict, threshold: float, interval: dict | None = None) -> str:
+    """"N× fewer heads for B than A", with the N×'s interval when there is one."""
+    from attnlab.curves import interval_text
+
     ratio = needed[first] / needed[second]
+    spread = "" if interval is None else f", N× {interval_text(interval['low'], interval['high'], 2)}"
     if ratio >= 1:
-        return f"{ratio:.1f}× fewer heads for {second} than {first} at {threshold:g}"
+        return f"{ratio:.1f}× fewer heads for {second} than {first} at {threshold:g}{spread}"
     # "0.7× fewer" would read as fewer: say more, and keep the paper's N× beside it
-    return f"{1 / ratio:.1f}× more heads for {second} than {first} (N× = {ratio:.2f})"
+    return f"{1 / ratio:.1f}× more heads for {second} than {first} (N× = {ratio:.2f}{spread})"
 
 
 def _fragile_note(flags: dict[str, dict]) -> str:
@@ -165,12 +199,24 @@ def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path
     _save(fig, out_path, dpi)
 
 
+def _count_bars(ax, line: pd.DataFrame, colour) -> None:
+    """Each count's interval as an error bar (a count never reached, or an end never, has none)."""
+    if "heads_low" not in line:
+        return
+    known = line.dropna(subset=["heads_to_reach_threshold", "heads_low", "heads_high"])
+    if len(known):
+        counts = known["heads_to_reach_threshold"].astype(float)
+        ax.errorbar(known["heldout_density"], counts,
+                    yerr=[counts - known["heads_low"].astype(float), known["heads_high"].astype(float) - counts],
+                    fmt="none", ecolor=colour, capsize=2, lw=0.8)
+
+
 def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 150) -> None:
     """Heads to the threshold against held-out density (log), one panel per task, one line per
     dense model x ablation x ranking x prompt count; the dense model sits at density 1 and each
     copy is labelled N× against it. A curve that never reaches the threshold has no point (NaN).
     ``base`` names the dense model where the table has no ``base`` column."""
-    from attnlab.curves import GRID_COUNT, heads_ratio
+    from attnlab.curves import GRID_COUNT, heads_ratio, interval_text
 
     if "base" not in table:
         table = table.assign(base=base)
@@ -182,8 +228,9 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
         for (family, ablation, ranking, n), line in table[table["task"] == task].groupby(keys, sort=False):
             line = line.sort_values("heldout_density")
             prefix = f"{family}: " if several else ""
-            ax.plot(line["heldout_density"], line["heads_to_reach_threshold"], marker="o",
-                    label=f"{prefix}{ablation}, {ranking}, n={n}")
+            drawn = ax.plot(line["heldout_density"], line["heads_to_reach_threshold"], marker="o",
+                            label=f"{prefix}{ablation}, {ranking}, n={n}")
+            _count_bars(ax, line, drawn[0].get_color())
             exact = line.get("heads_to_reach_exact", pd.Series(True, index=line.index)).astype(bool)
             dense = line[line["heldout_density"] >= 1]
             for index, row in line[line["heldout_density"] < 1].iterrows():
@@ -193,7 +240,10 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
                     bound = not (exact[dense.index].all() and exact[index])  # either count off a grid
                     notes = [note for note, on in (("fragile", row.get("heads_fewer_fragile", False)),
                                                    ("grid", bound)) if on]
-                    ax.annotate(f"{ratio:.2g}×" + (f" ({', '.join(notes)})" if notes else ""),
+                    spread = ""
+                    if pd.notna(row.get("heads_fewer_low")) and pd.notna(row.get("heads_fewer_high")):
+                        spread = " " + interval_text(row["heads_fewer_low"], row["heads_fewer_high"], 2)
+                    ax.annotate(f"{ratio:.2g}×{spread}" + (f" ({', '.join(notes)})" if notes else ""),
                                 (row["heldout_density"], row["heads_to_reach_threshold"]),
                                 fontsize=6, xytext=(2, 2), textcoords="offset points")
         ax.set_xscale("log")
@@ -207,6 +257,9 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
                     if "heads_fewer_fragile" in table else "")
     if "heads_to_reach_exact" in table and not table["heads_to_reach_exact"].all():
         fragile_note += f"; (grid): either count is the {GRID_COUNT} (heads_to_reach_exact, unmeasured_below)"
+    if "heads_fewer_low" in table:
+        fragile_note += ("; bars and [a, b]: bootstrap intervals over the prompts counted on (heads_low/high, "
+                         "heads_fewer_low/high; paired where both models were counted on the same prompts)")
     fig.suptitle(f"Heads needed vs density; labels: N× = heads {dense_name} needs / heads the copy needs "
                  "(> 1: the copy needs fewer); density on held-out text at the copy's inference gate bias"
                  + fragile_note, fontsize=8, wrap=True)

@@ -31,10 +31,16 @@ from tqdm import tqdm
 from attnlab.curves import refined_sweep
 from attnlab.interventions import intervened
 from attnlab.models import left_pad
+from attnlab.resume import LayerInputs, ResumeAt, cached_positions, prefix_cache
 from attnlab.tasks import TaskError, TaskPrompts, year_continuations
 
 log = logging.getLogger(__name__)
 ABLATIONS = ("corrupted", "mean", "zero")
+# Tokens in one resumed pass of exact patching on a CPU: larger passes run out of cache and
+# cost more per head (SmolLM2, Docstring: 0.46 forwards per head at about 3,400 tokens a pass,
+# 0.62 at 10,000; benchmarks/pruning_cost.py). Elsewhere only the batch size bounds a pass.
+RESUMED_TOKENS = {"cpu": 4096}
+LOGITS_KEPT = 2  # the metrics read the last position (Greater-Than on digit tokenizers: the last 2)
 
 
 class HeadGates:
@@ -55,11 +61,12 @@ class HeadGates:
             z = args[0]
             if self.capturing:
                 self.captured[layer] = z.detach()
-            if self.reference is None:
+            if self.reference is None or self.reference[layer] is None:
                 return None
             shape = (*z.shape[:-1], self.n_heads, self.head_dim)
             reference = self.reference[layer].view(shape)
-            gates = self.gates[layer].view(1, 1, self.n_heads, 1).to(z.dtype)
+            gates = self.gates[layer]  # [heads], or [rows, heads]: one set of gates per row
+            gates = gates.view(-1 if gates.dim() == 2 else 1, 1, self.n_heads, 1).to(z.dtype)
             gated = reference + gates * (z.view(shape) - reference)
             return (gated.reshape(z.shape), *args[1:])
         return gate
@@ -76,6 +83,10 @@ class TaskBatch:
     # (logits at the last 2 positions, the prompts they belong to) -> metric per prompt
     metric: Callable[[torch.Tensor, slice], torch.Tensor]
     rows_per_prompt: int = 1  # Greater-Than on digit tokenizers: 10 (one per first digit)
+    # What the metric reads: the last positions (1, or 2 for Greater-Than on digit tokenizers),
+    # and the token ids (None: every one, for a softmax). Logits elsewhere may be left uncomputed.
+    read_positions: int = LOGITS_KEPT
+    read_tokens: torch.Tensor | None = None
 
     @property
     def n_prompts(self) -> int:
@@ -88,9 +99,11 @@ def build_batch(prompts: TaskPrompts, tokenizer) -> TaskBatch:
     templates = list(prompts.templates)
     if prompts.task == "greater_than":
         metric, clean, corrupted, templates = _greater_than_metric(prompts, tokenizer, clean, corrupted, templates)
+        read = {"read_positions": 2 if prompts.info["formulation"] == "digits" else 1}
     else:
         answers = torch.tensor(prompts.answers)
         distractors = torch.tensor(prompts.distractors)
+        read = {"read_positions": 1, "read_tokens": torch.cat([answers, distractors.flatten()]).unique()}
 
         def metric(logits: torch.Tensor, prompts: slice) -> torch.Tensor:
             last = logits[:, -1].float()
@@ -103,7 +116,7 @@ def build_batch(prompts: TaskPrompts, tokenizer) -> TaskBatch:
     if not torch.equal(mask, corrupted_mask):
         raise TaskError(f"{prompts.task}: clean and corrupted prompts differ in token length")
     rows_per_prompt = len(clean) // len(prompts.clean)
-    return TaskBatch(clean_ids, corrupted_ids, mask, templates, metric, rows_per_prompt)
+    return TaskBatch(clean_ids, corrupted_ids, mask, templates, metric, rows_per_prompt, **read)
 
 
 def _greater_than_metric(prompts, tokenizer, clean, corrupted, templates):
@@ -159,16 +172,28 @@ class Patcher:
         n = len(self.batch.clean)
         return [slice(i, min(i + self.batch_size, n)) for i in range(0, n, self.batch_size)]
 
-    def _logits(self, ids: torch.Tensor, rows: slice) -> torch.Tensor:
-        with intervened(self.model, head_gates=self.gates):
-            out = self.model(input_ids=ids[rows].to(self.device), attention_mask=self.batch.mask[rows].to(self.device),
-                             position_ids=self.positions[rows].to(self.device), use_cache=False,
-                             logits_to_keep=2)
+    def _logits(self, ids: torch.Tensor, rows: slice, copies: int = 1, start: int = 0, past=None,
+                record: LayerInputs | None = None, keep: int = LOGITS_KEPT, **parts) -> torch.Tensor:
+        """Logits at the last ``keep`` positions of ``rows`` (repeated ``copies`` times, one block
+        of rows after another), with the head gates and any other ``intervened`` parts. ``start``
+        and ``past``: run positions from ``start`` on, the earlier ones' keys and values cached
+        in ``past``. ``record``: also keep the model's cache of every position (``record.cache``)."""
+        def take(tensor):
+            return tensor[rows].repeat(copies, 1).to(self.device)
+        with intervened(self.model, head_gates=self.gates, record=record, **parts):
+            out = self.model(input_ids=take(ids)[:, start:], attention_mask=take(self.batch.mask),
+                             position_ids=take(self.positions)[:, start:], past_key_values=past,
+                             use_cache=record is not None, logits_to_keep=keep)
+        if record is not None:
+            record.cache = out.past_key_values
         return out.logits
 
-    def _metric(self, ids: torch.Tensor, rows: slice) -> torch.Tensor:
+    def _prompts_of(self, rows: slice) -> slice:
         per = self.batch.rows_per_prompt
-        return self.batch.metric(self._logits(ids, rows), slice(rows.start // per, rows.stop // per))
+        return slice(rows.start // per, rows.stop // per)
+
+    def _metric(self, ids: torch.Tensor, rows: slice) -> torch.Tensor:
+        return self.batch.metric(self._logits(ids, rows), self._prompts_of(rows))
 
     def _references(self, ablation: str) -> list[list[torch.Tensor]]:
         """Per chunk, per layer: what an ablated head's slice is replaced by."""
@@ -196,17 +221,26 @@ class Patcher:
                 z[rows] = z[rows].mean(0, keepdim=True)
         return [[z[rows] for z in layers] for rows in self._chunks()]
 
-    def metric(self, gates: torch.Tensor | None = None) -> float:
-        """Mean task metric with the given gates (None: the unpatched model)."""
+    def _per_chunk(self, gates: torch.Tensor | None) -> list[torch.Tensor]:
+        """The metric of every prompt, chunk by chunk, with the given gates (None: unpatched)."""
         if gates is not None:
             self.gates.gates = gates.to(self.device)
-        total = 0.0
+        values = []
         with torch.no_grad():
             for rows, reference in zip(self._chunks(), self.references):
                 self.gates.reference = None if gates is None else reference
-                total += float(self._metric(self.batch.clean, rows).sum())
+                values.append(self._metric(self.batch.clean, rows))
         self.gates.reference = None
-        return total / self.batch.n_prompts
+        return values
+
+    def metric(self, gates: torch.Tensor | None = None) -> float:
+        """Mean task metric with the given gates (None: the unpatched model)."""
+        return _mean(self._per_chunk(gates), self.batch.n_prompts)
+
+    def per_prompt(self, gates: torch.Tensor | None = None) -> tuple[float, np.ndarray]:
+        """The mean metric (as ``metric``) and the metric of each prompt, with the given gates."""
+        values = self._per_chunk(gates)
+        return _mean(values, self.batch.n_prompts), torch.cat(values).double().cpu().numpy()
 
     def corrupted_metric(self) -> float:
         self.gates.reference = None
@@ -225,7 +259,78 @@ class Patcher:
         return gates.grad.detach().cpu()
 
     def exact(self) -> torch.Tensor:
-        """metric(all heads) − metric(that head ablated), one forward per head."""
+        """metric(all heads) − metric(that head ablated) for every head: [layers, heads].
+
+        Per chunk of prompts, one clean forward records every layer's input, o_proj's input and
+        keys and values (``resume.LayerInputs``). Then each layer's heads are ablated together,
+        one copy of the chunk per head, in passes that resume at that layer (``resume.ResumeAt``):
+        nothing below the layer is recomputed, nor its own attention, nor any position before
+        the first one where the ablation changes the layer's o_proj input (corrupted patching:
+        the first token where the corrupted prompt differs), whose keys and values are the
+        clean run's. Equal to ``exact_one_forward_per_head`` up to float rounding; a head of
+        layer L costs at most (layers − L − 1) layers and L's o_proj and MLP, about half a forward.
+        """
+        layers, heads = self.gates.n_layers, self.gates.n_heads
+        full, ablated = [], torch.zeros(layers, heads, dtype=torch.float64)
+        with torch.no_grad():
+            for rows, reference in zip(self._chunks(), self.references):
+                recorded = LayerInputs()
+                self.gates.reference = None
+                full.append(self.batch.metric(self._logits(self.batch.clean, rows, record=recorded),
+                                              self._prompts_of(rows)))
+                for layer in range(layers):
+                    start = min(self._first_changed(reference[layer], recorded.attention[layer]),
+                                cached_positions(recorded.cache))
+                    for group in self._head_groups(rows, start):
+                        ablated[layer, group] += self._ablated(layer, group, rows, recorded, reference, start)
+        self.gates.reference = None
+        return (_mean(full, self.batch.n_prompts) - ablated / self.batch.n_prompts).float()
+
+    def _first_changed(self, reference: torch.Tensor, clean: torch.Tensor) -> int:
+        """The first position where ablating a head of this layer can change anything: where
+        the reference first differs from the clean o_proj input, in any row (at most the first
+        position the metric reads)."""
+        changed = (reference != clean).flatten(2).any(-1).any(0).nonzero()
+        last = clean.shape[1] - LOGITS_KEPT
+        return min(int(changed[0]), last) if len(changed) else last
+
+    def _head_groups(self, rows: slice, start: int = 0) -> list[list[int]]:
+        """Heads ablated in one pass: as many copies of the chunk as the batch size allows (and,
+        on a CPU, as keep the pass near RESUMED_TOKENS tokens)."""
+        n_rows = rows.stop - rows.start
+        per_pass = self.batch_size // n_rows
+        tokens = RESUMED_TOKENS.get(self.device.type)
+        if tokens is not None:
+            per_pass = min(per_pass, tokens // (n_rows * (self.batch.clean.shape[1] - start)))
+        heads = list(range(self.gates.n_heads))
+        per_pass = max(1, per_pass)
+        return [heads[i:i + per_pass] for i in range(0, len(heads), per_pass)]
+
+    def _ablated(self, layer: int, group: list[int], rows: slice, recorded: LayerInputs,
+                 reference: list[torch.Tensor], start: int) -> torch.Tensor:
+        """Summed metric over the chunk's prompts with each head of ``group`` (of ``layer``)
+        ablated, one copy of the chunk per head, resumed at ``layer`` and position ``start``."""
+        copies, n_rows = len(group), rows.stop - rows.start
+        gates = torch.ones(self.gates.n_layers, copies, n_rows, self.gates.n_heads, device=self.device)
+        for copy, head in enumerate(group):
+            gates[layer, copy, :, head] = 0
+        self.gates.gates = gates.flatten(1, 2)
+        self.gates.reference = [None] * self.gates.n_layers
+
+        def tiled(tensor):
+            return tensor[:, start:].repeat(copies, 1, 1)
+        self.gates.reference[layer] = tiled(reference[layer])
+        read = self.batch.read_positions
+        resume = ResumeAt(layer, tiled(recorded.hidden[layer]), tiled(recorded.attention[layer]), read,
+                          self.batch.read_tokens)
+        past = prefix_cache(self.model, recorded.cache, start, copies)
+        logits = self._logits(self.batch.clean, rows, copies, start=start, past=past, keep=read, resume=resume)
+        prompts = self._prompts_of(rows)
+        return torch.stack([self.batch.metric(block, prompts).double().sum().cpu()
+                            for block in logits.split(n_rows)])
+
+    def exact_one_forward_per_head(self) -> torch.Tensor:
+        """``exact`` by one full forward per head (the path before resuming: kept to check it)."""
         full = self.metric(torch.ones(self.gates.n_layers, self.gates.n_heads))
         scores = torch.zeros(self.gates.n_layers, self.gates.n_heads)
         heads = [(l, h) for l in range(self.gates.n_layers) for h in range(self.gates.n_heads)]
@@ -235,13 +340,26 @@ class Patcher:
             scores[layer, head] = full - self.metric(gates)
         return scores
 
+    def kept(self, order: list[tuple[int, int]], k: int) -> torch.Tensor:
+        """Gates keeping the first k heads of ``order``, ablating the rest."""
+        gates = torch.zeros(self.gates.n_layers, self.gates.n_heads)
+        for layer, head in order[:k]:
+            gates[layer, head] = 1
+        return gates
+
     def sweep(self, order: list[tuple[int, int]], ks: list[int],
-              threshold: float | None = None) -> pd.DataFrame:
+              threshold: float | None = None) -> tuple[pd.DataFrame, dict[int, np.ndarray]]:
         """Metric with only the first k heads of ``order`` kept, for each k (refined around
-        the first crossing of ``threshold`` when one is given; see ``refined_sweep``)."""
+        the first crossing of ``threshold`` when one is given; see ``refined_sweep``), and
+        each prompt's metric at every k measured."""
+        per_prompt: dict[int, np.ndarray] = {}
+
         def metric_at(k: int) -> float:
-            gates = torch.zeros(self.gates.n_layers, self.gates.n_heads)
-            for layer, head in order[:k]:
-                gates[layer, head] = 1
-            return self.metric(gates)
-        return refined_sweep(metric_at, len(order), ks, threshold)
+            mean, per_prompt[k] = self.per_prompt(self.kept(order, k))
+            return mean
+        return refined_sweep(metric_at, len(order), ks, threshold), per_prompt
+
+
+def _mean(values: list[torch.Tensor], n: int) -> float:
+    """Sum of the chunks' sums over n (each chunk summed first: the order every mean here uses)."""
+    return sum(float(v.sum()) for v in values) / n

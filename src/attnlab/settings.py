@@ -69,6 +69,7 @@ class Scoring:
     ablation: str
     ranking: str
     exact: bool
+    rank_share: float  # of the n prompts, the share heads are ranked on (0: all, and counted on all)
     batch_size: int
     device: str
     n: int  # the task's clean/corrupted pairs (pruning.tasks.<task>.n)
@@ -76,7 +77,8 @@ class Scoring:
 
 @dataclass(frozen=True)
 class Sweep:
-    """pruning: the top-k sweep's grid, and the threshold it refines the grid around."""
+    """pruning: the top-k sweep's grid, the threshold it refines the grid around, and the
+    bootstrap over prompts that gives each count its interval."""
 
     seed: int
     ablation: str
@@ -86,3 +88,4 @@ class Sweep:
     all_k_up_to: int
     log_points: int
     threshold: float
+    bootstrap: dict[str, Any]  # n_resamples, confidence

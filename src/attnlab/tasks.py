@@ -9,6 +9,7 @@ corrupted prompt lines up position by position with its clean prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass, field
@@ -277,3 +278,32 @@ def _check_alignment(tokenizer, prompts: TaskPrompts) -> None:
         if a != b or lengths.setdefault(template, a) != a:
             raise TaskError(f"{prompts.task}: prompts of template {template} differ in token length "
                             f"({a}, {b}, {lengths[template]}): {clean!r} / {corrupted!r}")
+
+
+def subset(prompts: TaskPrompts, indices) -> TaskPrompts:
+    """The prompts at ``indices``, in that order (every per-prompt list picked alike)."""
+    indices = [int(i) for i in indices]
+
+    def pick(values: list) -> list:
+        return [values[i] for i in indices] if values else values
+    return dataclasses.replace(prompts, clean=pick(prompts.clean), corrupted=pick(prompts.corrupted),
+                               templates=pick(prompts.templates), answers=pick(prompts.answers),
+                               distractors=pick(prompts.distractors), years=pick(prompts.years))
+
+
+def split_for_ranking(n: int, share: float, seed: int) -> tuple[list[int], list[int]]:
+    """Prompt indices heads are ranked on and those they are counted on: a seeded draw of
+    ``round(share * n)`` prompts (at least one, leaving at least one) to rank on. ``share`` 0:
+    ranked and counted on all of them (the count is then measured on the prompts that chose
+    the heads, which flatters it)."""
+    if share == 0:
+        everything = list(range(n))
+        return everything, everything
+    if not 0 < share < 1:
+        raise ValueError(f"the share of prompts heads are ranked on must be in [0, 1), not {share}")
+    if n < 2:
+        raise TaskError(f"ranking on one share of the prompts and counting on the rest needs at "
+                        f"least 2 prompts, not {n}: raise pruning.tasks.<task>.n or set rank_share: 0")
+    ranked = min(n - 1, max(1, round(share * n)))
+    order = random.Random(f"rank split {seed}").sample(range(n), n)  # a stream apart from the task's
+    return sorted(order[:ranked]), sorted(order[ranked:])

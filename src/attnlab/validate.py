@@ -29,7 +29,16 @@ def check(config: dict, schema_path: str | Path = SCHEMA, models_dir: str | Path
     chosen = selections(config)
     _check_sources(config)
     _check_names(config, chosen)
+    _check_pruning(config["pruning"])
     _check_models(config, chosen, Path(models_dir))
+
+
+def _check_pruning(pruning: dict) -> None:
+    """Exact patching cannot be both the ranking and switched off."""
+    if pruning["ranking"] == "exact" and not pruning["exact"]:
+        raise ConfigError("pruning.exact is false but pruning.ranking is exact (the default): heads are "
+                          "ranked by exact patching; remove exact: false, or set ranking: attribution "
+                          "to rank by attribution alone")
 
 
 def _check_sources(config: dict) -> None:

@@ -56,6 +56,8 @@ DENSITY_SWEEPS = {f"{model}/{task}": f"results/pruning/{model}/{task}/sweep.json
                   for model in dict.fromkeys(m for pair in SPARSE_PAIRS for m in pair) for task in TASKS}
 # Their curves too: whether a count (and so an N×) is fragile is read from the curve itself.
 DENSITY_CURVES = {key: path.replace("sweep.json", "sweep.csv") for key, path in DENSITY_SWEEPS.items()}
+# and each prompt's metric at every k: the N×'s interval resamples the prompts of both models.
+DENSITY_PER_PROMPT = {key: path.replace("sweep.json", "per_prompt.parquet") for key, path in DENSITY_SWEEPS.items()}
 DENSITY_SUMMARIES = {copy: f"results/sparsify/{copy}/summary.json" for _, copy in SPARSE_PAIRS}
 MLP = config["mlp"]
 MLP_DATASETS = CHOSEN["mlp_datasets"]
@@ -202,7 +204,15 @@ def pruning_batch(wildcards, attempt):
 
 
 def pruning_sweeps(wildcards):
-    return expand("results/pruning/{model}/{task}/sweep.csv", model=PRUNING_MODELS, task=wildcards.task)
+    """Each swept model's curves, count summary and per-prompt metrics for one task."""
+    return {f"{kind}_{model}": f"results/pruning/{model}/{wildcards.task}/{name}"
+            for model in PRUNING_MODELS
+            for kind, name in (("sweep", "sweep.csv"), ("summary", "sweep.json"), ("per_prompt", "per_prompt.parquet"))}
+
+
+def pruning_bootstrap():
+    """The resamples behind every interval, with the seed they are drawn from."""
+    return {**PRUNING["bootstrap"], "seed": PRUNING["seed"]}
 
 
 # ---- targets ----

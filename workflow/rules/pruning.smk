@@ -1,5 +1,6 @@
 rule score_heads:
-    """Task prompts for this tokenizer, then attribution (and exact) scores of every head."""
+    """Task prompts for this tokenizer, the share heads are ranked on, then every head's exact
+    patching and attribution scores on that share."""
     input:
         model="resources/models/{model}",
     output:
@@ -28,13 +29,16 @@ rule score_heads:
 
 
 rule sweep_heads:
-    """Keep the top-k heads, ablate the rest: the metric and explained effect for each k."""
+    """On the prompts heads were not ranked on, keep the top-k heads, ablate the rest: the metric
+    and explained effect for each k, each prompt's metric, the count with its interval."""
     input:
         model="resources/models/{model}",
         prompts="results/pruning/{model}/{task}/prompts.json",
         scores="results/pruning/{model}/{task}/scores.csv",
+        scoring="results/pruning/{model}/{task}/scores.json",
     output:
         sweep="results/pruning/{model}/{task}/sweep.csv",
+        per_prompt="results/pruning/{model}/{task}/per_prompt.parquet",
         summary="results/pruning/{model}/{task}/sweep.json",
     params:
         settings=sweep_settings,
@@ -56,9 +60,9 @@ rule sweep_heads:
 
 
 rule plot_pruning:
-    """Explained effect vs heads kept, one curve per model, with the Nx label."""
+    """Explained effect vs heads kept, one curve per model, with the Nx label and intervals."""
     input:
-        pruning_sweeps,
+        unpack(pruning_sweeps),
     output:
         report(
             "results/figures/pruning/{task}.{ext}",
@@ -71,6 +75,7 @@ rule plot_pruning:
         threshold=PRUNING["threshold"],
         ablation=PRUNING["ablation"],
         ranking=PRUNING["ranking"],
+        bootstrap=pruning_bootstrap(),
         dpi=config["plots"]["dpi"],
     log:
         "results/logs/plot_pruning/{task}.{ext}.log",
@@ -85,6 +90,7 @@ rule heads_vs_density:
     input:
         sweeps=list(DENSITY_SWEEPS.values()),
         curves=list(DENSITY_CURVES.values()),
+        per_prompt=list(DENSITY_PER_PROMPT.values()),
         summaries=list(DENSITY_SUMMARIES.values()),
     output:
         table="results/tables/heads_vs_density.csv",
@@ -98,6 +104,7 @@ rule heads_vs_density:
         copies=list(DENSITY_SUMMARIES),
         pairs=SPARSE_PAIRS,
         n_prompts={task: PRUNING["tasks"][task]["n"] for task in TASKS},
+        bootstrap=pruning_bootstrap(),
         dpi=config["plots"]["dpi"],
     log:
         "results/logs/heads_vs_density.log",

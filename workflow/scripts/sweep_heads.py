@@ -7,8 +7,9 @@ steps.sweep_heads(
     settings=snakemake.params.settings,
     prompts_path=snakemake.input.prompts,
     scores_path=snakemake.input.scores,
-    sweep_path=snakemake.output.sweep,
-    summary_path=snakemake.output.summary,
+    scoring_path=snakemake.input.scoring,
+    outputs={"sweep": snakemake.output.sweep, "per_prompt": snakemake.output.per_prompt,
+             "summary": snakemake.output.summary},
     threads=snakemake.threads,
     batch_size=snakemake.resources.batch_size,
 )

@@ -15,13 +15,14 @@ from attnlab.steps.common import _batch_size, _seed_everything, log
 
 def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
                 summary_path: str, threads: int, batch_size: int | None = None) -> None:
-    """Generate the task for this tokenizer, then score every head."""
+    """Generate the task for this tokenizer, draw the prompts heads are ranked on (the rest are
+    for the sweep), then score every head on those: attribution, and exact patching."""
     import torch
     from scipy.stats import spearmanr
 
     from attnlab.models import load_model, load_tokenizer, pick_device
     from attnlab.pruning import Patcher, build_batch
-    from attnlab.tasks import generate_task
+    from attnlab.tasks import generate_task, split_for_ranking, subset
 
     settings = Scoring(**settings)
     torch.set_num_threads(threads)
@@ -29,11 +30,13 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     tokenizer = load_tokenizer(model_dir)
     prompts = generate_task(task, tokenizer, settings.n, settings.seed)
     io.write_json(dataclasses.asdict(prompts), prompts_path)
+    ranked_on, counted_on = split_for_ranking(len(prompts.clean), settings.rank_share, settings.seed)
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
-    patcher = Patcher(model, build_batch(prompts, tokenizer), settings.ablation,
+    patcher = Patcher(model, build_batch(subset(prompts, ranked_on), tokenizer), settings.ablation,
                       _batch_size(settings.batch_size, batch_size))
     clean, corrupted = patcher.metric(), patcher.corrupted_metric()
-    log.info("%s: clean metric %.3f, corrupted %.3f (%d prompts)", task, clean, corrupted, len(prompts.clean))
+    log.info("%s: clean metric %.3f, corrupted %.3f (%d prompts ranked on, %d counted on)", task, clean,
+             corrupted, len(ranked_on), len(counted_on))
     started = time.perf_counter()
     attribution = patcher.attribution()
     timings = {"attribution_s": time.perf_counter() - started}
@@ -42,7 +45,8 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
                            "attribution": attribution.flatten().numpy()})
     summary = {"task": task, "n_prompts": len(prompts.clean), "clean_metric": clean,
                "corrupted_metric": corrupted, "ablation": settings.ablation,
-               "ranking": settings.ranking, **prompts.info}
+               "ranking": settings.ranking, **prompts.info, "rank_share": settings.rank_share,
+               "ranked_on": ranked_on, "counted_on": counted_on}
     if settings.exact or settings.ranking == "exact":
         started = time.perf_counter()
         scores["exact"] = patcher.exact().flatten().numpy()
@@ -55,62 +59,147 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
 
 
 def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
-                sweep_path: str, summary_path: str, threads: int, batch_size: int | None = None) -> None:
-    """Keep the top-k heads, ablate the rest, for every k of the grid and every k around
-    the first crossing of the threshold (so the heads needed to reach it are exact)."""
+                scoring_path: str, outputs: dict, threads: int, batch_size: int | None = None) -> None:
+    """On the prompts heads were not ranked on: keep the top-k heads of each ranking scored,
+    ablate the rest, for every k of the grid, every k around the first crossing of the threshold
+    and, for the configured ranking, around its bootstrap interval (``counting.count_heads``).
+    ``outputs``: sweep (curves), per_prompt (each prompt's metric at each k), summary."""
     import torch
 
+    from attnlab.counting import Bootstrap, count_heads, prompts_digest
+    from attnlab.curves import k_grid
     from attnlab.models import load_model, load_tokenizer, pick_device
-    from attnlab.curves import crossing, fragility, k_grid
     from attnlab.pruning import Patcher, build_batch
-    from attnlab.tasks import TaskPrompts
+    from attnlab.tasks import TaskPrompts, subset
 
     settings = Sweep(**settings)
     torch.set_num_threads(threads)
     _seed_everything(settings.seed)
     tokenizer = load_tokenizer(model_dir)
-    prompts = TaskPrompts(**io.read_json(prompts_path))
+    scoring = io.read_json(scoring_path)
+    counted = subset(TaskPrompts(**io.read_json(prompts_path)), scoring["counted_on"])
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
-    patcher = Patcher(model, build_batch(prompts, tokenizer), settings.ablation,
+    patcher = Patcher(model, build_batch(counted, tokenizer), settings.ablation,
                       _batch_size(settings.batch_size, batch_size))
-    scores = pd.read_csv(scores_path).sort_values("rank")
-    order = list(zip(scores["layer"], scores["head"]))
-    started = time.perf_counter()
-    sweep = patcher.sweep(order, k_grid(len(order), settings.all_k_up_to, settings.log_points),
-                          settings.threshold)
+    scores = pd.read_csv(scores_path)
+    rankings = [settings.ranking, *(r for r in ("exact", "attribution") if r in scores and r != settings.ranking)]
+    bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
+    grid = k_grid(len(scores), settings.all_k_up_to, settings.log_points)
+    started, counts = time.perf_counter(), {}
+    for ranking in rankings:
+        order = list(scores.sort_values(ranking, ascending=False, kind="stable")[["layer", "head"]]
+                     .itertuples(index=False, name=None))
+        counts[ranking] = count_heads(patcher, [(int(l), int(h)) for l, h in order], grid, settings.threshold,
+                                      bootstrap, scoring["counted_on"],
+                                      settings.log_points if ranking == settings.ranking else 0)
     elapsed = time.perf_counter() - started
-    io.write_csv(sweep, sweep_path)
-    io.write_json({"task": task, "heads": len(order), "sweep_s": elapsed, "points": len(sweep),
-                   "refined_points": int(sweep["refined"].sum()), "threshold": settings.threshold,
-                   **crossing(sweep, settings.threshold), **fragility(sweep, settings.threshold),
-                   "ablation": settings.ablation, "ranking": settings.ranking}, summary_path)
+    primary = counts[settings.ranking]
+    io.write_csv(pd.concat([c.curve.assign(ranking=r) for r, c in counts.items()], ignore_index=True),
+                 outputs["sweep"])
+    io.write_parquet(pd.concat([c.per_prompt.assign(ranking=r) for r, c in counts.items()], ignore_index=True),
+                     outputs["per_prompt"])
+    io.write_json({"task": task, "heads": len(scores), "sweep_s": elapsed, "points": len(primary.curve),
+                   "refined_points": int(primary.curve["refined"].sum()), "threshold": settings.threshold,
+                   **primary.summary, "ablation": settings.ablation, "ranking": settings.ranking,
+                   "interval_confidence": bootstrap.confidence, "bootstrap_resamples": bootstrap.n_resamples,
+                   "n_prompts_ranked_on": len(scoring["ranked_on"]), "n_prompts_counted_on": len(counted.clean),
+                   "rank_share": scoring["rank_share"],
+                   "counted_prompts_digest": prompts_digest(counted.clean, counted.corrupted),
+                   "spearman_attribution_vs_exact": scoring.get("spearman_attribution_vs_exact"),
+                   "rankings": {r: _ranking_summary(c.summary) for r, c in counts.items()}},
+                  outputs["summary"])
 
 
-def plot_pruning(sweep_paths: dict[str, str], out_path: str, task: str, compare, threshold: float,
-                 ablation: str, ranking: str, dpi: int) -> None:
+def _ranking_summary(summary: dict) -> dict:
+    keys = ("heads_to_reach_threshold", "heads_to_reach_exact", "heads_interval", "interval_to_the_head",
+            "fragile", "fragile_reasons", "max_explained_effect")
+    return {key: summary[key] for key in keys}
+
+
+def plot_pruning(inputs: dict[str, dict[str, str]], out_path: str, task: str, compare, threshold: float,
+                 ablation: str, ranking: str, bootstrap: dict, dpi: int) -> None:
+    """The pruning figure of one task from each model's sweep (``inputs[model]``: sweep, summary,
+    per_prompt), the configured ranking's curves, with every count's and N×'s interval."""
+    from attnlab.plan import comparison_pairs
     from attnlab.plots_circuits import plot_pruning as plot
 
-    sweeps = {model: pd.read_csv(path) for model, path in sweep_paths.items()}
-    plot(sweeps, task, compare, threshold, ablation, ranking, out_path, dpi)
+    read = {model: _read_sweep(paths, ranking) for model, paths in inputs.items()}
+    ratios = {}
+    for first, second in comparison_pairs(compare, list(inputs)):
+        ratio = _ratio(read[first], read[second], threshold, bootstrap)
+        if ratio is not None:
+            ratios[(first, second)] = ratio
+    plot({m: r.curve for m, r in read.items()}, task, compare, threshold, ablation, ranking, out_path, dpi,
+         {m: r.summary for m, r in read.items()}, ratios)
+
+
+@dataclasses.dataclass
+class _Swept:
+    """One model x task sweep as the figures read it: one ranking's curve and per-prompt metrics
+    (None from a sweep written before there were intervals) and its sweep.json."""
+
+    curve: pd.DataFrame
+    summary: dict
+    per_prompt: pd.DataFrame | None
+
+
+def _read_sweep(paths: dict[str, str], ranking: str | None = None) -> _Swept:
+    """``paths``: sweep (curves), summary (sweep.json), per_prompt; ``ranking``: the summary's own
+    when None. A sweep of older code holds one curve and no ranking column."""
+    from pathlib import Path
+
+    summary = io.read_json(paths["summary"])
+    ranking = ranking or summary["ranking"]
+    curve = pd.read_csv(paths["sweep"])
+    if "ranking" in curve:
+        curve = curve[curve["ranking"] == ranking].reset_index(drop=True)
+    per_prompt = None
+    if paths.get("per_prompt") and Path(paths["per_prompt"]).exists():
+        rows = io.read_parquet(paths["per_prompt"])
+        per_prompt = rows[rows["ranking"] == ranking]
+    return _Swept(curve, summary, per_prompt)
+
+
+def _ratio(first: _Swept, second: _Swept, threshold: float, bootstrap: dict) -> dict | None:
+    """The bootstrap interval of first's count / second's, paired where both were counted on the
+    same prompts; None without per-prompt metrics."""
+    from attnlab.counting import Bootstrap, ratio_between
+
+    if first.per_prompt is None or second.per_prompt is None:
+        return None
+    paired = first.summary.get("counted_prompts_digest") == second.summary.get("counted_prompts_digest")
+    return ratio_between(first.per_prompt, second.per_prompt, paired, threshold,
+                         Bootstrap(bootstrap["n_resamples"], bootstrap["confidence"], bootstrap["seed"]))
 
 
 def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
-                     summary_paths: dict[str, str], pairs: list, n_prompts: dict[str, int],
-                     table_path: str, figure_path: str, dpi: int) -> None:
+                     per_prompt_paths: dict[str, str], summary_paths: dict[str, str], pairs: list,
+                     n_prompts: dict[str, int], bootstrap: dict, table_path: str, figure_path: str,
+                     dpi: int) -> None:
     """Each dense model's heads to the threshold beside its sparse copies' (sweep_paths keyed
     "model/task"), against the copies' held-out density (their summary.json); whether each
-    count, and so each N×, is fragile comes from the sweep's curve (curve_paths, same keys)."""
+    count, and so each N×, is fragile comes from the sweep's curve (curve_paths, same keys), and
+    each N×'s interval from both sweeps' per-prompt metrics (per_prompt_paths, paired)."""
     from attnlab.curves import crossing, flag_fragile_counts, fragility, heads_vs_density_table
     from attnlab.plots_circuits import plot_heads_vs_density
 
-    sweeps = {tuple(key.split("/")): io.read_json(path) for key, path in sweep_paths.items()}
-    curves = {tuple(key.split("/")): pd.read_csv(path) for key, path in curve_paths.items()}
-    for key, curve in curves.items():  # from the curve: a sweep.json of older code meant less by "exact"
-        sweeps[key].update(crossing(curve, sweeps[key]["threshold"]))
+    read = {tuple(key.split("/")): _read_sweep({"sweep": curve_paths[key], "summary": path,
+                                                "per_prompt": per_prompt_paths.get(key)})
+            for key, path in sweep_paths.items()}
+    # the counts from the curve: a sweep.json of older code meant less by "exact"
+    sweeps = {key: {**r.summary, **crossing(r.curve, r.summary["threshold"])} for key, r in read.items()}
     densities = {model: io.read_json(path) for model, path in summary_paths.items()}
     table = heads_vs_density_table([tuple(pair) for pair in pairs], sweeps, densities, n_prompts)
-    flags = {key: fragility(curve, sweeps[key]["threshold"]) for key, curve in curves.items()}
+    flags = {key: fragility(r.curve, r.summary["threshold"]) for key, r in read.items()}
     table = flag_fragile_counts(table, flags)
+    intervals = [sweeps[(row.label, row.task)].get("heads_interval", [None, None]) for row in table.itertuples()]
+    ratios = [None if row.label == row.base else
+              _ratio(read[(row.base, row.task)], read[(row.label, row.task)], row.threshold, bootstrap)
+              for row in table.itertuples()]
+    table = table.assign(heads_low=[i[0] for i in intervals], heads_high=[i[1] for i in intervals],
+                         heads_fewer_low=[r and r["low"] for r in ratios],
+                         heads_fewer_high=[r and r["high"] for r in ratios],
+                         heads_fewer_paired=[r and r["paired"] for r in ratios])
     io.write_csv(table, table_path)
     with io.atomic_path(figure_path) as tmp:
         plot_heads_vs_density(table, "", tmp, dpi)

@@ -1,0 +1,194 @@
+"""Exact patching by resumed passes equals an independent, hand-written computation.
+
+The reference patches one head of one prompt at a time: each prompt runs alone (no padding),
+and a forward pre-hook written here, not the library's gates, writes the reference into that
+head's slice of o_proj's input. The mean ablation's reference is the template mean computed
+here from each prompt's own run.
+"""
+
+import numpy as np
+import pytest
+import torch
+from transformers import Gemma3TextConfig
+
+from attnlab import sparse
+from attnlab.interventions import intervened
+from attnlab.pruning import Patcher, TaskBatch, build_batch
+from attnlab.resume import LayerInputs, ResumeAt
+from attnlab.tasks import TaskPrompts
+from test_attention import TINY, _tiny
+from test_pruning import WordTokenizer
+
+LENGTHS = [9, 7, 9, 7, 8, 8]  # templates 0, 1, 0, 1, 2, 2: equal lengths within a template
+SHARED = 3  # clean and corrupted prompts agree on their first 3 tokens
+
+
+def _prompts(seed=0) -> TaskPrompts:
+    rng = np.random.default_rng(seed)
+    clean, corrupted, templates = [], [], []
+    for index, length in enumerate(LENGTHS):
+        words = [f"w{x}" for x in rng.integers(0, 50, length)]
+        clean.append(" ".join(words))
+        corrupted.append(" ".join(words[:SHARED] + [f"w{x}" for x in rng.integers(0, 50, length - SHARED)]))
+        templates.append({9: 0, 7: 1, 8: 2}[length])
+    return TaskPrompts("ioi", clean, corrupted, templates, answers=[int(x) for x in rng.integers(1, 101, 6)],
+                       distractors=[[int(x), int(y)] for x, y in rng.integers(1, 101, (6, 2))])
+
+
+def _o_proj_input(model, ids: list[int], layer: int) -> torch.Tensor:
+    seen = {}
+    handle = model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(
+        lambda module, args: seen.__setitem__("z", args[0].detach().clone()))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    handle.remove()
+    return seen["z"][0]
+
+
+def _last_logits(model, ids: list[int], layer=None, head=None, reference=None) -> torch.Tensor:
+    head_dim = model.config.head_dim
+    handles = []
+    if layer is not None:
+        def patch(module, args):
+            z = args[0].clone()
+            z[0, :, head * head_dim:(head + 1) * head_dim] = reference[:, head * head_dim:(head + 1) * head_dim]
+            return (z,)
+        handles.append(model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(patch))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    for handle in handles:
+        handle.remove()
+    return logits
+
+
+def _by_hand(model, prompts: TaskPrompts, ablation: str) -> torch.Tensor:
+    """metric(clean) − metric(head ablated), averaged over prompts, one prompt and head at a time."""
+    tokenizer = WordTokenizer()  # ids by first sight: the same order as build_batch's
+    clean = [tokenizer(p).input_ids for p in prompts.clean]
+    corrupted = [tokenizer(p).input_ids for p in prompts.corrupted]
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+
+    def metric(logits, i):
+        return float(logits[prompts.answers[i]] - logits[prompts.distractors[i]].max())
+
+    def reference(i, layer):
+        if ablation == "corrupted":
+            return _o_proj_input(model, corrupted[i], layer)
+        if ablation == "zero":
+            return torch.zeros_like(_o_proj_input(model, clean[i], layer))
+        same = [j for j, t in enumerate(prompts.templates) if t == prompts.templates[i]]
+        return sum(_o_proj_input(model, clean[j], layer) for j in same) / len(same)
+
+    scores = torch.zeros(layers, heads, dtype=torch.float64)
+    for i, ids in enumerate(clean):
+        full = metric(_last_logits(model, ids), i)
+        for layer in range(layers):
+            r = reference(i, layer)
+            for head in range(heads):
+                scores[layer, head] += full - metric(_last_logits(model, ids, layer, head, r), i)
+    return scores / len(clean)
+
+
+def _model(arch: str, sparse_copy: bool):
+    model = TINY[arch]()
+    if sparse_copy:
+        sparse.make_sparse(model, 0.5)  # about half the edges gated shut
+    return model
+
+
+@pytest.mark.parametrize("arch,sparse_copy", [("llama-gqa", False), ("qwen2", False), ("llama-gqa", True)])
+@pytest.mark.parametrize("ablation", ["corrupted", "mean", "zero"])
+def test_exact_patching_equals_one_head_of_one_prompt_at_a_time(arch, sparse_copy, ablation):
+    model = _model(arch, sparse_copy)
+    prompts = _prompts()
+    patcher = Patcher(model, build_batch(prompts, WordTokenizer()), ablation, batch_size=4)
+    fast = patcher.exact()
+    hand = _by_hand(model, prompts, ablation)
+    assert hand.abs().max() > 1e-2  # heads matter on this model: the comparison can fail
+    np.testing.assert_allclose(fast.numpy(), hand.numpy(), atol=2e-6, rtol=0)
+    np.testing.assert_allclose(patcher.exact_one_forward_per_head().numpy(), fast.numpy(), atol=1e-6, rtol=0)
+
+
+def test_gemma3_sliding_window_exact_patching_equals_one_forward_per_head():
+    """A sliding window longer than the prompts (the prefix is cached) and one shorter (it is not)."""
+    for window in (16, 5):
+        model = _tiny(Gemma3TextConfig, sliding_window=window,
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        patcher = Patcher(model, build_batch(_prompts(), WordTokenizer()), "corrupted", batch_size=4)
+        np.testing.assert_allclose(patcher.exact().numpy(), patcher.exact_one_forward_per_head().numpy(),
+                                   atol=1e-6, rtol=0)
+
+
+def test_the_mean_reference_is_the_template_mean_of_each_prompts_own_run():
+    """The mean ablation's reference, per template and position, against means taken by hand."""
+    model = TINY["qwen2"]()
+    prompts = _prompts()
+    tokenizer = WordTokenizer()  # ids by first sight: the batch's own tokenizer
+    patcher = Patcher(model, build_batch(prompts, tokenizer), "mean", batch_size=4)
+    width = max(LENGTHS)
+    for layer in range(3):
+        got = torch.cat([chunk[layer] for chunk in patcher.references])  # [prompts, width, d], left padded
+        for i, template in enumerate(prompts.templates):
+            same = [j for j, t in enumerate(prompts.templates) if t == template]
+            want = sum(_o_proj_input(model, tokenizer(prompts.clean[j]).input_ids, layer) for j in same) / len(same)
+            np.testing.assert_allclose(got[i, width - LENGTHS[i]:].numpy(), want.numpy(), atol=1e-5)
+
+
+def test_resumed_passes_recompute_nothing_below_their_layer():
+    """Layer 0's attention runs once per chunk (the recording pass): every resumed pass starts
+    above it; the last layer's MLP sees only the positions the metric reads."""
+    model = TINY["llama-gqa"]()
+    patcher = Patcher(model, build_batch(_prompts(), WordTokenizer()), "zero", batch_size=4)
+    calls, widths = [], []
+    first = model.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a, k: calls.append(1),
+                                                                      with_kwargs=True)
+    last = model.model.layers[-1].mlp.register_forward_pre_hook(lambda m, a: widths.append(a[0].shape[1]))
+    patcher.exact()
+    first.remove()
+    last.remove()
+    assert len(calls) == len(patcher._chunks())
+    chunks = len(patcher._chunks())
+    assert widths[:1] == [max(LENGTHS)] and set(widths) - {max(LENGTHS)} == {1}  # recorded: all; resumed: 1
+    assert widths.count(max(LENGTHS)) == chunks
+
+
+def test_digit_greater_than_rows_read_two_positions():
+    """Ten rows per prompt and a metric on the last two positions and the whole vocabulary (the
+    digit-tokenizer Greater-Than shape): resumed passes keep both positions and every logit."""
+    model = TINY["llama-gqa"]()
+    rng = np.random.default_rng(1)
+    clean = torch.from_numpy(rng.integers(3, 101, (20, 8)))
+    corrupted = clean.clone()
+    corrupted[:, 4:6] = torch.from_numpy(rng.integers(3, 101, (20, 2)))
+    digits = torch.arange(10, 20)
+
+    def metric(logits, prompts):
+        n = logits.shape[0] // 10
+        first = logits[::10, -2].float().softmax(-1)[:, digits]
+        second = logits[:, -1].float().softmax(-1)[:, digits].view(n, 10, 10)
+        return (first[:, :, None] * second).reshape(n, 100)[:, 50:].sum(-1)
+    batch = TaskBatch(clean, corrupted, torch.ones_like(clean), [0, 1], metric, rows_per_prompt=10,
+                      read_positions=2)
+    patcher = Patcher(model, batch, "corrupted", batch_size=10)
+    np.testing.assert_allclose(patcher.exact().numpy(), patcher.exact_one_forward_per_head().numpy(),
+                               atol=1e-6, rtol=0)
+
+
+def test_resuming_leaves_the_model_as_it_was():
+    model = TINY["llama-gqa"]()
+    ids = torch.randint(3, 101, (2, 6), generator=torch.Generator().manual_seed(0))
+    layers = list(model.model.layers)
+    attention, mlp, head = layers[1].self_attn, layers[-1].mlp, model.get_output_embeddings()
+    recorded = LayerInputs()
+    with torch.no_grad():
+        with intervened(model, record=recorded):
+            plain = model(ids, use_cache=False).logits
+        resume = ResumeAt(1, recorded.hidden[1], recorded.attention[1], 1, torch.tensor([4, 7]))
+        with intervened(model, resume=resume):
+            resumed = model(ids, use_cache=False, logits_to_keep=1).logits
+    assert list(model.model.layers) == layers and model.model.layers[1].self_attn is attention
+    assert model.model.layers[-1].mlp is mlp and model.get_output_embeddings() is head
+    np.testing.assert_allclose(resumed[:, -1, [4, 7]].numpy(), plain[:, -1, [4, 7]].numpy(), atol=1e-5)
+    assert torch.isinf(resumed[:, -1, 5]).all()  # a logit nobody reads is not computed
+    with torch.no_grad():
+        assert torch.equal(model(ids, use_cache=False).logits, plain)
