@@ -30,7 +30,7 @@ from scipy.stats import spearmanr
 from attnlab.curves import k_grid
 from attnlab.models import load_model, load_tokenizer
 from attnlab.pruning import Patcher, build_batch
-from attnlab.resume import contiguous_input
+from attnlab.readout import contiguous_input
 from attnlab.tasks import GENERATORS, generate_task
 from common import EMBEDDED_MODELS, OUT, embedded_model
 

@@ -77,6 +77,9 @@ def test_every_stage_runs_on_the_sparse_copy(sparse_run):
     sweeps = {name: json.loads((workdir / f"results/pruning/{name}/ioi/sweep.json").read_text()) for name in (DENSE, SPARSE)}
     assert list(heads.loc[[DENSE, SPARSE], "heads_to_reach_threshold"]) == [
         sweeps[name]["heads_to_reach_threshold"] for name in (DENSE, SPARSE)]
+    # the copy shares its base's tokenizer, so both were counted on the same prompts: a paired N×
+    assert sweeps[DENSE]["counted_prompts_digest"] == sweeps[SPARSE]["counted_prompts_digest"]
+    assert heads.loc[SPARSE, "heads_fewer_paired"] == True  # noqa: E712 (read from CSV: a bool or NaN)
     assert (workdir / "results/figures/pruning/heads_vs_density.png").stat().st_size > 10_000
     # Extraction of the copy is gated: it says so, and its received attention differs from the base's.
     with h5py.File(workdir / f"results/attention/{SPARSE}/svamp/none.h5") as sparse_h5, \

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from attnlab.curves import k_grid
+from attnlab.curves import heads_to_reach, k_grid
 
 from conftest import copy_config, copy_workflow, job_counts, snakemake
 
@@ -221,27 +221,52 @@ def test_mlp_outputs(tiny_run):
 
 
 def test_pruning_outputs(tiny_run):
+    """Heads ranked on half the prompts and counted on the others, both rankings swept, each
+    prompt's metric kept, and the count's interval drawn from them."""
+    from scipy.stats import spearmanr
+
+    from attnlab.counting import Bootstrap, resampled_counts
+    from attnlab.curves import order_interval
+
     workdir, *_ = tiny_run
-    scores = pd.read_csv(workdir / f"results/pruning/{MODEL}/ioi/scores.csv")
+    folder = workdir / f"results/pruning/{MODEL}/ioi"
+    scores = pd.read_csv(folder / "scores.csv")
     assert len(scores) == 270 and sorted(scores["rank"]) == list(range(1, 271))
-    assert {"attribution", "exact"} <= set(scores.columns)
-    summary = json.loads((workdir / f"results/pruning/{MODEL}/ioi/scores.json").read_text())
+    assert scores.sort_values("rank")["exact"].is_monotonic_decreasing  # ranked by exact patching
+    summary = json.loads((folder / "scores.json").read_text())
     assert summary["clean_metric"] > summary["corrupted_metric"]
-    assert -1 <= summary["spearman_attribution_vs_exact"] <= 1
-    sweep = pd.read_csv(workdir / f"results/pruning/{MODEL}/ioi/sweep.csv")
+    assert summary["spearman_attribution_vs_exact"] == pytest.approx(
+        spearmanr(scores["attribution"], scores["exact"]).statistic)
+    ranked, counted = summary["ranked_on"], summary["counted_on"]
+    assert len(ranked) == len(counted) == 4 and sorted(ranked + counted) == list(range(8))
+    curves = pd.read_csv(folder / "sweep.csv")
+    assert set(curves["ranking"]) == {"exact", "attribution"}
+    crossed = json.loads((folder / "sweep.json").read_text())
+    assert crossed["ranking"] == "exact" and crossed["n_prompts_counted_on"] == 4
     grid = k_grid(270, max_all=100)  # the log grid, with every k between the two points around the crossing
+    per_prompt = pd.read_parquet(folder / "per_prompt.parquet")
+    for ranking, sweep in curves.groupby("ranking"):
+        kept = sweep["heads_kept"]
+        assert kept.is_monotonic_increasing and set(grid) <= set(kept)
+        assert set(kept[sweep["refined"]]) == set(kept) - set(grid)
+        rows = per_prompt[per_prompt["ranking"] == ranking]
+        assert sorted(rows["prompt"].unique()) == counted  # counted on the prompts not ranked on
+        means = rows.groupby("heads_kept")["metric"].mean()
+        np.testing.assert_allclose(means.loc[kept].to_numpy(), sweep["metric"].to_numpy(), atol=1e-5)
+        assert crossed["rankings"][ranking]["heads_to_reach_threshold"] == heads_to_reach(sweep, 0.9)
+    sweep = curves[curves["ranking"] == "exact"]
     kept = sweep["heads_kept"]
-    assert kept.is_monotonic_increasing and set(grid) <= set(kept)
-    assert set(kept[sweep["refined"]]) == set(kept) - set(grid)
-    crossed = json.loads((workdir / f"results/pruning/{MODEL}/ioi/sweep.json").read_text())
     assert crossed["refined_points"] == int(sweep["refined"].sum())
     if crossed["heads_to_reach_threshold"]:  # found to the head, an upper bound off the grid
         needed = crossed["heads_to_reach_threshold"]
         assert needed - 1 in set(kept)
         assert crossed["unmeasured_below"] == needed - int((kept < needed).sum())
         assert crossed["heads_to_reach_exact"] == (crossed["unmeasured_below"] == 0)
-    assert sweep["explained_effect"].iloc[0] == 0.0 and sweep["explained_effect"].iloc[-1] == 1.0
-    assert sweep["metric"].iloc[-1] == pytest.approx(summary["clean_metric"], abs=1e-4)
+        # the interval, recomputed from the per-prompt metrics with the configured resamples
+        counts = resampled_counts(per_prompt[per_prompt["ranking"] == "exact"], 0.9,
+                                  Bootstrap(1000, 0.95, 0).draws(4))
+        low, high = order_interval(counts, 0.95)
+        assert crossed["heads_interval"] == [int(low), None if np.isinf(high) else int(high)]
     assert (workdir / "results/figures/pruning/ioi.png").stat().st_size > 10_000
 
 

@@ -10,15 +10,17 @@ Parts, in any combination (a block nested in another adds its parts to the outer
 - ``arm``: ``mlp.ArmSettings``: ARM on one layer's MLP activation;
 - ``activations``: an ``mlp.ActivationRecorder``: statistics of one layer's MLP activation;
 - ``record``: a ``resume.LayerInputs``: every decoder layer's input and o_proj's input;
-- ``resume``: a ``resume.ResumeAt``: the forward starts at one layer from recorded inputs.
+- ``resume``: a ``resume.ResumeAt``: the forward starts at one layer from recorded inputs;
+- ``readout``: a ``readout.Readout``: only the positions and logits a metric reads are computed.
 
 The first three act inside the attention computation, through one function registered with
 transformers' attention interface (``attend``): per block of queries it takes the scores,
 applies a sparse model's gates and reduces the weights. What it does comes from the model's
 config (a sparse model always gates) and from one context variable, which ``intervened``
 sets on entry and resets on exit. The other parts are forward hooks on o_proj, the decoder
-layers and the MLP's ``act_fn``, and (``resume``) stand-ins for the layers below the resumed
-one, installed on entry and removed on exit, exceptions included: nothing of a block outlives it.
+layers and the MLP's ``act_fn``, and stand-ins for modules (``resume``: the layers below the
+resumed one; ``readout``: the last MLP and the LM head), installed on entry and removed on
+exit, exceptions included: nothing of a block outlives it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from attnlab import mlp, sparse
 from attnlab.attention import BatchReduction, LayerStats
+from attnlab.readout import Readout
 from attnlab.resume import LayerInputs, ResumeAt
 
 IMPLEMENTATION = "attnlab"
@@ -66,7 +69,7 @@ def current() -> Inside:
 def intervened(model, *, gates: sparse.GateTracker | None = None,
                gate_bias: sparse.GateBias | None = None, reduce: BatchReduction | None = None,
                head_gates=None, arm=None, activations=None, record: LayerInputs | None = None,
-               resume: ResumeAt | None = None):
+               resume: ResumeAt | None = None, readout: Readout | None = None):
     """Run ``model`` with the given parts (module docstring) inside the block; yield what the
     attention function sees."""
     inside = _merged(model, gates=gates, gate_bias=gate_bias, reduce=reduce)
@@ -86,6 +89,8 @@ def intervened(model, *, gates: sparse.GateTracker | None = None,
             handles += record.hooks(model)
         if resume is not None:
             handles.append(resume.install(model))
+        if readout is not None:
+            handles.append(readout.install(model))
         yield inside
     finally:
         for handle in handles:

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from attnlab.curves import refined_sweep
 from attnlab.interventions import intervened
 from attnlab.models import left_pad
+from attnlab.readout import Readout
 from attnlab.resume import LayerInputs, ResumeAt, cached_positions, prefix_cache
 from attnlab.tasks import TaskError, TaskPrompts, year_continuations
 
@@ -40,7 +41,7 @@ ABLATIONS = ("corrupted", "mean", "zero")
 # cost more per head (SmolLM2, Docstring: 0.46 forwards per head at about 3,400 tokens a pass,
 # 0.62 at 10,000; benchmarks/pruning_cost.py). Elsewhere only the batch size bounds a pass.
 RESUMED_TOKENS = {"cpu": 4096}
-LOGITS_KEPT = 2  # the metrics read the last position (Greater-Than on digit tokenizers: the last 2)
+LOGITS_KEPT = 2  # what a TaskBatch reads unless it says: the last 2 positions, every token
 
 
 class HeadGates:
@@ -80,7 +81,7 @@ class TaskBatch:
     corrupted: torch.Tensor
     mask: torch.Tensor
     templates: list[int]
-    # (logits at the last 2 positions, the prompts they belong to) -> metric per prompt
+    # (logits at the last read_positions positions, the prompts they belong to) -> metric per prompt
     metric: Callable[[torch.Tensor, slice], torch.Tensor]
     rows_per_prompt: int = 1  # Greater-Than on digit tokenizers: 10 (one per first digit)
     # What the metric reads: the last positions (1, or 2 for Greater-Than on digit tokenizers),
@@ -166,6 +167,7 @@ class Patcher:
         self.gates = HeadGates(model)
         self.device = model.device
         self.positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+        self.readout = Readout(batch.read_positions, batch.read_tokens)
         self.references = self._references(ablation)
 
     def _chunks(self):
@@ -173,14 +175,19 @@ class Patcher:
         return [slice(i, min(i + self.batch_size, n)) for i in range(0, n, self.batch_size)]
 
     def _logits(self, ids: torch.Tensor, rows: slice, copies: int = 1, start: int = 0, past=None,
-                record: LayerInputs | None = None, keep: int = LOGITS_KEPT, **parts) -> torch.Tensor:
-        """Logits at the last ``keep`` positions of ``rows`` (repeated ``copies`` times, one block
-        of rows after another), with the head gates and any other ``intervened`` parts. ``start``
-        and ``past``: run positions from ``start`` on, the earlier ones' keys and values cached
-        in ``past``. ``record``: also keep the model's cache of every position (``record.cache``)."""
+                record: LayerInputs | None = None, readout: bool = False, **parts) -> torch.Tensor:
+        """Logits at the last 2 positions of ``rows`` (repeated ``copies`` times, one block of rows
+        after another), with the head gates and any other ``intervened`` parts. ``readout``: only
+        the logits the metric reads (``TaskBatch.read_positions``, ``read_tokens``; -inf for the
+        others), as exact patching computes them; the sweeps and attribution compute every logit
+        as they always have, so their numbers stay the same to the last bit. ``start`` and
+        ``past``: run positions from ``start`` on, the earlier ones' keys and values cached in
+        ``past``. ``record``: also keep the model's cache of every position (``record.cache``)."""
         def take(tensor):
             return tensor[rows].repeat(copies, 1).to(self.device)
-        with intervened(self.model, head_gates=self.gates, record=record, **parts):
+        keep = self.batch.read_positions if readout else LOGITS_KEPT
+        with intervened(self.model, head_gates=self.gates, record=record,
+                        readout=self.readout if readout else None, **parts):
             out = self.model(input_ids=take(ids)[:, start:], attention_mask=take(self.batch.mask),
                              position_ids=take(self.positions)[:, start:], past_key_values=past,
                              use_cache=record is not None, logits_to_keep=keep)
@@ -276,7 +283,7 @@ class Patcher:
             for rows, reference in zip(self._chunks(), self.references):
                 recorded = LayerInputs()
                 self.gates.reference = None
-                full.append(self.batch.metric(self._logits(self.batch.clean, rows, record=recorded),
+                full.append(self.batch.metric(self._logits(self.batch.clean, rows, record=recorded, readout=True),
                                               self._prompts_of(rows)))
                 for layer in range(layers):
                     start = min(self._first_changed(reference[layer], recorded.attention[layer]),
@@ -291,7 +298,7 @@ class Patcher:
         the reference first differs from the clean o_proj input, in any row (at most the first
         position the metric reads)."""
         changed = (reference != clean).flatten(2).any(-1).any(0).nonzero()
-        last = clean.shape[1] - LOGITS_KEPT
+        last = clean.shape[1] - self.batch.read_positions
         return min(int(changed[0]), last) if len(changed) else last
 
     def _head_groups(self, rows: slice, start: int = 0) -> list[list[int]]:
@@ -320,11 +327,9 @@ class Patcher:
         def tiled(tensor):
             return tensor[:, start:].repeat(copies, 1, 1)
         self.gates.reference[layer] = tiled(reference[layer])
-        read = self.batch.read_positions
-        resume = ResumeAt(layer, tiled(recorded.hidden[layer]), tiled(recorded.attention[layer]), read,
-                          self.batch.read_tokens)
+        resume = ResumeAt(layer, tiled(recorded.hidden[layer]), tiled(recorded.attention[layer]))
         past = prefix_cache(self.model, recorded.cache, start, copies)
-        logits = self._logits(self.batch.clean, rows, copies, start=start, past=past, keep=read, resume=resume)
+        logits = self._logits(self.batch.clean, rows, copies, start=start, past=past, readout=True, resume=resume)
         prompts = self._prompts_of(rows)
         return torch.stack([self.batch.metric(block, prompts).double().sum().cpu()
                             for block in logits.split(n_rows)])

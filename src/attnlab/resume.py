@@ -11,7 +11,8 @@ changes can be skipped too, their keys and values taken from the recorded forwar
 (``prefix_cache``). The model's own forward runs around them
 (embeddings, masks, rotary embeddings, the layers above, the norm and the LM head), so every
 architecture whose decoder layers call ``self_attn`` and whose attention ends in ``o_proj``
-resumes unchanged. ``intervened(model, record=..., resume=...)`` installs both.
+resumes unchanged. ``intervened(model, record=..., resume=...)`` installs both; a resumed pass
+usually reads only a few logits (``readout``).
 """
 
 from __future__ import annotations
@@ -72,24 +73,6 @@ class _RecordedOutput(nn.Module):
         return self.hidden
 
 
-class _LastPositionsMLP(nn.Module):
-    """Stands in for the last layer's MLP: computed at the last ``keep`` positions only, zero
-    elsewhere. Nothing follows the last layer but the final norm and the LM head, which reads the
-    last positions only (logits_to_keep), so the other positions are never read."""
-
-    def __init__(self, mlp: nn.Module, keep: int):
-        super().__init__()
-        self.mlp, self.keep = mlp, keep
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        last = self.mlp(hidden_states[:, -self.keep:])
-        if not torch.is_tensor(last):  # an MLP that returns more (router logits): run it whole
-            return self.mlp(hidden_states)
-        out = hidden_states.new_zeros(*hidden_states.shape[:-1], last.shape[-1])
-        out[:, -self.keep:] = last
-        return out
-
-
 class _RecordedAttention(nn.Module):
     """Stands in for the resumed layer's attention: o_proj of its recorded input."""
 
@@ -106,60 +89,22 @@ class _RecordedAttention(nn.Module):
 class ResumeAt:
     """Resume the forward at decoder layer ``layer``: ``hidden`` is its input and ``attention``
     its o_proj's input ([rows, tokens, heads x head_dim]), both as ``LayerInputs`` recorded them
-    (repeated along the rows for batched variants). ``logits_to_keep``: the positions the caller
-    reads, the last ones (the model must be called with the same ``logits_to_keep``); the last
-    layer's MLP runs on those alone. ``tokens``: the only token ids whose logits the caller reads
-    (None: all); the others come out as -inf."""
+    (repeated along the rows for batched variants)."""
 
     layer: int
     hidden: torch.Tensor
     attention: torch.Tensor
-    logits_to_keep: int
-    tokens: torch.Tensor | None = None
 
     def install(self, model) -> "_Restore":
         layers = decoder_layers(model)
         if not 0 <= self.layer < len(layers):
             raise ValueError(f"cannot resume at layer {self.layer}: the model has {len(layers)} layers")
         restore = _Restore(layers, {index: layers[index] for index in range(self.layer)},
-                           layers[self.layer], layers[self.layer].self_attn, layers[-1], layers[-1].mlp)
+                           layers[self.layer], layers[self.layer].self_attn)
         for index in range(self.layer):
             layers[index] = _RecordedOutput(self.hidden)
         layers[self.layer].self_attn = _RecordedAttention(restore.attention.o_proj, self.attention)
-        layers[-1].mlp = _LastPositionsMLP(restore.mlp, self.logits_to_keep)
-        head = model.get_output_embeddings()
-        if self.tokens is not None and type(head) is nn.Linear:
-            restore.model, restore.head = model, head
-            model.set_output_embeddings(_SelectedLogits(head, self.tokens.to(head.weight.device)))
-        else:
-            restore.head_hook = head.register_forward_pre_hook(contiguous_input)
         return restore
-
-
-class _SelectedLogits(nn.Module):
-    """Stands in for the LM head: the logits of ``tokens`` only, -inf for every other token. A
-    logit difference reads a few tokens; the whole head is most of a resumed pass on a large
-    vocabulary (Gemma-3: 262,144 tokens)."""
-
-    def __init__(self, head: nn.Linear, tokens: torch.Tensor):
-        super().__init__()
-        self.out_features, self.tokens = head.out_features, tokens
-        self.weight = head.weight[tokens]
-        self.bias = None if head.bias is None else head.bias[tokens]
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        selected = nn.functional.linear(hidden_states, self.weight, self.bias)
-        out = selected.new_full((*selected.shape[:-1], self.out_features), float("-inf"))
-        out[..., self.tokens] = selected
-        return out
-
-
-def contiguous_input(module, args):
-    """The LM head's input made contiguous. transformers slices the last positions out of the
-    hidden states (logits_to_keep), and on that strided [rows, 2, d] view torch multiplies row by
-    row (bmm), reading the whole output embedding once per row: for 144 rows of SmolLM2 this was
-    most of a resumed pass. The values are those of the sliced view."""
-    return (args[0].contiguous(), *args[1:])
 
 
 @dataclass
@@ -170,21 +115,11 @@ class _Restore:
     below: dict[int, nn.Module]
     resumed: nn.Module
     attention: nn.Module
-    last: nn.Module
-    mlp: nn.Module
-    head_hook: object = None
-    model: nn.Module | None = None  # with head: the LM head replaced by _SelectedLogits
-    head: nn.Module | None = None
 
     def remove(self) -> None:
-        if self.head_hook is not None:
-            self.head_hook.remove()
-        if self.model is not None:
-            self.model.set_output_embeddings(self.head)
         for index, layer in self.below.items():
             self.layers[index] = layer
         self.resumed.self_attn = self.attention
-        self.last.mlp = self.mlp
 
 
 def cached_positions(cache: Cache) -> int:

@@ -1,0 +1,94 @@
+"""Compute of a forward only what its reader reads: the last positions and a few tokens' logits.
+
+A task metric reads the logits of the last position (Greater-Than on digit tokenizers: the last
+two), and a logit difference only a few tokens' logits (IOI: the indirect object and the
+subject). ``intervened(model, readout=Readout(positions, tokens))``, with the model called with
+``logits_to_keep=positions``, runs the last decoder layer's MLP at those positions alone and
+computes the logits of ``tokens`` alone (-inf for every other token; None: all of them). The
+LM head's input is made contiguous: transformers slices the last positions out of the hidden
+states, and on that strided view torch multiplies row by row, reading the whole output embedding
+once per row (most of a forward on Gemma-3's 262,144-token vocabulary). The values read are
+those of the whole forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, eq=False)
+class Readout:
+    """The last ``positions`` positions and the logits of ``tokens`` (None: every token)."""
+
+    positions: int
+    tokens: torch.Tensor | None = None
+
+    def install(self, model) -> "_Restore":
+        last = model.get_decoder().layers[-1]
+        head = model.get_output_embeddings()
+        restore = _Restore(model, last, last.mlp, head)
+        last.mlp = _LastPositionsMLP(restore.mlp, self.positions)
+        if self.tokens is not None and type(head) is nn.Linear:
+            model.set_output_embeddings(_SelectedLogits(head, self.tokens.to(head.weight.device)))
+        else:
+            restore.hook = head.register_forward_pre_hook(contiguous_input)
+        return restore
+
+
+@dataclass
+class _Restore:
+    """Puts back what ``Readout.install`` replaced (a handle, like a hook's)."""
+
+    model: nn.Module
+    last: nn.Module
+    mlp: nn.Module
+    head: nn.Module
+    hook: object = None
+
+    def remove(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+        self.model.set_output_embeddings(self.head)
+        self.last.mlp = self.mlp
+
+
+class _LastPositionsMLP(nn.Module):
+    """Stands in for the last layer's MLP: computed at the last ``keep`` positions only, zero
+    elsewhere. Nothing follows the last layer but the final norm and the LM head, which reads the
+    last positions only (logits_to_keep), so the other positions are never read."""
+
+    def __init__(self, mlp: nn.Module, keep: int):
+        super().__init__()
+        self.mlp, self.keep = mlp, keep
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        last = self.mlp(hidden_states[:, -self.keep:])
+        if not torch.is_tensor(last):  # an MLP that returns more (router logits): run it whole
+            return self.mlp(hidden_states)
+        out = hidden_states.new_zeros(*hidden_states.shape[:-1], last.shape[-1])
+        out[:, -self.keep:] = last
+        return out
+
+
+class _SelectedLogits(nn.Module):
+    """Stands in for the LM head: the logits of ``tokens`` only, -inf for every other token."""
+
+    def __init__(self, head: nn.Linear, tokens: torch.Tensor):
+        super().__init__()
+        self.out_features, self.tokens = head.out_features, tokens
+        self.weight = head.weight[tokens]
+        self.bias = None if head.bias is None else head.bias[tokens]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        selected = nn.functional.linear(hidden_states.contiguous(), self.weight, self.bias)
+        out = selected.new_full((*selected.shape[:-1], self.out_features), float("-inf"))
+        out[..., self.tokens] = selected
+        return out
+
+
+def contiguous_input(module, args):
+    """A forward pre-hook: the module's input made contiguous (same values)."""
+    return (args[0].contiguous(), *args[1:])
