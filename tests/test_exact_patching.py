@@ -184,7 +184,7 @@ def test_resuming_leaves_the_model_as_it_was():
         with intervened(model, record=recorded):
             plain = model(ids, use_cache=False).logits
         resume = ResumeAt(1, recorded.hidden[1], recorded.attention[1])
-        with intervened(model, resume=resume, readout=Readout(1, torch.tensor([4, 7]))):
+        with intervened(model, resume=resume, readout=Readout(1, torch.tensor([4, 7]), fast=True)):
             resumed = model(ids, use_cache=False, logits_to_keep=1).logits
     assert list(model.model.layers) == layers and model.model.layers[1].self_attn is attention
     assert model.model.layers[-1].mlp is mlp and model.get_output_embeddings() is head

@@ -55,12 +55,14 @@ def prompts_digest(clean: list[str], corrupted: list[str]) -> str:
 
 
 def count_heads(patcher, order: list[tuple[int, int]], ks: list[int], threshold: float,
-                bootstrap: Bootstrap, prompt_ids: list[int], interval_points: int = 0) -> Counted:
+                bootstrap: Bootstrap, prompt_ids: list[int], interval_points: int = 0,
+                refine: bool = True) -> Counted:
     """Sweep ``order`` on the patcher's prompts (``prompt_ids``: their indices in the task's
-    prompts) and bootstrap the count; then measure up to ``interval_points`` more k so that the
-    interval's ends are found to the head (``curves.interval_gaps``), and bootstrap again (the
-    ends may move: ``interval_to_the_head`` says whether they are still refined)."""
-    curve, metrics = patcher.sweep(order, ks, threshold)
+    prompts), refined around the first crossing unless ``refine`` is false (the count is then
+    the grid's, an upper bound), and bootstrap the count; then measure up to ``interval_points``
+    more k so that the interval's ends are found to the head (``curves.interval_gaps``), and
+    bootstrap again (the ends may move: ``interval_to_the_head`` says whether they still are)."""
+    curve, metrics = patcher.sweep(order, ks, threshold if refine else None)
     draws = bootstrap.draws(len(prompt_ids))
     interval = _interval(curve, metrics, threshold, draws, bootstrap.confidence)
     gaps = interval_gaps(curve["heads_kept"], interval["low"], interval["high"])

@@ -167,7 +167,6 @@ class Patcher:
         self.gates = HeadGates(model)
         self.device = model.device
         self.positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
-        self.readout = Readout(batch.read_positions, batch.read_tokens)
         self.references = self._references(ablation)
 
     def _chunks(self):
@@ -175,19 +174,20 @@ class Patcher:
         return [slice(i, min(i + self.batch_size, n)) for i in range(0, n, self.batch_size)]
 
     def _logits(self, ids: torch.Tensor, rows: slice, copies: int = 1, start: int = 0, past=None,
-                record: LayerInputs | None = None, readout: bool = False, **parts) -> torch.Tensor:
+                record: LayerInputs | None = None, read: str = "tokens", **parts) -> torch.Tensor:
         """Logits at the last 2 positions of ``rows`` (repeated ``copies`` times, one block of rows
-        after another), with the head gates and any other ``intervened`` parts. ``readout``: only
-        the logits the metric reads (``TaskBatch.read_positions``, ``read_tokens``; -inf for the
-        others), as exact patching computes them; the sweeps and attribution compute every logit
-        as they always have, so their numbers stay the same to the last bit. ``start`` and
-        ``past``: run positions from ``start`` on, the earlier ones' keys and values cached in
-        ``past``. ``record``: also keep the model's cache of every position (``record.cache``)."""
+        after another), with the head gates and any other ``intervened`` parts. ``read``: "all"
+        computes every logit (attribution, whose gradients then stay what they were to the last
+        bit); "tokens" only those the metric reads (-inf for the others), with the same values to
+        the last bit (the sweeps); "fast" also only at the last ``read_positions``, to float
+        rounding (exact patching; ``readout.Readout``). ``start`` and ``past``: run positions
+        from ``start`` on, the earlier ones' keys and values cached in ``past``. ``record``: also
+        keep the model's cache of every position (``record.cache``)."""
         def take(tensor):
             return tensor[rows].repeat(copies, 1).to(self.device)
-        keep = self.batch.read_positions if readout else LOGITS_KEPT
-        with intervened(self.model, head_gates=self.gates, record=record,
-                        readout=self.readout if readout else None, **parts):
+        keep = self.batch.read_positions if read == "fast" else LOGITS_KEPT
+        readout = None if read == "all" else Readout(keep, self.batch.read_tokens, fast=read == "fast")
+        with intervened(self.model, head_gates=self.gates, record=record, readout=readout, **parts):
             out = self.model(input_ids=take(ids)[:, start:], attention_mask=take(self.batch.mask),
                              position_ids=take(self.positions)[:, start:], past_key_values=past,
                              use_cache=record is not None, logits_to_keep=keep)
@@ -260,7 +260,8 @@ class Patcher:
         gates = torch.ones(self.gates.n_layers, self.gates.n_heads, device=self.device, requires_grad=True)
         for rows, reference in zip(self._chunks(), self.references):
             self.gates.reference, self.gates.gates = reference, gates
-            metric = self._metric(self.batch.clean, rows).sum() / self.batch.n_prompts
+            logits = self._logits(self.batch.clean, rows, read="all")
+            metric = self.batch.metric(logits, self._prompts_of(rows)).sum() / self.batch.n_prompts
             metric.backward()
         self.gates.reference = None
         return gates.grad.detach().cpu()
@@ -283,7 +284,7 @@ class Patcher:
             for rows, reference in zip(self._chunks(), self.references):
                 recorded = LayerInputs()
                 self.gates.reference = None
-                full.append(self.batch.metric(self._logits(self.batch.clean, rows, record=recorded, readout=True),
+                full.append(self.batch.metric(self._logits(self.batch.clean, rows, record=recorded, read="fast"),
                                               self._prompts_of(rows)))
                 for layer in range(layers):
                     start = min(self._first_changed(reference[layer], recorded.attention[layer]),
@@ -329,7 +330,7 @@ class Patcher:
         self.gates.reference[layer] = tiled(reference[layer])
         resume = ResumeAt(layer, tiled(recorded.hidden[layer]), tiled(recorded.attention[layer]))
         past = prefix_cache(self.model, recorded.cache, start, copies)
-        logits = self._logits(self.batch.clean, rows, copies, start=start, past=past, readout=True, resume=resume)
+        logits = self._logits(self.batch.clean, rows, copies, start=start, past=past, read="fast", resume=resume)
         prompts = self._prompts_of(rows)
         return torch.stack([self.batch.metric(block, prompts).double().sum().cpu()
                             for block in logits.split(n_rows)])

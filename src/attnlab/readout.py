@@ -3,12 +3,16 @@
 A task metric reads the logits of the last position (Greater-Than on digit tokenizers: the last
 two), and a logit difference only a few tokens' logits (IOI: the indirect object and the
 subject). ``intervened(model, readout=Readout(positions, tokens))``, with the model called with
-``logits_to_keep=positions``, runs the last decoder layer's MLP at those positions alone and
-computes the logits of ``tokens`` alone (-inf for every other token; None: all of them). The
-LM head's input is made contiguous: transformers slices the last positions out of the hidden
-states, and on that strided view torch multiplies row by row, reading the whole output embedding
-once per row (most of a forward on Gemma-3's 262,144-token vocabulary). The values read are
-those of the whole forward.
+``logits_to_keep=positions``, computes the logits of ``tokens`` alone (-inf for every other
+token; None: all of them): the LM head is most of a forward on Gemma-3's 262,144-token
+vocabulary, because transformers slices the last positions out of the hidden states and on that
+strided view torch multiplies row by row, reading the whole output embedding once per row.
+
+``fast`` goes further, for exact patching: the last decoder layer's MLP runs at the read
+positions alone and the LM head's input is made contiguous. The values read are those of the
+whole forward up to float rounding. Without it, the read logits come out of the same kernel as
+the whole head's and equal them to the last bit (checked on both embedded models: the sweeps and
+attribution give the numbers they gave before there was a readout).
 """
 
 from __future__ import annotations
@@ -21,19 +25,22 @@ from torch import nn
 
 @dataclass(frozen=True, eq=False)
 class Readout:
-    """The last ``positions`` positions and the logits of ``tokens`` (None: every token)."""
+    """The last ``positions`` positions and the logits of ``tokens`` (None: every token); ``fast``:
+    the last MLP at those positions only and a contiguous LM head input (module docstring)."""
 
     positions: int
     tokens: torch.Tensor | None = None
+    fast: bool = False
 
     def install(self, model) -> "_Restore":
         last = model.get_decoder().layers[-1]
         head = model.get_output_embeddings()
         restore = _Restore(model, last, last.mlp, head)
-        last.mlp = _LastPositionsMLP(restore.mlp, self.positions)
+        if self.fast:
+            last.mlp = _LastPositionsMLP(restore.mlp, self.positions)
         if self.tokens is not None and type(head) is nn.Linear:
-            model.set_output_embeddings(_SelectedLogits(head, self.tokens.to(head.weight.device)))
-        else:
+            model.set_output_embeddings(_SelectedLogits(head, self.tokens.to(head.weight.device), self.fast))
+        elif self.fast:
             restore.hook = head.register_forward_pre_hook(contiguous_input)
         return restore
 
@@ -74,16 +81,19 @@ class _LastPositionsMLP(nn.Module):
 
 
 class _SelectedLogits(nn.Module):
-    """Stands in for the LM head: the logits of ``tokens`` only, -inf for every other token."""
+    """Stands in for the LM head: the logits of ``tokens`` only, -inf for every other token;
+    ``contiguous``: from a contiguous copy of its input, else from the view it is given."""
 
-    def __init__(self, head: nn.Linear, tokens: torch.Tensor):
+    def __init__(self, head: nn.Linear, tokens: torch.Tensor, contiguous: bool):
         super().__init__()
-        self.out_features, self.tokens = head.out_features, tokens
+        self.out_features, self.tokens, self.contiguous = head.out_features, tokens, contiguous
         self.weight = head.weight[tokens]
         self.bias = None if head.bias is None else head.bias[tokens]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        selected = nn.functional.linear(hidden_states.contiguous(), self.weight, self.bias)
+        if self.contiguous:
+            hidden_states = hidden_states.contiguous()
+        selected = nn.functional.linear(hidden_states, self.weight, self.bias)
         out = selected.new_full((*selected.shape[:-1], self.out_features), float("-inf"))
         out[..., self.tokens] = selected
         return out

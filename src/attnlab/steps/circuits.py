@@ -61,8 +61,9 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
 def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
                 scoring_path: str, outputs: dict, threads: int, batch_size: int | None = None) -> None:
     """On the prompts heads were not ranked on: keep the top-k heads of each ranking scored,
-    ablate the rest, for every k of the grid, every k around the first crossing of the threshold
-    and, for the configured ranking, around its bootstrap interval (``counting.count_heads``).
+    ablate the rest, for every k of the grid; for the configured ranking also every k around the
+    first crossing of the threshold and just below each end of its bootstrap interval
+    (``counting.count_heads``); the other ranking's count is the grid's (an upper bound).
     ``outputs``: sweep (curves), per_prompt (each prompt's metric at each k), summary."""
     import torch
 
@@ -89,9 +90,10 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     for ranking in rankings:
         order = list(scores.sort_values(ranking, ascending=False, kind="stable")[["layer", "head"]]
                      .itertuples(index=False, name=None))
+        configured = ranking == settings.ranking
         counts[ranking] = count_heads(patcher, [(int(l), int(h)) for l, h in order], grid, settings.threshold,
-                                      bootstrap, scoring["counted_on"],
-                                      settings.log_points if ranking == settings.ranking else 0)
+                                      bootstrap, scoring["counted_on"], settings.log_points if configured else 0,
+                                      refine=configured)
     elapsed = time.perf_counter() - started
     primary = counts[settings.ranking]
     io.write_csv(pd.concat([c.curve.assign(ranking=r) for r, c in counts.items()], ignore_index=True),
@@ -111,8 +113,8 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
 
 
 def _ranking_summary(summary: dict) -> dict:
-    keys = ("heads_to_reach_threshold", "heads_to_reach_exact", "heads_interval", "interval_to_the_head",
-            "fragile", "fragile_reasons", "max_explained_effect")
+    keys = ("heads_to_reach_threshold", "heads_to_reach_exact", "unmeasured_below", "heads_interval",
+            "interval_to_the_head", "fragile", "fragile_reasons", "max_explained_effect")
     return {key: summary[key] for key in keys}
 
 
