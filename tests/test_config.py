@@ -5,7 +5,7 @@ import time
 
 import yaml
 
-from conftest import REPO, dry_run as _dry_run, job_counts, snakemake
+from conftest import REPO, dry_run as _dry_run, fake_prepared_model, job_counts, snakemake
 
 
 def _tiny():
@@ -134,21 +134,22 @@ def test_attention_cross_references_are_checked(tmp_path):
 
 
 def test_composite_figures_are_checked_before_any_job(tmp_path):
-    import json
-
     config = _tiny()
     config["attention"]["figures"][0]["panels"][0]["dataset"] = "gsm8k"
     result = _dry_run(tmp_path, config)
     assert result.returncode != 0 and "panel 1: dataset 'gsm8k' has no attention files" in result.stdout
     config = _tiny()
     config["attention"]["figures"][0]["panels"][1]["layer"] = 30
-    assert _dry_run(tmp_path, config).returncode == 0  # the model's shape is not known yet
-    model = tmp_path / "resources/models/smollm2-135m"
-    model.mkdir(parents=True)
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9}))
-    result = _dry_run(tmp_path, config)
+    result = _dry_run(tmp_path, config)  # before the model is prepared: its GGUF header says
     assert result.returncode != 0 and "has 30 layers x 9 heads" in result.stdout
-    assert "Fix attention.figures in the config" in result.stdout
+    assert "Fix attention.figures in the config" in result.stdout and "source's metadata" in result.stdout
+    fake_prepared_model(tmp_path / "resources/models/smollm2-135m", layers=32)
+    result = _dry_run(tmp_path, config)  # once prepared, its own config.json
+    assert result.returncode == 0, result.stdout[-2000:]
+    config["attention"]["figures"][0]["panels"][1]["layer"] = 32
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and "has 32 layers x 9 heads" in result.stdout
+    assert "resources/models/smollm2-135m/config.json" in result.stdout
 
 
 def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
@@ -274,12 +275,7 @@ def test_bad_template_and_range_fail_in_a_dry_run(tmp_path):
 
 
 def test_chat_format_on_a_prepared_model_without_template_fails_in_a_dry_run(tmp_path):
-    import json
-
-    folder = tmp_path / "resources/models/smollm2-135m"
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9}))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    folder = fake_prepared_model(tmp_path / "resources/models/smollm2-135m", chat_template=False)
     result = _dry_run(tmp_path, _tiny())
     assert result.returncode != 0
     assert "models.smollm2-135m.prompt_format is 'chat' but the model's tokenizer has no chat template" \
@@ -291,8 +287,6 @@ def test_chat_format_on_a_prepared_model_without_template_fails_in_a_dry_run(tmp
 def test_one_entry_point_checks_schema_and_cross_references_without_snakemake(tmp_path):
     """validate.check: the schema (defaults filled in place) and every cross-reference, each
     problem one ConfigError naming the key; layers and heads against a prepared model folder."""
-    import json
-
     import pytest
 
     from attnlab.sources import SourceError
@@ -314,9 +308,7 @@ def test_one_entry_point_checks_schema_and_cross_references_without_snakemake(tm
         with pytest.raises(ConfigError, match=re.escape(message)):
             check(config, models_dir=tmp_path)
     assert issubclass(SourceError, ConfigError)
-    folder = tmp_path / "smollm2-135m"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 3}))
+    fake_prepared_model(tmp_path / "smollm2-135m", layers=2, heads=3)
     config = _tiny()
     config["attention"]["heads"] = [{"layer": 5, "head": 0}]
     with pytest.raises(ConfigError, match="attention.heads"):

@@ -28,6 +28,36 @@ def test_written_file_reads_back(written):
     assert np.isnan(head["values"][1, 8:]).all()
 
 
+def test_every_array_reads_back_as_written_maps_included(tmp_path):
+    """Received attention, λ and full maps (the configured map layers) come back value for value
+    through the readers, each prompt left-aligned and NaN past its length; the maps equal eager
+    attention computed by transformers, one prompt at a time."""
+    from test_attention import _reference
+
+    model = TINY["qwen2"]()
+    prompts = _prompts([12, 8, 15], inserted=(2, 6), vocab=101)
+    for region, (start, end) in {"system": (0, 2), "question": (6, None), "cut": (2, 6)}.items():
+        prompts[f"{region}_start"], prompts[f"{region}_end"] = start, end or prompts["n_prompt_tokens"]
+    extraction = extract(model, prompts, 2, [1])
+    path = tmp_path / "cell.h5"
+    write_attention(path, extraction, prompts, {"model": "tiny", "condition": "c"})
+    eager = _reference(model, prompts)  # per prompt, per layer: (received, λ, maps), unpadded
+    with open_attention(path) as h5:
+        assert sorted(h5["maps"]) == ["layer_01"]
+        maps = h5["maps/layer_01"][:]
+        assert maps.dtype == np.float16 and maps.shape == (4, 3, 15, 15)
+        for p, length in enumerate(prompts["n_prompt_tokens"]):
+            np.testing.assert_allclose(maps[:, p, :length, :length], eager[p][1][2], atol=1e-3)
+            assert np.isnan(maps[:, p, length:]).all() and np.isnan(maps[:, p, :, length:]).all()
+    for layer in range(3):
+        for name, index in (("received", 0), ("lam", 1)):
+            for h in range(4):
+                values = read_head(path, layer, h, name)["values"]
+                for p, length in enumerate(prompts["n_prompt_tokens"]):
+                    np.testing.assert_array_equal(values[p, :length], extraction.__dict__[name][layer][h, p, :length])
+                    np.testing.assert_allclose(values[p, :length], eager[p][layer][index][h], atol=1e-5)
+
+
 def test_out_of_range_head_names_the_model_shape(written):
     path, _ = written
     with pytest.raises(HeadRangeError, match=r"model 'tiny' has 3 layers x 4 heads"):

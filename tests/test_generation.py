@@ -70,8 +70,9 @@ def test_continuous_batching_gives_the_static_engine_tokens(model_name, request)
     stops = ["\n\n"] if raw else []
     static = generate_all(model, tokenizer, prompts, 3, 20, stops, engine="static")
     continuous = generate_all(model, tokenizer, prompts, 3, 20, stops, engine="continuous")
+    assert set(continuous["engine"]) == {"continuous"} and set(static["engine"]) == {"static"}
     assert continuous["new_token_ids"].tolist() == static["new_token_ids"].tolist()
-    pd.testing.assert_frame_equal(continuous, static)
+    pd.testing.assert_frame_equal(continuous.drop(columns="engine"), static.drop(columns="engine"))
     assert static["hit_token_limit"].any() or raw  # SmolLM2 runs into the limit, Gemma-3 stops
     if raw:
         assert (~static["hit_token_limit"]).all() and static["response"].str.contains("boxed").all()
@@ -119,6 +120,7 @@ def test_arm_changes_decoding_steps_under_continuous_batching(smollm2_dir, smoll
 
     settings = mlp.ArmSettings(layer=0, c=0.3, pmax=0.5)
     plain = generate_all(model, smollm2_tokenizer, prompts, 3, 12, engine="continuous")
+    assert set(plain["engine"]) == {"continuous"}
     mlp.redistribute = counting
     try:
         with intervened(model, arm=settings):
@@ -133,15 +135,19 @@ def test_arm_changes_decoding_steps_under_continuous_batching(smollm2_dir, smoll
     assert continuous["new_token_ids"].tolist() != plain["new_token_ids"].tolist()
 
 
-def test_continuous_batching_falls_back_for_a_sparse_copy(smollm2_dir, smollm2_tokenizer, caplog):
-    from attnlab.generation import continuous_unsupported
+def test_continuous_batching_fails_for_a_sparse_copy_unless_told_to_fall_back(smollm2_dir, smollm2_tokenizer,
+                                                                              caplog):
+    from attnlab.generation import ContinuousBatchingFailed, continuous_unsupported
 
     model = load_model(smollm2_dir, torch.device("cpu"), torch.float32)
     model.config.attnlab_sparse = {"gate_bias": 6.0}
     assert "gated attention" in continuous_unsupported(model)
     prompts = _arithmetic_prompts(smollm2_tokenizer, "chat", n=2)
+    with pytest.raises(ContinuousBatchingFailed, match="gated attention.*continuous_or_static"):
+        generate_all(model, smollm2_tokenizer, prompts, 2, 4, engine="continuous")
     with caplog.at_level("WARNING"):
-        out = generate_all(model, smollm2_tokenizer, prompts, 2, 4, engine="continuous")
+        out = generate_all(model, smollm2_tokenizer, prompts, 2, 4, engine="continuous_or_static")
     assert len(out) == 2 and "static engine" in caplog.text and "gated attention" in caplog.text
+    assert set(out["engine"]) == {"static"}
     with pytest.raises(ValueError, match="unknown generation engine 'paged'"):
         generate_all(model, smollm2_tokenizer, prompts, 2, 4, engine="paged")

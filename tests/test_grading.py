@@ -170,3 +170,16 @@ def test_accuracy_table_keeps_earlier_columns_in_place(tmp_path):
     assert list(new.columns) == list(old.columns) + ["lenient_substring_only", "lenient_exact_acc"]
     pd.testing.assert_frame_equal(new[old.columns], old)
     assert new.loc[0, "lenient_substring_only"] == 1 and new.loc[0, "lenient_acc"] == 100.0
+
+
+def test_a_prompt_without_a_generation_fails_naming_its_id():
+    import pandas as pd
+
+    from attnlab.grading import grade_items
+
+    prompts = pd.DataFrame({"id": ["a", "b", "c"], "answer": ["1", "2", "3"], "inserted_tokens": 0})
+    generations = pd.DataFrame({"id": ["a", "c"], "response": ["1", "3"], "n_new_tokens": 1,
+                                "hit_token_limit": False})
+    with pytest.raises(ValueError, match=r"1 prompts have no generation \(ids \['b'\]\)"):
+        grade_items(prompts, generations, "last_number")
+    assert len(grade_items(prompts.iloc[[0, 2]], generations, "last_number")) == 2

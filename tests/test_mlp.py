@@ -300,3 +300,16 @@ def test_mean_intervals_use_students_t():
     low, high = stats.t.interval(0.95, 2, loc=delta.mean(), scale=stats.sem(delta))
     more = table.set_index("condition").loc["more"]
     assert more["gini_delta_ci_low"] == pytest.approx(low) and more["gini_delta_ci_high"] == pytest.approx(high)
+
+
+def test_the_paired_difference_records_how_many_prompts_both_conditions_have():
+    """A condition that lost a prompt is compared on the prompts both have, and says how many."""
+    from attnlab.mlp import summarise_statistics
+
+    statistics = ("near_zero", "l1", "l2", "gini", "gate_variance")
+    plain = pd.DataFrame({"id": ["a", "b", "c"], "n_tokens": 5, **{s: [0.1, 0.4, 0.3] for s in statistics}})
+    more = pd.DataFrame({"id": ["a", "c"], "n_tokens": 5, **{s: [0.3, 0.6] for s in statistics}})
+    table = summarise_statistics({"plain": plain, "more": more}, "plain").set_index("condition")
+    assert table.loc["plain", "n_paired"] == 3 and table.loc["more", "n_paired"] == 2
+    assert table.loc["more", "n_prompts"] == 2
+    assert table.loc["more", "l1_delta"] == pytest.approx(np.mean([0.3 - 0.1, 0.6 - 0.3]))

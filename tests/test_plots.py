@@ -13,15 +13,35 @@ def _cell(condition, tokens, acc, model="m"):
     return row
 
 
-def test_length_sweep_and_accuracy_figures_are_written(tmp_path):
+def test_length_sweep_draws_each_kinds_accuracy_against_its_recorded_length(tmp_path, monkeypatch):
+    """One line per inserted kind, through the plain prompt (0 tokens) and that kind's cells in
+    order of inserted tokens, at their accuracy, per grader; the CI band spans each cell's CI."""
     table = pd.DataFrame([_cell("none", 0, 40), _cell("mless_10", 10, 45), _cell("mless_55", 55, 50),
                           _cell("mful_55", 55, 35)])
+    table["lenient_substring_only"] = 0
     families = {"none": None, "mless_10": "repeat '/'", "mless_55": "repeat '/'", "mful_55": "repeat 'he'"}
+    drawn = _drawn_figure(monkeypatch)
     plot_length_sweep(table, families, "m", "d", tmp_path / "sweep.png", dpi=60)
-    plot_accuracy(table, "d", ["m"], list(families), tmp_path / "bars.png", dpi=60)
-    assert (tmp_path / "sweep.png").stat().st_size > 5_000
-    assert (tmp_path / "bars.png").stat().st_size > 5_000
-    assert not list(tmp_path.glob(".*tmp-*"))
+    for ax in drawn["fig"].axes:
+        lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+        assert list(lines)[:2] == ["repeat '/'", "repeat 'he'"]
+        assert lines["repeat '/'"].get_xdata().tolist() == [0, 10, 55]
+        assert lines["repeat '/'"].get_ydata().tolist() == [40, 45, 50]
+        assert lines["repeat 'he'"].get_xdata().tolist() == [0, 55]
+        assert lines["repeat 'he'"].get_ydata().tolist() == [40, 35]
+        band = ax.collections[0].get_paths()[0].vertices
+        assert band[:, 1].min() == 30 and band[:, 1].max() == 60  # none's and mless_55's CI ends
+
+
+def test_accuracy_figure_draws_each_cells_accuracy_and_interval(tmp_path, monkeypatch):
+    table = pd.DataFrame([_cell("none", 0, 40), _cell("mless_10", 10, 45), _cell("mful_55", 55, 35)])
+    drawn = _drawn_figure(monkeypatch)
+    plot_accuracy(table, "d", ["m"], ["none", "mless_10", "mful_55"], tmp_path / "bars.png", dpi=60)
+    panel = drawn["fig"].axes[0]  # math-verify: one bar per condition, in the configured order
+    bars = [c for c in panel.containers if hasattr(c, "errorbar") and c.errorbar is not None]
+    assert [round(c.patches[0].get_height(), 6) for c in bars] == [40, 45, 35]
+    intervals = [sorted(c.errorbar.lines[2][0].get_segments()[0][:, 1].tolist()) for c in bars]
+    assert intervals == [[30, 50], [35, 55], [25, 45]]  # each cell's CI
 
 
 def _drawn_figure(monkeypatch):

@@ -51,15 +51,62 @@ def test_ablating_a_head_changes_only_its_slice():
     assert torch.all(ablated[:, :, 2] == 7.0) and not torch.equal(kept[:, :, 2], ablated[:, :, 2])
 
 
+def _metric_by_hand(model, batch, layers_patched: dict | None) -> float:
+    """Mean logit difference, each prompt alone, with every head of each layer in
+    ``layers_patched`` given that layer's reference (per prompt) by a hook written here."""
+    values = []
+    for row in range(len(batch.clean)):
+        handles = []
+        for layer, reference in (layers_patched or {}).items():
+            def replace(module, args, reference=reference[row]):
+                return (reference[None].expand_as(args[0]).clone(),)
+            handles.append(model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(replace))
+        with torch.no_grad():
+            last = model(batch.clean[row:row + 1]).logits[0, -1]
+        for handle in handles:
+            handle.remove()
+        values.append(float(batch.metric(last[None, None], slice(row, row + 1))[0]))
+    return float(np.mean(values))
+
+
+def _references_by_hand(model, batch, ablation: str) -> dict:
+    """Each layer's o_proj input of the corrupted prompts, its mean over the (single-template)
+    clean prompts, or zeros: [prompts, tokens, width] per layer, from one prompt at a time."""
+    captured = {}
+
+    def capture(layer):
+        def hook(module, args):
+            captured.setdefault(layer, []).append(args[0][0].detach().clone())
+        return hook
+    handles = [model.model.layers[l].self_attn.o_proj.register_forward_pre_hook(capture(l)) for l in range(3)]
+    source = batch.corrupted if ablation == "corrupted" else batch.clean
+    with torch.no_grad():
+        for row in range(len(source)):
+            model(source[row:row + 1])
+    for handle in handles:
+        handle.remove()
+    stacked = {layer: torch.stack(values) for layer, values in captured.items()}
+    if ablation == "mean":
+        return {layer: z.mean(0, keepdim=True).expand_as(z) for layer, z in stacked.items()}
+    if ablation == "zero":
+        return {layer: torch.zeros_like(z) for layer, z in stacked.items()}
+    return stacked
+
+
 @pytest.mark.parametrize("ablation", ["corrupted", "mean", "zero"])
-def test_explained_effect_is_exactly_zero_and_one_at_the_ends(ablation):
+def test_the_sweeps_ends_are_the_model_with_every_head_and_with_none(ablation):
+    """m(all) is the unpatched model's metric and m(0) the metric with every head's o_proj input
+    replaced by the reference, each computed here one prompt at a time with hooks of its own (the
+    template mean taken by hand); in between, each prompt's metric averages to the curve's."""
     model = TINY["qwen2"]()
-    patcher = Patcher(model, _toy_batch(), ablation, batch_size=4)
+    batch = _toy_batch()  # one template, equal lengths: no padding
+    patcher = Patcher(model, batch, ablation, batch_size=4)
     heads = [(l, h) for l in range(3) for h in range(4)]
     sweep, per_prompt = patcher.sweep(heads, k_grid(len(heads)))
-    assert sweep["heads_kept"].tolist() == list(range(13))
-    assert sweep["explained_effect"].iloc[0] == 0.0 and sweep["explained_effect"].iloc[-1] == 1.0
-    assert sweep["metric"].iloc[-1] == pytest.approx(patcher.metric(), abs=1e-5)  # all kept = unpatched
+    assert sweep["metric"].iloc[-1] == pytest.approx(_metric_by_hand(model, batch, None), abs=1e-5)
+    none_kept = _metric_by_hand(model, batch, _references_by_hand(model, batch, ablation))
+    assert sweep["metric"].iloc[0] == pytest.approx(none_kept, abs=1e-5)
+    assert abs(sweep["metric"].iloc[-1] - sweep["metric"].iloc[0]) > 1e-2  # the ends differ: a real check
     assert sorted(per_prompt) == list(range(13)) and all(len(v) == 6 for v in per_prompt.values())
     np.testing.assert_allclose([per_prompt[k].mean() for k in range(13)], sweep["metric"], atol=1e-6)
 

@@ -429,6 +429,29 @@ def test_calibration_keeps_the_lowest_gate_bias_within_the_kl_limit(trained, tin
     evals = pd.read_csv(tmp_path / "eval.csv")
     assert list(evals["gate_bias"]) == [1.0, 1.0, 1.0, chosen]
     assert evals["density"].iloc[-1] == pytest.approx(calibrated["heldout_density"])
+    assert calibrated["over_budget"] is False and first["over_budget"] is False
+
+
+def test_a_copy_over_its_kl_budget_at_the_training_bias_says_so(trained, tiny_base, tmp_path, caplog,
+                                                                 monkeypatch):
+    """The KL at the training bias already above max_kl: the copy keeps that bias, and the log
+    (a warning), summary.json and the training figure say it is over budget."""
+    from attnlab.plots_circuits import plot_sparse_training
+
+    base, corpus = tiny_base
+    folder, summary = trained
+    shutil.copy(folder / "ckpt.pt", tmp_path / "ckpt.pt")
+    tight = {"enabled": True, "max_kl": 1e-9, "step": 0.5, "lowest": -1.0, "sequences": 32,
+             "per_layer": PER_LAYER_OFF}
+    with caplog.at_level("WARNING"):
+        over = _post_train(base, _settings(corpus, calibrate_gate_bias=tight), tmp_path)
+    assert over["over_budget"] is True and over["inference_gate_bias"] == 1.0
+    assert "over max_kl" in caplog.text and "saved over its KL budget" in caplog.text
+    drawn = {}
+    monkeypatch.setattr("attnlab.plots_circuits._save", lambda fig, out_path, dpi: drawn.update(fig=fig))
+    plot_sparse_training(pd.read_csv(tmp_path / "steps.csv"), pd.read_csv(tmp_path / "eval.csv"), over,
+                         "copy", tmp_path / "training.png")
+    assert "OVER BUDGET" in drawn["fig"]._suptitle.get_text()
 
 
 def test_per_layer_calibration_lowers_the_cheapest_layers_first(monkeypatch):

@@ -40,6 +40,17 @@ def _cells():
     return [(d, c) for d in DATASETS for c in CONDITIONS]
 
 
+def test_no_figure_of_the_tiny_run_has_text_off_the_canvas_or_overlapping(tiny_run):
+    """The run drew every figure with ATTNLAB_STRICT_FIGURES set (conftest): a figure whose text
+    left the canvas or overlapped other text would have failed its job and the run."""
+    workdir, *_ = tiny_run
+    assert os.environ["ATTNLAB_STRICT_FIGURES"]
+    figures = list((workdir / "results/figures").rglob("*.png"))
+    assert len(figures) >= 10
+    logs = [path.read_text() for path in (workdir / "results/logs").rglob("*.log")]
+    assert not [text for text in logs if "text collides or is cut off" in text]
+
+
 def test_every_declared_output_exists(tiny_run):
     workdir, *_ = tiny_run
     assert (workdir / f"resources/models/{MODEL}/model.safetensors").is_file()
@@ -78,6 +89,7 @@ def test_continuous_engine_gives_the_tiny_runs_tokens(tiny_run):
         with intervened(model, arm=ArmSettings() if condition == "arm" else None):
             continuous = generate_all(model, tokenizer, prompts, settings["batch_size"],
                                       settings["max_new_tokens"], engine="continuous")
+        assert set(continuous["engine"]) == {"continuous"} and set(static["engine"]) == {"static"}
         assert [list(ids) for ids in static["new_token_ids"]] == continuous["new_token_ids"].tolist(), (
             dataset, condition)
 

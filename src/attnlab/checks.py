@@ -39,6 +39,42 @@ def check_layer(layer: int, n_layers: int, model: str, key: str) -> None:
                              f"{key} is {layer}. Fix {key} in the config.")
 
 
+def damaged_model_files(folder: str | Path) -> list[str]:
+    """What is wrong with a prepared model folder, file by file: a config that is not JSON, a
+    safetensors file shorter or longer than its own header says (a copy or conversion cut
+    short). Reads only the JSON files and the safetensors headers, never the weights."""
+    import struct
+
+    folder, problems = Path(folder), []
+    for name in ("config.json", "tokenizer_config.json"):
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+            continue
+        try:
+            json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as error:
+            problems.append(f"{path}: not JSON ({error})")
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        problems.append(f"{folder}: no *.safetensors weights")
+    for path in weights:
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as handle:
+                length = struct.unpack("<Q", handle.read(8))[0]
+                header = json.loads(handle.read(length)) if 8 + length <= size else None
+        except (struct.error, ValueError, UnicodeDecodeError):
+            header = None
+        if header is None:
+            problems.append(f"{path}: its header is cut short or unreadable ({size} bytes)")
+            continue
+        end = max((spec["data_offsets"][1] for key, spec in header.items() if key != "__metadata__"), default=0)
+        if size != 8 + length + end:
+            problems.append(f"{path}: {size} bytes where its header describes {8 + length + end}")
+    return problems
+
+
 def prepared_model_shape(folder: str | Path) -> tuple[int, int] | None:
     """(layers, attention heads) of a prepared model folder, None before it exists."""
     path = Path(folder) / "config.json"

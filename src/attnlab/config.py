@@ -126,3 +126,35 @@ def _types(schema: dict, root: dict) -> set[str]:
     for branch in schema.get("oneOf", []) + schema.get("anyOf", []):
         types |= _types(branch, root)
     return types
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """A YAML loader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+
+def _mapping_without_repeats(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False):
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(f"{loader.name}: key '{key}' is given twice in one mapping (lines "
+                              f"{seen[key] + 1} and {key_node.start_mark.line + 1}); YAML would keep only "
+                              "the second silently. Keep one of them")
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_repeats)
+
+
+def check_unique_keys(paths: list[str | Path]) -> None:
+    """Raise ConfigError naming the file, the key and both lines where a config file gives a key
+    twice in one mapping (Snakemake's loader keeps the last silently)."""
+    for path in paths:
+        with open(path) as handle:
+            loader = _UniqueKeys(handle)
+            loader.name = str(path)
+            try:
+                loader.get_single_data()
+            finally:
+                loader.dispose()

@@ -62,6 +62,43 @@ def _load_source(source: dict, dataset: str = "") -> tuple[pd.DataFrame, str]:
     return _read_local(path, loader), str(path)
 
 
+def check_local_dataset(dataset: str, spec: dict) -> None:
+    """Read a local data file (``source.path``) and normalise it as the prepare_dataset job
+    will, raising the same SourceError (file, line, row, field) while the workflow is parsed,
+    before any job. Read with pandas here, not the ``datasets`` library, to stay fast."""
+    path = Path(spec["source"]["path"]).expanduser()
+    key = f"datasets.{dataset}.source.path"
+    if not path.is_file():
+        raise SourceError(f"{key} is '{path}', which does not exist; point it at a .jsonl, .json, "
+                          f".csv or .parquet file")
+    loader = LOADERS.get(path.suffix)
+    if loader is None:
+        raise SourceError(f"{key}: '{path}' has an unsupported type; use one of {sorted(LOADERS)}")
+    if loader != "parquet":
+        _require_utf8(path)
+    problem = _find_broken_line(path, loader) if loader != "parquet" else None
+    if problem:
+        raise SourceError(f"data file '{path}' cannot be read: {problem}")
+    try:
+        frame = _read_plain(path, loader)
+    except Exception as error:  # noqa: BLE001 -- any reader error: say which file
+        raise SourceError(f"data file '{path}' cannot be read: {type(error).__name__}: {error}") from None
+    if frame.empty:
+        raise SourceError(f"dataset '{dataset}': {path} has no rows; point {key} at a file with data")
+    normalise(frame, spec, dataset, str(path))
+
+
+def _read_plain(path: Path, loader: str) -> pd.DataFrame:
+    if loader == "parquet":
+        return pd.read_parquet(path)
+    if loader == "csv":
+        return pd.read_csv(path)
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        return pd.DataFrame(json.loads(text))
+    return pd.DataFrame([json.loads(line) for line in text.splitlines() if line.strip()])
+
+
 def _read_local(path: Path, loader: str) -> pd.DataFrame:
     """A local file read with `datasets`; when that fails, the broken line is found here,
     since the library's errors name neither the file nor the line."""
@@ -199,9 +236,13 @@ def normalise(frame: pd.DataFrame, spec: dict, dataset: str, origin: str) -> pd.
         "question": questions,
         "answer": _parse_answers(frame[spec["answer"]], spec["answer_format"], ids, origin, dataset),
     })
-    if out["id"].duplicated().any():
-        dupes = out.loc[out["id"].duplicated(), "id"].head(3).tolist()
-        raise SourceError(f"dataset '{dataset}': {origin} field '{id_field}' is not unique, e.g. {dupes}")
+    repeated = out["id"][out["id"].duplicated(keep=False)]
+    if len(repeated):
+        where = [f"{value!r} at rows {', '.join(str(p + 1) for p in positions)}"
+                 for value, positions in list(repeated.groupby(repeated).groups.items())[:3]]
+        raise SourceError(f"dataset '{dataset}': {origin} field '{id_field}' is not unique: "
+                          f"{'; '.join(where)}{' …' if repeated.nunique() > 3 else ''}; "
+                          "give every row its own id or remove the repeats")
     empty = out.index[out["question"].str.len() == 0]
     if len(empty):
         raise SourceError(f"dataset '{dataset}': {origin}, question field(s) {question_fields}: no "

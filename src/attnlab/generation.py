@@ -101,7 +101,7 @@ def _decode_rows(tokenizer, new_tokens: torch.Tensor, config: GenerationConfig,
     return rows
 
 
-ENGINES = ("static", "continuous")
+ENGINES = ("static", "continuous", "continuous_or_static")
 
 
 def continuous_unsupported(model) -> str | None:
@@ -117,25 +117,38 @@ def continuous_unsupported(model) -> str | None:
 def generate_all(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
                  max_new_tokens: int, stop_strings: list[str] | None = None,
                  engine: str = "static") -> pd.DataFrame:
-    """Responses for every prompt, in the prompts' order, greedy.
+    """Responses for every prompt, in the prompts' order, greedy; column ``engine`` says which
+    engine produced them.
 
     ``static``: ``model.generate`` on padded batches of ``batch_size`` rows; a batch runs until
     its longest row ends. ``continuous``: transformers' continuous batching with paged
     attention and at most ``batch_size`` rows at a time, a finished row's slot refilled at once;
-    it falls back to ``static`` (with a log line saying why) where it cannot run.
+    where it cannot run (a sparse copy's gated attention, an engine error) it fails, saying why.
+    ``continuous_or_static``: continuous, falling back to static with a warning where it cannot run.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
-    if engine == "continuous":
+    if engine != "static":
         reason = continuous_unsupported(model)
         if reason is None:
             try:
-                return _generate_continuous(model, tokenizer, prompts, batch_size, max_new_tokens,
-                                            stop_strings or [])
+                out = _generate_continuous(model, tokenizer, prompts, batch_size, max_new_tokens,
+                                           stop_strings or [])
+                return out.assign(engine="continuous")
             except ContinuousBatchingFailed as error:
+                if engine == "continuous":
+                    raise ContinuousBatchingFailed(
+                        f"the continuous engine failed ({error}); set generation.engine: static, or "
+                        "continuous_or_static to fall back to static where it cannot run") from error
                 reason = str(error)
-        log.warning("continuous batching unavailable (%s): generating with the static engine", reason)
-    return _generate_static(model, tokenizer, prompts, batch_size, max_new_tokens, stop_strings)
+        elif engine == "continuous":
+            raise ContinuousBatchingFailed(
+                f"generation.engine is continuous, which cannot run here ({reason}); set it to static, "
+                "or to continuous_or_static to fall back to static where it cannot run")
+        log.warning("continuous batching unavailable (%s): generating with the static engine "
+                    "(engine: continuous_or_static; the generations record engine = static)", reason)
+    out = _generate_static(model, tokenizer, prompts, batch_size, max_new_tokens, stop_strings)
+    return out.assign(engine="static")
 
 
 class ContinuousBatchingFailed(RuntimeError):

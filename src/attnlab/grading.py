@@ -96,7 +96,16 @@ def grade_lenient(gold: str, pred: str | None) -> bool:
 
 
 def grade_items(prompts: pd.DataFrame, generations: pd.DataFrame, fallback: str) -> pd.DataFrame:
-    """One row per item: gold, extracted prediction, both grades and the lenient rule that matched."""
+    """One row per item: gold, extracted prediction, both grades and the lenient rule that matched.
+    Every prompt must have exactly one generation and every generation a prompt: an item lost
+    between the two would shrink n without a word."""
+    missing = sorted(set(prompts["id"]) - set(generations["id"]), key=str)
+    unknown = sorted(set(generations["id"]) - set(prompts["id"]), key=str)
+    if missing or unknown:
+        raise ValueError(f"prompts and generations disagree: {len(missing)} prompts have no generation "
+                         f"(ids {missing[:10]}{' …' if len(missing) > 10 else ''}) and {len(unknown)} "
+                         f"generations no prompt (ids {unknown[:10]}); the generations file is stale "
+                         "or cut short: rerun its generate job (snakemake -R <generations file>)")
     merged = prompts[["id", "answer", "inserted_tokens"]].merge(generations, on="id", validate="1:1")
     extracted = [extract_answer(text, fallback) for text in merged["response"]]
     merged["pred"] = [pred for pred, _ in extracted]

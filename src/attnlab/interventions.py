@@ -40,7 +40,7 @@ from attnlab.attention import BatchReduction, LayerStats
 from attnlab.readout import Readout
 from attnlab.resume import LayerInputs, ResumeAt
 
-IMPLEMENTATION = "attnlab"
+IMPLEMENTATION = sparse.IMPLEMENTATION  # the name this module registers its attention function under
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

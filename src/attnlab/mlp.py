@@ -305,32 +305,6 @@ class ActivationRecorder:
         return pd.DataFrame({"low": low, "high": high, "count": self.counts})
 
 
-def record_activations(model, prompts: pd.DataFrame, layer: int, threshold: float,
-                       edges: np.ndarray, batch_size: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per-prompt statistics and the histogram of ``a`` over each prompt's question tokens
-    (an insertion inside the question excluded)."""
-    from attnlab.interventions import intervened
-    from attnlab.models import left_pad, padded_span_mask
-
-    recorder = ActivationRecorder(layer, threshold, edges)
-    base = model.get_decoder()  # the MLP of `layer` is all we need; skip the LM head
-    device = next(model.parameters()).device
-    with intervened(model, activations=recorder):
-        for start in range(0, len(prompts), batch_size):
-            batch = prompts.iloc[start:start + batch_size]
-            rows = [np.asarray(ids).tolist() for ids in batch["input_ids"]]
-            lengths = [len(r) for r in rows]
-            ids, mask, positions = left_pad(rows)
-            width = ids.shape[1]
-            question = padded_span_mask(lengths, batch[["question_start", "question_end"]].to_numpy(), width)
-            inserted = padded_span_mask(lengths, batch[["inserted_start", "inserted_end"]].to_numpy(), width)
-            recorder.mask = question & ~inserted
-            with torch.inference_mode():
-                base(input_ids=ids.to(device), attention_mask=mask.to(device),
-                     position_ids=positions.to(device), use_cache=False)
-    return recorder.table(), recorder.histogram()
-
-
 def _mean_ci(values: np.ndarray) -> tuple[float, float, float]:
     """Mean over prompts and its 95% interval, from Student's t (n − 1 degrees of freedom):
     with few prompts the normal 1.96 is too narrow."""
@@ -345,13 +319,15 @@ def _mean_ci(values: np.ndarray) -> tuple[float, float, float]:
 
 def summarise_statistics(stats: dict[str, pd.DataFrame], baseline: str) -> pd.DataFrame:
     """Per condition: each statistic's mean over prompts with a 95% t interval, and its paired
-    difference from the baseline condition (same prompts) with a 95% t interval."""
+    difference from the baseline condition with a 95% t interval, over the prompts both have
+    (``n_paired``: how many; fewer than ``n_prompts`` where either lost some)."""
     reference = stats[baseline].set_index("id")
     rows = []
     for condition, frame in stats.items():
         frame = frame.set_index("id")
         row = {"condition": condition, "n_prompts": len(frame),
-               "n_tokens": int(frame["n_tokens"].sum())}
+               "n_tokens": int(frame["n_tokens"].sum()),
+               "n_paired": int(frame.index.isin(reference.index).sum())}
         for name in STATISTICS:
             row[name], row[f"{name}_ci_low"], row[f"{name}_ci_high"] = _mean_ci(frame[name])
             paired = (frame[name] - reference[name].reindex(frame.index)).dropna()

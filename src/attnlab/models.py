@@ -130,9 +130,19 @@ def load_tokenizer(path: str | Path):
 
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
     """A prepared model in eval mode; a sparse copy comes with its gated attention selected."""
-    from attnlab import sparse
+    from attnlab import interventions, sparse  # noqa: F401 (interventions registers the gated attention)
+    from attnlab.checks import damaged_model_files
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as error:  # noqa: BLE001 -- a damaged folder: name its file and the fix
+        problems = damaged_model_files(path)
+        if not problems:
+            raise
+        raise RuntimeError(f"the prepared model folder {path} is damaged: {'; '.join(problems)}. Rebuild "
+                           f"it: snakemake -R {path} (with your usual --cores and --configfile), or "
+                           f"delete the folder ({type(error).__name__}: {error})") from error
+    model = model.to(device)
     sparse.activate(model)
     return model.eval()
 

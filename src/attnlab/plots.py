@@ -17,9 +17,55 @@ GRADER_TITLES = {"math_verify": "math-verify", "lenient": "lenient (paper's grad
 
 
 def _save(fig, out_path, dpi: int) -> None:
+    """Write the figure atomically. Text that leaves the canvas or overlaps other text is named
+    in the log; with ATTNLAB_STRICT_FIGURES set (the tests) it fails the job instead."""
+    import logging
+    import os
+
+    problems = text_collisions(fig)
+    if problems:
+        message = f"{out_path}: text collides or is cut off: " + "; ".join(problems)
+        if os.environ.get("ATTNLAB_STRICT_FIGURES"):
+            plt.close(fig)
+            raise RuntimeError(message)
+        logging.getLogger(__name__).warning(message)
     with atomic_path(out_path) as tmp:
         fig.savefig(tmp, dpi=dpi, format=str(out_path).rsplit(".", 1)[-1])
     plt.close(fig)
+
+
+def text_collisions(fig, tolerance: float = 1.0) -> list[str]:
+    """Every drawn text that lies (more than ``tolerance`` pixels) outside the canvas, and every
+    pair of drawn texts whose boxes (a text's background box included) overlap."""
+    from matplotlib.text import Text
+
+    drawn = []
+    original = Text.draw
+
+    def recording(text, renderer):
+        original(text, renderer)
+        if text.get_visible() and text.get_text().strip():
+            box = text.get_window_extent(renderer)
+            patch = text.get_bbox_patch()
+            if patch is not None:
+                box = type(box).union([box, patch.get_window_extent(renderer)])
+            drawn.append((text.get_text().strip().replace("\n", " ")[:40], box))
+    Text.draw = recording
+    try:
+        fig.canvas.draw()
+    finally:
+        Text.draw = original
+    canvas = fig.bbox
+    problems = [f"'{label}' outside the canvas" for label, box in drawn
+                if box.x0 < canvas.x0 - tolerance or box.y0 < canvas.y0 - tolerance
+                or box.x1 > canvas.x1 + tolerance or box.y1 > canvas.y1 + tolerance]
+    for i, (first, a) in enumerate(drawn):
+        for second, b in drawn[i + 1:]:
+            width = min(a.x1, b.x1) - max(a.x0, b.x0)
+            height = min(a.y1, b.y1) - max(a.y0, b.y0)
+            if width > tolerance and height > tolerance:
+                problems.append(f"'{first}' overlaps '{second}'")
+    return problems
 
 
 def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditions: list[str],

@@ -173,10 +173,15 @@ def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict
         ax.set_xlabel("training tokens")
     at = (f"at the calibrated {inference_bias}" if len(calibrated)
           else f"at b = {trained_bias:g}")
+    over = ""
+    if summary.get("over_budget"):
+        calibration = summary["calibration"]
+        over = (f"\nOVER BUDGET: KL {calibration['grid'][0]['kl']:.3f} at the training bias on the calibration "
+                f"text, above max_kl {calibration['max_kl']:g}; saved at that bias")
     fig.suptitle(f"{model}: sparse post-training of {summary['base']} (gate bias b = {trained_bias:g}, "
                  f"train {summary['train']}, constraint {summary['constraint']['type']})\n"
                  f"final held-out {at}: density {summary['heldout_density']:.3f}, KL {summary['heldout_kl']:.3f}, "
-                 f"CE {summary['heldout_ce_sparse']:.3f} (dense {summary['heldout_ce_dense']:.3f})", fontsize=9)
+                 f"CE {summary['heldout_ce_sparse']:.3f} (dense {summary['heldout_ce_dense']:.3f}){over}", fontsize=9)
     fig.tight_layout()
     _save(fig, out_path, dpi)
 
@@ -264,5 +269,4 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
                  "(> 1: the copy needs fewer); density on held-out text at the copy's inference gate bias"
                  + fragile_note, fontsize=8, wrap=True)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=dpi)
-    plt.close(fig)
+    _save(fig, out_path, dpi)

@@ -198,8 +198,10 @@ def char_ranges(text: str, pieces: list[tuple[str, str]]) -> dict[str, tuple[int
 
 
 def token_span(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
-    """Half-open span of the tokens whose characters overlap ``[start, end)``."""
-    inside = [i for i, (s, e) in enumerate(offsets) if e > s and s < end and e > start]
+    """Half-open span of the tokens whose characters overlap ``[start, end)``; an empty range
+    (nothing inserted) is an empty span, even where a token straddles its point (Gemma-3 merges
+    the system text's last characters with what follows)."""
+    inside = [i for i, (s, e) in enumerate(offsets) if e > s and s < end and e > start] if end > start else []
     if not inside:
         # Empty region: an empty span at the first token starting at/after `start`.
         after = [i for i, (s, e) in enumerate(offsets) if e > s and s >= start]

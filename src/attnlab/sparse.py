@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 CONFIG_KEY = "attnlab_sparse"  # in config.json: {"gate_bias": b, "base": ..., ...}
+IMPLEMENTATION = "attnlab"  # the attention implementation that gates (registered by attnlab.interventions)
 
 
 GateBias = float | list[float]  # one bias for every layer, or one per layer (calibrated per layer)
@@ -169,13 +170,22 @@ def is_sparse(model) -> bool:
 
 def make_sparse(model, gate_bias: GateBias, **provenance) -> None:
     """Mark ``model`` as sparse (its config carries the gate bias) and select the gated attention."""
-    from attnlab import interventions  # the attention function that applies the gates (imports this)
-
-    settings = {"gate_bias": checked_bias(model, gate_bias), "implementation": interventions.IMPLEMENTATION,
-                **provenance}
+    settings = {"gate_bias": checked_bias(model, gate_bias), "implementation": IMPLEMENTATION, **provenance}
     for config in _configs(model):
         setattr(config, CONFIG_KEY, settings)
-    model.set_attn_implementation(interventions.IMPLEMENTATION)
+    _select_gated_attention(model)
+
+
+def _select_gated_attention(model) -> None:
+    """Switch ``model`` to the gated attention, which ``attnlab.interventions`` registers on import
+    (it sits above this module: imports point down, so this one cannot import it)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS:
+        raise RuntimeError(f"the gated attention '{IMPLEMENTATION}' is not registered: import "
+                           "attnlab.interventions (attnlab.models.load_model does) before making a "
+                           "model sparse or loading a sparse copy")
+    model.set_attn_implementation(IMPLEMENTATION)
 
 
 def set_gate_bias(model, gate_bias: GateBias) -> None:
@@ -206,6 +216,4 @@ def _configs(model) -> list:
 def activate(model) -> None:
     """Select the gated attention when the model's config says it is sparse (called on load)."""
     if is_sparse(model):
-        from attnlab import interventions
-
-        model.set_attn_implementation(interventions.IMPLEMENTATION)
+        _select_gated_attention(model)

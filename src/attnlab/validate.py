@@ -11,26 +11,31 @@ dry run, before any job.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_template, check_heads,
-                            check_layer, check_raw_template, prepared_has_chat_template,
-                            prepared_model_shape)
+                            check_layer, check_raw_template, damaged_model_files,
+                            prepared_has_chat_template, prepared_model_shape)
 from attnlab.config import validate_config
 from attnlab.plan import check_attention_figures, check_fewshot, comparison_pairs, figure_panels, selections
-from attnlab.sources import check_model_source, check_sparse_models
+from attnlab.sources import check_model_source, check_sparse_models, source_shape
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
 
-def check(config: dict, schema_path: str | Path = SCHEMA, models_dir: str | Path = "resources/models") -> None:
-    """Validate ``config`` in place (defaults filled) or raise ConfigError on the first problem."""
+def check(config: dict, schema_path: str | Path = SCHEMA, models_dir: str | Path = "resources/models",
+          rebuilding: frozenset[str] = frozenset()) -> None:
+    """Validate ``config`` in place (defaults filled) or raise ConfigError on the first problem.
+    ``rebuilding``: what this run is told to rebuild (Snakemake's --forcerun targets and rules,
+    "all" for --forceall): a prepared model folder in it is not read, so that a damaged one
+    can be rebuilt."""
     validate_config(config, schema_path)
     chosen = selections(config)
     _check_sources(config)
     _check_names(config, chosen)
     _check_pruning(config["pruning"])
-    _check_models(config, chosen, Path(models_dir))
+    _check_models(config, chosen, Path(models_dir), rebuilding)
 
 
 def _check_pruning(pruning: dict) -> None:
@@ -50,6 +55,10 @@ def _check_sources(config: dict) -> None:
             raise ConfigError(f"models.{name}.arm: pmin ({arm['pmin']}) is above pmax ({arm['pmax']})")
     for name, dataset in config["datasets"].items():
         check_arithmetic_range(name, dataset["source"])
+        if "path" in dataset["source"]:  # a user's file: read it now, as its job will
+            from attnlab.data import check_local_dataset
+
+            check_local_dataset(name, dataset)
     check_raw_template(config["prompt"]["raw_template"])
     check_fewshot(config["models"], config["datasets"], config["prompt"])
 
@@ -77,19 +86,52 @@ def _check_names(config: dict, chosen: dict) -> None:
                           f"{conditions}; set it to two configured conditions or k: 0")
 
 
-def _check_models(config: dict, chosen: dict, models_dir: Path) -> None:
-    """Against each model already prepared: its chat template, layers and heads."""
+def _check_models(config: dict, chosen: dict, models_dir: Path, rebuilding: frozenset[str]) -> None:
+    """Against each model: its chat template, layers and heads, from the prepared folder (which
+    must be whole) or, before it is prepared, from the source's own metadata (``source_shape``)."""
     arm_used = any(spec["arm"] for spec in config["conditions"].values())
     for name, model in config["models"].items():
         prepared = models_dir / name
-        check_chat_template(name, model["prompt_format"], prepared_has_chat_template(prepared))
-        shape = prepared_model_shape(prepared)
+        if prepared.exists() and not _rebuilt(prepared, rebuilding):
+            _check_whole(prepared)
+            check_chat_template(name, model["prompt_format"], prepared_has_chat_template(prepared))
+            shape, where = prepared_model_shape(prepared), f"{prepared}/config.json"
+        else:
+            shape, where = _shape_before_preparing(config["models"], name), "its source's metadata"
         if not shape:
             continue
-        if chosen["attention_datasets"]:
-            check_heads(config["attention"]["heads"], *shape, name)
-        check_heads(figure_panels(chosen["figures"], name), *shape, name, "attention.figures")
-        if arm_used:
-            check_layer(model["arm"]["layer"], shape[0], name, f"models.{name}.arm.layer")
-        if chosen["mlp_datasets"]:
-            check_layer(config["mlp"]["layer"], shape[0], name, "mlp.layer")
+        try:
+            if chosen["attention_datasets"]:
+                check_heads(config["attention"]["heads"], *shape, name)
+            check_heads(figure_panels(chosen["figures"], name), *shape, name, "attention.figures")
+            if arm_used:
+                check_layer(model["arm"]["layer"], shape[0], name, f"models.{name}.arm.layer")
+            if chosen["mlp_datasets"]:
+                check_layer(config["mlp"]["layer"], shape[0], name, "mlp.layer")
+        except ConfigError as error:
+            raise type(error)(f"{error} (layers and heads read from {where})") from None
+
+
+def _rebuilt(folder: Path, rebuilding: frozenset[str]) -> bool:
+    """Whether this run rebuilds the prepared model ``folder`` (-R/--forcerun on it or its rule, -F)."""
+    wanted = {os.path.normpath(item) for item in rebuilding}
+    return bool(wanted & {"all", "prepare_model", "sparsify_model", os.path.normpath(folder)})
+
+
+def _check_whole(folder: Path) -> None:
+    problems = damaged_model_files(folder)
+    if problems:
+        raise ConfigError(f"the prepared model folder {folder} is damaged: {'; '.join(problems)}. "
+                          f"Rebuild it: snakemake -R {folder} (with your usual --cores and "
+                          "--configfile), or delete the folder")
+
+
+def _shape_before_preparing(models: dict, name: str) -> tuple[int, int] | None:
+    """A model's (layers, heads) from its source; a sparse copy has its base's."""
+    source = models[name]["source"]
+    if "sparsify" in source:
+        source = models[source["sparsify"]["base"]]["source"]
+    try:
+        return source_shape(source)
+    except (OSError, ValueError, KeyError):  # unreadable metadata: checked once the model is prepared
+        return None

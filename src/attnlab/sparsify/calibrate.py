@@ -43,8 +43,14 @@ def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: SparsifyS
         if measured["kl"] > options.max_kl:
             break
         best = candidate
-    calibration = {"max_kl": options.max_kl, "sequences": len(ids), "grid": grid}
-    if options.per_layer.enabled and grid[0]["kl"] <= options.max_kl:  # else nothing can go lower
+    calibration = {"max_kl": options.max_kl, "sequences": len(ids), "grid": grid,
+                   "over_budget": grid[0]["kl"] > options.max_kl}
+    if calibration["over_budget"]:
+        log.warning("calibration: the KL at the training gate bias %g is already %.4f, over max_kl %g: "
+                    "the copy keeps that bias and is saved over its KL budget (summary.json: over_budget); "
+                    "train longer or with a smaller KL slack, or raise calibrate_gate_bias.max_kl",
+                    trained, grid[0]["kl"], options.max_kl)
+    if options.per_layer.enabled and not calibration["over_budget"]:  # else nothing can go lower
         best, calibration["per_layer"] = calibrate_per_layer(trainer, ids, references, best, options)
     sparse.set_gate_bias(trainer.student, best)
     calibration["seconds"] = time.perf_counter() - started

@@ -181,7 +181,8 @@ def _write_snapshot(run: _Run, name: str, settings: SparsifySettings, state: Tra
 def _summary(settings, state, final, corpus, device, wall, bias, calibration) -> dict:
     return {
         "base": settings.base, "gate_bias": settings.gate_bias, "inference_gate_bias": bias,
-        **({"calibration": calibration} if calibration else {}), "train": settings.train,
+        **({"calibration": calibration, "over_budget": calibration["over_budget"]} if calibration else {}),
+        "train": settings.train,
         "constraint": dataclasses.asdict(settings.constraint), "steps": state.step,
         "tokens": state.step * settings.batch_size * settings.seq_len,
         "heldout_tokens": int(corpus.heldout.numel()), "corpus": corpus.description,

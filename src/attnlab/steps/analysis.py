@@ -107,7 +107,7 @@ def mlp_activations(model_dir: str, prompts_path: str, stats_path: str, histogra
                     batch_size: int | None = None) -> None:
     """Statistics and a histogram of one layer's MLP activation over the question tokens."""
     from attnlab.interventions import intervened
-    from attnlab.mlp import record_activations
+    from attnlab.mlp_recording import record_activations
 
     settings = MlpAnalysis(**settings)
     model, prompts, device, dtype, batch_size = _model_and_prompts(model_dir, prompts_path, settings,

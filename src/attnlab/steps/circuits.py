@@ -203,8 +203,7 @@ def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
                          heads_fewer_high=[r and r["high"] for r in ratios],
                          heads_fewer_paired=[r and r["paired"] for r in ratios])
     io.write_csv(table, table_path)
-    with io.atomic_path(figure_path) as tmp:
-        plot_heads_vs_density(table, "", tmp, dpi)
+    plot_heads_vs_density(table, "", figure_path, dpi)
 
 
 def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, checkpoint: str,
