@@ -302,7 +302,7 @@ def test_pruning_figure_says_fragile_beside_the_ratio(tmp_path, monkeypatch):
     plots.plot_pruning({"dense": _late_jump_curve(), "sparse": _curve(smooth)}, "ioi", ["dense", "sparse"],
                        0.9, "corrupted", "attribution", tmp_path / "p.png")
     ax = drawn["fig"].axes[0]
-    texts = [t.get_text() for t in ax.texts]
+    texts = [t.get_text() for t in ax.texts + drawn["fig"].texts]
     assert any(t.replace("\n     ", " ").startswith("11.4× fewer heads for sparse than dense at 0.9\n    (fragile: dense: late jump "
                             "of 0.26 over 3 heads at 217 heads, overshoot of 0.30 at 221 heads)")
                for t in texts), texts
@@ -319,7 +319,7 @@ def test_pruning_figure_says_fragile_beside_the_ratio(tmp_path, monkeypatch):
     ax = drawn["fig"].axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()][1] == "sparse (≤19 heads to 0.9)"
     assert any("≤N: first crossing found on the sweep's log grid (refined around it), an upper bound "
-               "(sparse)" in t for t in (t.get_text().replace("\n", " ") for t in ax.texts))
+               "(sparse)" in t for t in (t.get_text().replace("\n", " ") for t in drawn["fig"].texts))
 
 
 def test_heads_vs_density_rows_say_when_their_ratio_is_fragile():

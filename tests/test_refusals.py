@@ -72,7 +72,7 @@ def test_a_head_outside_the_model_is_refused_before_it_is_prepared(tmp_path):
     """The layer count comes from the GGUF header of the model's package: no job is needed."""
     config = _tiny()
     config["attention"]["heads"] = [{"layer": 99, "head": 0}]
-    _refused(tmp_path, config, "has 30 layers x 9 heads", "configured [{'layer': 99, 'head': 0}]",
+    _refused(tmp_path, config, "has 30 layers x 9 heads", "'layer': 99", "is out of range",
              "read from its source's metadata")
 
 
@@ -107,3 +107,13 @@ def test_the_default_dry_run_validates_in_under_5_seconds(tmp_path):
     elapsed = time.perf_counter() - started
     assert result.returncode == 0, result.stdout[-2000:]
     assert elapsed < 5, f"the default config's dry run took {elapsed:.1f} s"
+
+
+def test_rebuild_requests_are_read_from_the_command_line_while_parsing():
+    from attnlab.validate import rebuild_requests
+
+    argv = ["snakemake", "-n", "-R", "resources/models/a", "prepare_model", "--cores", "1"]
+    assert rebuild_requests(argv) == {"resources/models/a", "prepare_model"}
+    assert rebuild_requests(["snakemake", "--forceall"]) == {"all"}
+    assert rebuild_requests(["snakemake", "--forcerun=a b"]) == {"a", "b"}
+    assert rebuild_requests(["snakemake", "--cores", "2", "results/x.png"]) == set()

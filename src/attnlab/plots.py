@@ -34,6 +34,21 @@ def _save(fig, out_path, dpi: int) -> None:
     plt.close(fig)
 
 
+def fitted_suptitle(fig, text: str, **kwargs):
+    """``fig.suptitle``, each line of ``text`` wrapped until the title fits the figure's width
+    (a long model or dataset name would otherwise cut it at both edges)."""
+    import textwrap
+
+    renderer = fig.canvas.get_renderer()
+    lines = text.split("\n")
+    columns = max(len(line) for line in lines)
+    while True:
+        title = fig.suptitle("\n".join(textwrap.fill(line, columns) for line in lines), **kwargs)
+        if title.get_window_extent(renderer).width <= 0.98 * fig.bbox.width or columns <= 20:
+            return title
+        columns = int(columns * 0.9)
+
+
 def text_collisions(fig, tolerance: float = 1.0) -> list[str]:
     """Every drawn text that lies (more than ``tolerance`` pixels) outside the canvas, and every
     pair of drawn texts whose boxes (a text's background box included) overlap."""
@@ -184,7 +199,7 @@ def _plot_answer_sources(ax, cells: dict, models: list[str], x, offsets, width) 
     ax.set_xticks(x, models)
     ax.set_ylim(0, 118)
     ax.set_ylabel("answers (%)")
-    ax.set_title("answer taken from (bars in the order above); label: responses that hit "
+    ax.set_title("answer taken from (bars in the order above)\nlabel: responses that hit "
                  "the token limit / n", fontsize=9)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
 
@@ -299,8 +314,10 @@ def plot_placement(table: pd.DataFrame, dataset: str, models: list[str], out_pat
             ax.set_ylim(0, 105)
             ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    axes[0, 0].legend(handles + [_substring_patch()], labels + [SUBSTRING_LABEL], title="model", fontsize=8)
+    # beside the panels, not on them: an empty bar's vertical reason may stand anywhere
+    fig.legend(handles + [_substring_patch()], labels + [SUBSTRING_LABEL], title="model", fontsize=8,
+               loc="upper right")
     n = int(table["n"].max()) if len(table) else 0
-    fig.suptitle(f"{dataset}: accuracy by placement of the insertion (n = {n} per bar)")
-    fig.tight_layout()
+    fitted_suptitle(fig, f"{dataset}: accuracy by placement of the insertion (n = {n} per bar)")
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
     _save(fig, out_path, dpi)

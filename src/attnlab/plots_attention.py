@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 import pandas as pd
 
-from attnlab.plots import _save, plt
+from attnlab.plots import _save, fitted_suptitle, plt
 
 ALIGNED_TITLE = "inserted tokens removed (meaningful tokens aligned)"
 SHADING_NOTE = "shaded: each condition's inserted tokens (dark: in every prompt, light: in some prompts)"
@@ -87,8 +87,8 @@ def plot_attention_head(per_condition: dict[str, dict], model: str, dataset: str
     axes[0].set_title(ALIGNED_TITLE)
     axes[1].set_title(f"full sequence; {SHADING_NOTE}")
     axes[0].legend(fontsize=8, loc="upper right")
-    fig.suptitle(f"{model} on {dataset}: Layer {layer + 1}, Head {head + 1} "
-                 f"(1-based; layer index {layer}, head index {head}); mean over prompts, {BAND_NOTE}")
+    fitted_suptitle(fig, f"{model} on {dataset}: Layer {layer + 1}, Head {head + 1} "
+                    f"(1-based; layer index {layer}, head index {head}); mean over prompts, {BAND_NOTE}")
     fig.tight_layout()
     _save(fig, out_path, dpi)
 
@@ -166,5 +166,5 @@ def plot_lambda_heatmap(table: pd.DataFrame, model: str, dataset: str, out_path,
         ax.set_xlabel("head (0-based)")
     axes[0][0].set_ylabel("layer (0-based)")
     fig.colorbar(image, ax=axes[0].tolist(), label="mean λ over question tokens")
-    fig.suptitle(f"{model} on {dataset}: λ = attention mass on non-inserted tokens")
+    fitted_suptitle(fig, f"{model} on {dataset}: λ = attention mass on non-inserted tokens")
     _save(fig, out_path, dpi)

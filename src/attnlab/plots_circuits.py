@@ -53,9 +53,6 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
                           + _fragile_note({m: flags[m] for m in (first, second)}))
     if bounds:
         labels.append(textwrap.fill(f"{GRID_NOTE} ({', '.join(bounds)}): N× from such counts is not exact", 80))
-    if labels:
-        ax.text(0.02, 0.96, "\n".join(labels), ha="left", va="top", transform=ax.transAxes, fontsize=9,
-                bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
     ax.set_xscale("symlog", linthresh=10)
     ax.set_xlim(left=0)
     ax.set_xlabel("Number of Heads Kept")
@@ -67,9 +64,22 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
     notes = [FRAGILITY_DEFINITION]
     if summaries:
         notes.insert(0, _prompts_note(summaries))
-    fig.text(0.01, 0.005, "\n".join(textwrap.fill(note, 130) for note in notes), fontsize=6.5, va="bottom")
-    fig.tight_layout(rect=(0, 0.04 + 0.025 * sum(len(textwrap.wrap(n, 130)) for n in notes), 1, 1))
+    _text_below(fig, "\n".join(labels), "\n".join(textwrap.fill(note, 130) for note in notes))
     _save(fig, out_path, dpi)
+
+
+def _text_below(fig, labels: str, notes: str) -> None:
+    """The N× statements (9 pt) and the definitions (6.5 pt) under the axes, the figure grown to
+    hold them: inside the axes they covered the curves' own marks."""
+    def height(text: str, size: float) -> float:  # inches
+        return (text.count("\n") + 1) * size * 1.3 / 72 if text else 0.0
+    below = height(labels, 9) + height(notes, 6.5) + 0.15
+    fig.set_size_inches(fig.get_figwidth(), fig.get_figheight() + below)
+    total = fig.get_figheight()
+    fig.text(0.01, 0.03 / total, notes, fontsize=6.5, va="bottom")
+    if labels:
+        fig.text(0.01, (0.08 + height(notes, 6.5)) / total, labels, fontsize=9, va="bottom")
+    fig.tight_layout(rect=(0, (below + 0.05) / total, 1, 1))
 
 
 def _prompts_note(summaries: dict[str, dict]) -> str:
@@ -189,7 +199,8 @@ def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict
 def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path, dpi: int = 150) -> None:
     """Held-out share of open causal edges per layer x head."""
     grid = table.pivot(index="layer", columns="head", values="density")
-    fig, ax = plt.subplots(figsize=(2.5 + 0.45 * grid.shape[1], 1.5 + 0.18 * grid.shape[0]))
+    # at least room for the title and the colorbar's label, however few heads and layers
+    fig, ax = plt.subplots(figsize=(max(5.0, 2.5 + 0.45 * grid.shape[1]), max(3.5, 1.5 + 0.18 * grid.shape[0])))
     image = ax.imshow(grid.to_numpy(), vmin=0, vmax=1, cmap="magma", aspect="auto", origin="lower")
     ax.set_xlabel("head (0-based)")
     ax.set_ylabel("layer (0-based)")

@@ -112,6 +112,25 @@ def _check_models(config: dict, chosen: dict, models_dir: Path, rebuilding: froz
             raise type(error)(f"{error} (layers and heads read from {where})") from None
 
 
+def rebuild_requests(argv: list[str], dag_settings=None) -> frozenset[str]:
+    """What this Snakemake run is told to rebuild: its --forcerun/-R targets and rules, "all" for
+    --forceall/-F. Read from Snakemake's DAG settings where they are set, else from its command
+    line (while the Snakefile is parsed they are not set yet)."""
+    if dag_settings is not None:
+        return frozenset(dag_settings.forcerun) | ({"all"} if dag_settings.forceall else set())
+    requested, collecting = set(), False
+    for token in argv[1:]:
+        if token in ("-F", "--forceall"):
+            requested.add("all")
+        if token.startswith("-"):
+            collecting = token in ("-R", "--forcerun")
+            if token.startswith("--forcerun="):
+                requested.update(token.split("=", 1)[1].split())
+        elif collecting:
+            requested.add(token)
+    return frozenset(requested)
+
+
 def _rebuilt(folder: Path, rebuilding: frozenset[str]) -> bool:
     """Whether this run rebuilds the prepared model ``folder`` (-R/--forcerun on it or its rule, -F)."""
     wanted = {os.path.normpath(item) for item in rebuilding}

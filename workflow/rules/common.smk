@@ -16,12 +16,12 @@ from attnlab.plan import (cell_generation, comparison_pairs, fewshot_shots, fews
 from attnlab import settings as typed
 from attnlab.sources import sparse_bases
 from attnlab.config import check_unique_keys
-from attnlab.validate import ConfigError, check
+from attnlab.validate import ConfigError, check, rebuild_requests
 
 
 # The schema (defaults filled in place) and every cross-reference, before any job runs.
 # A prepared model folder that -R/--forcerun (or -F) rebuilds is not read: it may be the damaged one.
-_REBUILDING = frozenset(workflow.dag_settings.forcerun) | ({"all"} if workflow.dag_settings.forceall else set())
+_REBUILDING = rebuild_requests(sys.argv, workflow.dag_settings)
 try:
     check_unique_keys(workflow.configfiles)  # a key given twice: YAML (and so Snakemake) keeps the last
     check(config, os.path.join(workflow.basedir, "config", "schema.yaml"), rebuilding=_REBUILDING)
