@@ -100,14 +100,15 @@ def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditio
     offsets = [(k - (len(conditions) - 1) / 2) * width for k in range(len(conditions))]
     colours = plt.get_cmap("tab10")
     cells = {c: table.set_index(["model", "condition"]).reindex([(m, c) for m in models]) for c in conditions}
+    on_end = False
     for ax, grader in zip(axes, GRADER_TITLES):
         for k, condition in enumerate(conditions):
-            _grade_bars(ax, x + offsets[k], cells[condition], grader, width, colours(k % 10), condition)
+            on_end |= _grade_bars(ax, x + offsets[k], cells[condition], grader, width, colours(k % 10), condition)
         ax.set_xticks(x, models)
         ax.set_title(_grader_title(grader))
         ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
-        ax.set_ylim(0, 105)
         ax.grid(axis="y", alpha=0.3)
+    _accuracy_axis(axes[0], on_end)  # the panels share their y axis
     _plot_answer_sources(fig.add_subplot(grid[1, :]), cells, models, x, offsets, width)
     n = int(table["n"].max()) if len(table) else 0
     fig.suptitle(f"Results on {dataset} (n = {n} per bar)")
@@ -155,10 +156,10 @@ def empty_reason(cell) -> str | None:
     return None
 
 
-def _grade_bars(ax, x, cells: pd.DataFrame, grader: str, width: float, colour, label: str) -> None:
+def _grade_bars(ax, x, cells: pd.DataFrame, grader: str, width: float, colour, label: str) -> bool:
     """One bar per cell with its 95% CI and value; on the lenient panel the part only a
     substring match gives is hatched; a cell with nothing to grade is an empty, dashed bar
-    that names the reason, never a bare 0%."""
+    that names the reason, never a bare 0%. Returns whether its labels stand on end."""
     reasons = [empty_reason(cell) for _, cell in cells.iterrows()]
     empty = np.array([reason is not None for reason in reasons])
     acc = np.where(empty, np.nan, cells[f"{grader}_acc"].to_numpy(float))
@@ -166,16 +167,29 @@ def _grade_bars(ax, x, cells: pd.DataFrame, grader: str, width: float, colour, l
                                    cells[f"{grader}_ci_high"].to_numpy(float) - acc]))
     bars = ax.bar(x, np.nan_to_num(acc), width, yerr=err, capsize=3, label=label, color=colour)
     values = ["" if np.isnan(a) else f"{a:.0f}" for a in acc]
+    upright = True
     if grader == "lenient":
         share = substring_share(cells)
         ax.bar(x, np.nan_to_num(share), width, bottom=np.nan_to_num(acc - share), fill=False,
                hatch=SUBSTRING_HATCH, edgecolor="black", lw=0)
-        values = [v + (f"\n({s:.0f} pts substr.)" if v and s > 0 else "") for v, s in zip(values, share)]
-    ax.bar_label(bars, labels=values, fontsize=7, padding=2)
+        values = [v + (f" ({s:.0f} pts substr.)" if v and s > 0 else "") for v, s in zip(values, share)]
+        upright = not any(v.endswith("substr.)") for v in values)
+    if upright:
+        ax.bar_label(bars, labels=values, fontsize=7, padding=2)
+    else:  # a label with its substring note is wider than a bar: stood on end above the CI
+        for xi, top, value in zip(np.atleast_1d(x), np.nan_to_num(acc + err[1]), values):
+            ax.text(xi, top + 2, value, rotation=90, ha="center", va="bottom", fontsize=7)
     for xi, reason in zip(np.atleast_1d(x), reasons):
         if reason:
             ax.bar(xi, 100, width, fill=False, edgecolor=colour, ls="--", lw=1)
             ax.text(xi, 50, reason, rotation=90, ha="center", va="center", fontsize=7)
+    return not upright
+
+
+def _accuracy_axis(ax, room_for_labels: bool) -> None:
+    """0-100 %, with room above for labels stood on end."""
+    ax.set_ylim(0, 140 if room_for_labels else 105)
+    ax.set_yticks(range(0, 101, 20))
 
 
 ANSWER_SOURCES = {"boxed": ("\\boxed{}", "#4c72b0"), "hash": ("####", "#55a868"),
@@ -297,6 +311,7 @@ def plot_placement(table: pd.DataFrame, dataset: str, models: list[str], out_pat
                              squeeze=False, sharey=True)
     colours = plt.get_cmap("tab10")
     width = 0.8 / len(models)
+    on_end = False
     for axes_row, (family, length) in zip(axes, groups):
         members = inserted[(inserted["family"] == family) & (inserted["length"] == length)]
         cells = pd.concat([plain, members]).drop_duplicates(["model", "placement"])
@@ -305,14 +320,14 @@ def plot_placement(table: pd.DataFrame, dataset: str, models: list[str], out_pat
         x = np.arange(len(present))
         for ax, grader in zip(axes_row, GRADER_TITLES):
             for k, model in enumerate(models):
-                _grade_bars(ax, x + (k - (len(models) - 1) / 2) * width,
-                            cells.reindex([(model, p) for p in present]), grader, width,
-                            colours(k % 10), model)
+                on_end |= _grade_bars(ax, x + (k - (len(models) - 1) / 2) * width,
+                                      cells.reindex([(model, p) for p in present]), grader, width,
+                                      colours(k % 10), model)
             ax.set_xticks(x, [p.replace("_", "\n") for p in present])
             ax.set_title(f"{family}, {length} tokens: {_grader_title(grader)}", fontsize=9)
             ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
-            ax.set_ylim(0, 105)
             ax.grid(axis="y", alpha=0.3)
+    _accuracy_axis(axes[0, 0], on_end)  # every panel shares this y axis
     handles, labels = axes[0, 0].get_legend_handles_labels()
     # beside the panels, not on them: an empty bar's vertical reason may stand anywhere
     fig.legend(handles + [_substring_patch()], labels + [SUBSTRING_LABEL], title="model", fontsize=8,

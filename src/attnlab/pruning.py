@@ -11,8 +11,11 @@ are never touched.
   head from one clean forward, one corrupted forward (the reference) and one
   backward: a linear estimate of how much the metric drops when that head is
   ablated.
-- Exact patching: the same drop, measured with one forward per head.
-- Sweep: keep the k best-ranked heads, ablate the rest, for each k. Explained
+- Exact patching: the same drop, measured: every head of a layer at once, in passes that resume
+  at that layer from a recorded clean forward (``Patcher.exact``, about a third of a forward per
+  head), or one full forward per head (``exact_one_forward_per_head``, kept to check it).
+- Sweep: keep the k best-ranked heads, ablate the rest, for each k (each prompt's metric kept:
+  ``counting`` bootstraps the count from them). Explained
   effect = (m(k) − m(0)) / (m(all) − m(0)), with m(0) and m(all) taken from
   the same sweep, so it is exactly 0 at k = 0 and exactly 1 at k = all.
 """
@@ -175,7 +178,7 @@ class Patcher:
 
     def _logits(self, ids: torch.Tensor, rows: slice, copies: int = 1, start: int = 0, past=None,
                 record: LayerInputs | None = None, read: str = "tokens", **parts) -> torch.Tensor:
-        """Logits at the last 2 positions of ``rows`` (repeated ``copies`` times, one block of rows
+        """Logits at the last positions of ``rows`` (repeated ``copies`` times, one block of rows
         after another), with the head gates and any other ``intervened`` parts. ``read``: "all"
         computes every logit (attribution, whose gradients then stay what they were to the last
         bit); "tokens" only those the metric reads (-inf for the others), with the same values to
@@ -286,7 +289,7 @@ class Patcher:
                 self.gates.reference = None
                 full.append(self.batch.metric(self._logits(self.batch.clean, rows, record=recorded, read="fast"),
                                               self._prompts_of(rows)))
-                for layer in range(layers):
+                for layer in tqdm(range(layers), desc="exact patching", unit="layer", mininterval=10):
                     start = min(self._first_changed(reference[layer], recorded.attention[layer]),
                                 cached_positions(recorded.cache))
                     for group in self._head_groups(rows, start):
