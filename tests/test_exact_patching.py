@@ -192,3 +192,16 @@ def test_resuming_leaves_the_model_as_it_was():
     assert torch.isinf(resumed[:, -1, 5]).all()  # a logit nobody reads is not computed
     with torch.no_grad():
         assert torch.equal(model(ids, use_cache=False).logits, plain)
+
+
+def test_a_resumed_pass_never_holds_more_rows_than_the_batch_size():
+    """The batch size (halved on an out-of-memory retry) bounds every forward of exact patching."""
+    model = TINY["llama-gqa"]()
+    rows = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, a, out: rows.append(out.shape[0]))
+    for batch_size in (2, 4, 12):
+        rows.clear()
+        patcher = Patcher(model, build_batch(_prompts(), WordTokenizer()), "corrupted", batch_size=batch_size)
+        patcher.exact()
+        assert max(rows) <= batch_size and max(rows) >= min(batch_size, 6)
+    hook.remove()

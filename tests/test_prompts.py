@@ -258,14 +258,15 @@ def test_chat_format_without_a_template_fails_when_the_model_is_prepared(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_nothing_inserted_is_an_empty_span(model, smollm2_tokenizer, gemma3_dir):
+def test_nothing_inserted_is_an_empty_span(model, request):
     """With no inserted text the inserted span (and the cut) is empty under every placement and
     prompt format, with and without few-shot examples: Gemma-3 merges the system text's last
     characters with what follows, and its plain prompts once recorded one inserted token."""
     from attnlab.models import load_tokenizer
     from attnlab.prompts import fewshot_system
 
-    tok = smollm2_tokenizer if model == "smollm2" else load_tokenizer(gemma3_dir)
+    tok = (request.getfixturevalue("smollm2_tokenizer") if model == "smollm2"
+           else load_tokenizer(request.getfixturevalue("gemma3_dir")))
     examples = pd.DataFrame({"question": ["What is 1 + 1?", "What is 2 + 5?"], "answer": ["2", "7"]})
     systems = [SYSTEM, fewshot_system(SYSTEM, examples, RAW)]
     for fmt in (["chat", "raw"] if model == "smollm2" else ["raw"]):

@@ -211,6 +211,7 @@ def heads_vs_density_table(pairs: list[tuple[str, str]], sweeps: dict[tuple[str,
                 sweep = sweeps[(model, task)]
                 rows.append({"label": model, "base": dense, "heldout_density": held_out["heldout_density"],
                              "heldout_kl": held_out["heldout_kl"], "task": task, "n_prompts": n,
+                             "n_prompts_counted_on": sweep.get("n_prompts_counted_on", n),
                              **{key: sweep[key] for key in ("ablation", "ranking", "threshold",
                                                             "heads_to_reach_threshold", "heads_to_reach_exact",
                                                             "unmeasured_below", "crosses_back_below")}})

@@ -111,7 +111,7 @@ def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditio
     _accuracy_axis(axes[0], on_end)  # the panels share their y axis
     _plot_answer_sources(fig.add_subplot(grid[1, :]), cells, models, x, offsets, width)
     n = int(table["n"].max()) if len(table) else 0
-    fig.suptitle(f"Results on {dataset} (n = {n} per bar)")
+    fitted_suptitle(fig, f"Results on {dataset} (n = {n} per bar)")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles + [_substring_patch()], labels + [SUBSTRING_LABEL], title="condition",
                loc="upper right", fontsize=8)
@@ -250,7 +250,7 @@ def plot_length_sweep(table: pd.DataFrame, families: dict[str, str | None], mode
     if labels:
         axes[1].legend(dotted, ["dotted: without its substring-only matches"], fontsize=8)
     n = int(table["n"].max()) if len(table) else 0
-    fig.suptitle(f"{model} on {dataset}: accuracy vs inserted length (n = {n} per point)")
+    fitted_suptitle(fig, f"{model} on {dataset}: accuracy vs inserted length (n = {n} per point)")
     fig.tight_layout()
     _save(fig, out_path, dpi)
 
@@ -289,8 +289,8 @@ def plot_mlp_histograms(histograms: dict[str, pd.DataFrame], table: pd.DataFrame
         ax.set_xlabel("a = act_fn(gate_proj(x))")
     for ax in axes[:, 0]:
         ax.set_ylabel("count (question tokens x units)")
-    fig.suptitle(f"{model} on {dataset}: layer {layer} (0-based) MLP activations; "
-                 f"shaded |a| < {near_zero:g}")
+    fitted_suptitle(fig, f"{model} on {dataset}: layer {layer} (0-based) MLP activations; "
+                         f"shaded |a| < {near_zero:g}")
     fig.tight_layout()
     _save(fig, out_path, dpi)
 

@@ -44,7 +44,7 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
         ax.plot(sweep["heads_kept"], sweep["explained_effect"], color=colour, lw=1.5, label=label)
         if needed[model] is not None:
             ax.plot([needed[model]], [threshold], "o", color=colour)
-        _mark_fragility(ax, sweep, needed[model], threshold, flags[model], colour)
+        _mark_fragility(ax, sweep, needed[model], threshold, flags[model], colour, slot=k)
     ax.axhline(threshold, ls="--", color="grey", lw=1)
     labels = []
     for first, second in comparison_pairs(compare, list(sweeps)):
@@ -120,19 +120,21 @@ def _fragile_note(flags: dict[str, dict]) -> str:
 
 
 def _mark_fragility(ax, sweep: pd.DataFrame, needed: int | None, threshold: float, flags: dict,
-                    colour) -> None:
+                    colour, slot: int = 0) -> None:
     """Mark on the curve what makes its count fragile: the late climb (thick), the overshoot's
-    peak (▲) and the lowest point after falling back below the threshold (▼), above the N× box."""
+    peak (▲) and the lowest point after falling back below the threshold (▼). The labels of the
+    ``slot``-th curve sit one text line higher than the one before (curves often peak together)."""
+    lift = 9 * slot
     if flags["late_jump"]:
         climb = sweep[(sweep["heads_kept"] >= flags["jump_from_heads"]) & (sweep["heads_kept"] <= needed)]
         ax.plot(climb["heads_kept"], climb["explained_effect"], color=colour, lw=5, alpha=0.35)
         ax.annotate(f"late jump +{flags['jump_rise']:.2f}\nover {flags['jump_width_heads']} heads",
-                    (needed, threshold), xytext=(-6, 8), textcoords="offset points", ha="right",
+                    (needed, threshold), xytext=(-6, 8 + 2 * lift), textcoords="offset points", ha="right",
                     fontsize=7, color=colour, zorder=4)
     if flags["overshoots"]:
         ax.plot([flags["overshoot_at_heads"]], [flags["max_explained_effect"]], "^", color=colour, zorder=4)
         ax.annotate(f"overshoot +{flags['overshoot']:.2f}", (flags["overshoot_at_heads"], flags["max_explained_effect"]),
-                    xytext=(-5, 2), textcoords="offset points", ha="right", fontsize=7, color=colour, zorder=4)
+                    xytext=(-5, 2 + lift), textcoords="offset points", ha="right", fontsize=7, color=colour, zorder=4)
     if flags["cross_back_at_heads"] is not None:
         ax.plot([flags["cross_back_at_heads"]], [flags["cross_back_min"]], "v", color=colour, zorder=4)
 
@@ -227,6 +229,20 @@ def _count_bars(ax, line: pd.DataFrame, colour) -> None:
                     fmt="none", ecolor=colour, capsize=2, lw=0.8)
 
 
+def _log_density_axis(ax, densities: pd.Series) -> None:
+    """A log x axis labelled at its decades, or, where the densities span less than one (the
+    minor labels 9.5×10⁻¹, 9.6×10⁻¹, … would print over each other), at the lowest and highest."""
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    low, high = float(densities.min()), float(densities.max())
+    decades = np.floor(np.log10(high)) - np.ceil(np.log10(low)) + 1  # powers of ten in [low, high]
+    if decades < 2:
+        ax.set_xticks(sorted({low, high}))
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+
+
 def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 150) -> None:
     """Heads to the threshold against held-out density (log), one panel per task, one line per
     dense model x ablation x ranking x prompt count; the dense model sits at density 1 and each
@@ -262,7 +278,7 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
                     ax.annotate(f"{ratio:.2g}×{spread}" + (f" ({', '.join(notes)})" if notes else ""),
                                 (row["heldout_density"], row["heads_to_reach_threshold"]),
                                 fontsize=6, xytext=(2, 2), textcoords="offset points")
-        ax.set_xscale("log")
+        _log_density_axis(ax, table["heldout_density"])
         ax.set_title(task)
         ax.set_xlabel("held-out density (share of causal edges open)")
         ax.set_ylabel(f"heads to {table['threshold'].iloc[0]:g} explained effect")
