@@ -16,13 +16,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
-from attnlab.curves import (count_interval, crossing, extend_sweep, fragility, interval_gaps,
-                            per_prompt_matrix, ratio_interval, resample_draws)
+from attnlab.curves import (count_interval, crossing, extend_sweep, first_reaching, fragility,
+                            interval_gaps, per_prompt_matrix, ratio_interval, resample_draws,
+                            resampled_effects)
+
+log = logging.getLogger(__name__)
+
+# Below this many counted prompts a percentile interval on a first crossing is a rough spread
+# at best: the sweep says so in its log.
+FEW_COUNTED_PROMPTS = 20
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,14 @@ def count_heads(patcher, order: list[tuple[int, int]], ks: list[int], threshold:
     prompts), refined around the first crossing unless ``refine`` is false (the count is then
     the grid's, an upper bound), and bootstrap the count; then measure up to ``interval_points``
     more k so that the interval's ends are found to the head (``curves.interval_gaps``), and
-    bootstrap again (the ends may move: ``interval_to_the_head`` says whether they still are)."""
+    bootstrap again (the ends may move: ``interval_to_the_head`` says whether they still are).
+    ``prompt_ids`` ascend: the figures rebuild the same draws from the per-prompt rows, whose
+    prompts they order by id (``per_prompt_matrix``)."""
+    if list(prompt_ids) != sorted(prompt_ids):
+        raise ValueError("count_heads needs the counted prompts in ascending order of their ids")
+    if len(prompt_ids) < FEW_COUNTED_PROMPTS:
+        log.warning("the count's interval rests on %d counted prompts (fewer than %d): read it as a "
+                    "rough spread; raise the task's n", len(prompt_ids), FEW_COUNTED_PROMPTS)
     curve, metrics = patcher.sweep(order, ks, threshold if refine else None)
     draws = bootstrap.draws(len(prompt_ids))
     interval = _interval(curve, metrics, threshold, draws, bootstrap.confidence)
@@ -98,8 +113,6 @@ def _long(metrics: dict[int, np.ndarray], prompt_ids: list[int]) -> pd.DataFrame
 
 def resampled_counts(per_prompt: pd.DataFrame, threshold: float, draws: np.ndarray) -> np.ndarray:
     """Each resample's count to ``threshold`` from a sweep's per-prompt metrics (one ranking)."""
-    from attnlab.curves import first_reaching, resampled_effects
-
     ks, metrics = per_prompt_matrix(per_prompt)
     return first_reaching(ks, resampled_effects(metrics, draws), threshold)
 

@@ -281,7 +281,8 @@ def count_interval(ks: np.ndarray, metrics: np.ndarray, threshold: float, draws:
                    confidence: float) -> dict:
     """The bootstrap interval of the heads needed to reach ``threshold`` and the pointwise band
     of the curve. Each resample's count is its first crossing among the measured k, so an end of
-    an end is to the head only where the k just below it were measured (``interval_gaps``)."""
+    the interval is exact (to the head) only where the k just below it were measured
+    (``interval_gaps``)."""
     effects = resampled_effects(metrics, draws)
     counts = first_reaching(ks, effects, threshold)
     low, high = order_interval(counts, confidence)

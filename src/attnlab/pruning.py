@@ -41,8 +41,9 @@ from attnlab.tasks import TaskError, TaskPrompts, year_continuations
 log = logging.getLogger(__name__)
 ABLATIONS = ("corrupted", "mean", "zero")
 # Tokens in one resumed pass of exact patching on a CPU: larger passes run out of cache and
-# cost more per head (SmolLM2, Docstring: 0.46 forwards per head at about 3,400 tokens a pass,
-# 0.62 at 10,000; benchmarks/pruning_cost.py). Elsewhere only the batch size bounds a pass.
+# cost more per head (SmolLM2, Docstring, measured before the readout kept only the logits read:
+# 0.46 forwards per head at about 3,400 tokens a pass, 0.62 at 10,000; benchmarks/pruning_cost.py).
+# Elsewhere only the batch size bounds a pass.
 RESUMED_TOKENS = {"cpu": 4096}
 LOGITS_KEPT = 2  # what a TaskBatch reads unless it says: the last 2 positions, every token
 
@@ -279,7 +280,8 @@ class Patcher:
         the first one where the ablation changes the layer's o_proj input (corrupted patching:
         the first token where the corrupted prompt differs), whose keys and values are the
         clean run's. Equal to ``exact_one_forward_per_head`` up to float rounding; a head of
-        layer L costs at most (layers − L − 1) layers and L's o_proj and MLP, about half a forward.
+        layer L costs at most (layers − L − 1) layers and L's o_proj and MLP: half a forward on
+        average over the layers, a third measured (fewer positions; benchmarks/pruning_cost.py).
         """
         layers, heads = self.gates.n_layers, self.gates.n_heads
         full, ablated = [], torch.zeros(layers, heads, dtype=torch.float64)

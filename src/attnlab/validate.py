@@ -41,7 +41,7 @@ def check(config: dict, schema_path: str | Path = SCHEMA, models_dir: str | Path
 def _check_pruning(pruning: dict) -> None:
     """Exact patching cannot be both the ranking and switched off."""
     if pruning["ranking"] == "exact" and not pruning["exact"]:
-        raise ConfigError("pruning.exact is false but pruning.ranking is exact (the default): heads are "
+        raise ConfigError("pruning.exact is false but pruning.ranking is exact (its default): heads are "
                           "ranked by exact patching; remove exact: false, or set ranking: attribution "
                           "to rank by attribution alone")
 

@@ -43,7 +43,9 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     layers, heads = attribution.shape
     scores = pd.DataFrame({"layer": np.repeat(np.arange(layers), heads), "head": np.tile(np.arange(heads), layers),
                            "attribution": attribution.flatten().numpy()})
-    summary = {"task": task, "n_prompts": len(prompts.clean), "clean_metric": clean,
+    # the metrics are the ranked prompts'; n_prompts counts every pair generated
+    summary = {"task": task, "n_prompts": len(prompts.clean), "n_prompts_ranked_on": len(ranked_on),
+               "clean_metric": clean,
                "corrupted_metric": corrupted, "ablation": settings.ablation,
                "ranking": settings.ranking, **prompts.info, "rank_share": settings.rank_share,
                "ranked_on": ranked_on, "counted_on": counted_on}
@@ -128,9 +130,7 @@ def plot_pruning(inputs: dict[str, dict[str, str]], out_path: str, task: str, co
     read = {model: _read_sweep(paths, ranking) for model, paths in inputs.items()}
     ratios = {}
     for first, second in comparison_pairs(compare, list(inputs)):
-        ratio = _ratio(read[first], read[second], threshold, bootstrap)
-        if ratio is not None:
-            ratios[(first, second)] = ratio
+        ratios[(first, second)] = _ratio(read[first], read[second], threshold, bootstrap)
     plot({m: r.curve for m, r in read.items()}, task, compare, threshold, ablation, ranking, out_path, dpi,
          {m: r.summary for m, r in read.items()}, ratios)
 
@@ -138,37 +138,29 @@ def plot_pruning(inputs: dict[str, dict[str, str]], out_path: str, task: str, co
 @dataclasses.dataclass
 class _Swept:
     """One model x task sweep as the figures read it: one ranking's curve and per-prompt metrics
-    (None from a sweep written before there were intervals) and its sweep.json."""
+    and its sweep.json."""
 
     curve: pd.DataFrame
     summary: dict
-    per_prompt: pd.DataFrame | None
+    per_prompt: pd.DataFrame
 
 
 def _read_sweep(paths: dict[str, str], ranking: str | None = None) -> _Swept:
     """``paths``: sweep (curves), summary (sweep.json), per_prompt; ``ranking``: the summary's own
-    when None. A sweep of older code holds one curve and no ranking column."""
-    from pathlib import Path
-
+    when None."""
     summary = io.read_json(paths["summary"])
     ranking = ranking or summary["ranking"]
     curve = pd.read_csv(paths["sweep"])
-    if "ranking" in curve:
-        curve = curve[curve["ranking"] == ranking].reset_index(drop=True)
-    per_prompt = None
-    if paths.get("per_prompt") and Path(paths["per_prompt"]).exists():
-        rows = io.read_parquet(paths["per_prompt"])
-        per_prompt = rows[rows["ranking"] == ranking]
-    return _Swept(curve, summary, per_prompt)
+    rows = io.read_parquet(paths["per_prompt"])
+    return _Swept(curve[curve["ranking"] == ranking].reset_index(drop=True), summary,
+                  rows[rows["ranking"] == ranking])
 
 
-def _ratio(first: _Swept, second: _Swept, threshold: float, bootstrap: dict) -> dict | None:
+def _ratio(first: _Swept, second: _Swept, threshold: float, bootstrap: dict) -> dict:
     """The bootstrap interval of first's count / second's, paired where both were counted on the
-    same prompts; None without per-prompt metrics."""
+    same prompts."""
     from attnlab.counting import Bootstrap, ratio_between
 
-    if first.per_prompt is None or second.per_prompt is None:
-        return None
     paired = first.summary.get("counted_prompts_digest") == second.summary.get("counted_prompts_digest")
     return ratio_between(first.per_prompt, second.per_prompt, paired, threshold,
                          Bootstrap(bootstrap["n_resamples"], bootstrap["confidence"], bootstrap["seed"]))
@@ -186,7 +178,7 @@ def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
     from attnlab.plots_circuits import plot_heads_vs_density
 
     read = {tuple(key.split("/")): _read_sweep({"sweep": curve_paths[key], "summary": path,
-                                                "per_prompt": per_prompt_paths.get(key)})
+                                                "per_prompt": per_prompt_paths[key]})
             for key, path in sweep_paths.items()}
     # the counts from the curve: a sweep.json of older code meant less by "exact"
     sweeps = {key: {**r.summary, **crossing(r.curve, r.summary["threshold"])} for key, r in read.items()}
