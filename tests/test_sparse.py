@@ -804,7 +804,11 @@ def test_heads_vs_density_bars_span_each_interval_and_point_up_where_it_never_en
     table = pd.DataFrame({"task": ["ioi"] * 3, "ablation": ["corrupted"] * 3, "ranking": ["exact"] * 3,
                           "n_prompts": [96] * 3, "n_prompts_counted_on": [48] * 3, "threshold": [0.9] * 3,
                           "heldout_density": [1.0, 0.05, 0.01], "heads_to_reach_threshold": [10, 5, 20],
-                          "heads_low": [12, 3, 15], "heads_high": [30, np.nan, 25]})
+                          "heads_low": [12, 3, 15], "heads_high": [30, np.nan, 25],
+                          # every note the title can carry, so that its longest form is drawn (strict)
+                          "heads_fewer_low": [np.nan, 0.4, 0.2], "heads_fewer_high": [np.nan, 3.0, 0.9],
+                          "heads_fewer_fragile": [False, True, False],
+                          "heads_to_reach_exact": [True, False, True]})
     bars, arrows = [], []
     original_bars, original_arrow = Axes.errorbar, Axes.annotate
     monkeypatch.setattr(Axes, "errorbar", lambda self, x, y, yerr, **k: bars.append(

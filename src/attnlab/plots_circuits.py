@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 import pandas as pd
 
-from attnlab.plots import _save, plt
+from attnlab.plots import _save, fitted_suptitle, plt
 
 
 def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] | None,
@@ -260,7 +260,7 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
     if "base" not in table:
         table = table.assign(base=base)
     tasks = list(dict.fromkeys(table["task"]))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(max(8.0, 4.2 * len(tasks)), 4.6), squeeze=False)
     counted = "n_prompts_counted_on" if "n_prompts_counted_on" in table else "n_prompts"
     keys = ["base", "ablation", "ranking", counted]
     several = table["base"].nunique() > 1
@@ -285,7 +285,7 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
                         spread = " " + interval_text(row["heads_fewer_low"], row["heads_fewer_high"], 2)
                     ax.annotate(f"{ratio:.2g}×{spread}" + (f" ({', '.join(notes)})" if notes else ""),
                                 (row["heldout_density"], row["heads_to_reach_threshold"]),
-                                fontsize=6, xytext=(2, 2), textcoords="offset points")
+                                fontsize=6, xytext=(4, 2), textcoords="offset points")
         _log_density_axis(ax, table["heldout_density"])
         ax.set_title(task)
         ax.set_xlabel("held-out density (share of causal edges open)")
@@ -301,8 +301,8 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
         fragile_note += ("; bars and [a, b]: bootstrap intervals over the prompts counted on (heads_low/high, "
                          "heads_fewer_low/high; paired where both models were counted on the same prompts; an arrow up: "
                          "some resamples never reach the threshold), given the ranking")
-    fig.suptitle(f"Heads needed vs density; labels: N× = heads {dense_name} needs / heads the copy needs "
-                 "(> 1: the copy needs fewer); density on held-out text at the copy's inference gate bias"
-                 + fragile_note, fontsize=8, wrap=True)
-    fig.tight_layout()
+    fitted_suptitle(fig, f"Heads needed vs density; labels: N× = heads {dense_name} needs / heads the "
+                    "copy needs (> 1: the copy needs fewer); density on held-out text at the copy's "
+                    "inference gate bias" + fragile_note, fontsize=8)
+    fig.tight_layout()  # it makes room for the suptitle's lines
     _save(fig, out_path, dpi)
