@@ -122,8 +122,8 @@ def _fragile_note(flags: dict[str, dict]) -> str:
 def _mark_fragility(ax, sweep: pd.DataFrame, needed: int | None, threshold: float, flags: dict,
                     colour, slot: int = 0) -> None:
     """Mark on the curve what makes its count fragile: the late climb (thick), the overshoot's
-    peak (▲) and the lowest point after falling back below the threshold (▼). The labels of the
-    ``slot``-th curve sit one text line higher than the one before (curves often peak together)."""
+    peak (▲) and the lowest point after falling back below the threshold (▼). The ``slot``-th
+    curve's labels sit one text line from the one before's (curves often peak together)."""
     lift = 9 * slot
     if flags["late_jump"]:
         climb = sweep[(sweep["heads_kept"] >= flags["jump_from_heads"]) & (sweep["heads_kept"] <= needed)]
@@ -133,8 +133,10 @@ def _mark_fragility(ax, sweep: pd.DataFrame, needed: int | None, threshold: floa
                     fontsize=7, color=colour, zorder=4)
     if flags["overshoots"]:
         ax.plot([flags["overshoot_at_heads"]], [flags["max_explained_effect"]], "^", color=colour, zorder=4)
+        # at the top of the axes, one line per curve: two curves' peaks often lie a few points apart
         ax.annotate(f"overshoot +{flags['overshoot']:.2f}", (flags["overshoot_at_heads"], flags["max_explained_effect"]),
-                    xytext=(-5, 2 + lift), textcoords="offset points", ha="right", fontsize=7, color=colour, zorder=4)
+                    xytext=(flags["overshoot_at_heads"], 0.98 - 0.05 * slot), textcoords=ax.get_xaxis_transform(),
+                    ha="right", va="top", fontsize=7, color=colour, zorder=4)
     if flags["cross_back_at_heads"] is not None:
         ax.plot([flags["cross_back_at_heads"]], [flags["cross_back_min"]], "v", color=colour, zorder=4)
 
