@@ -65,3 +65,10 @@ def test_the_intervention_parts_sit_below_the_context_that_composes_them():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_the_parts_below_the_context_never_import_it():
+    """sparse, mlp and models sit below attnlab.interventions: not even a nested import of it."""
+    graph = import_graph()
+    for lower in ("attnlab.sparse", "attnlab.mlp", "attnlab.models"):
+        assert "attnlab.interventions" not in graph[lower], lower

@@ -129,8 +129,10 @@ def load_tokenizer(path: str | Path):
 
 
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
-    """A prepared model in eval mode; a sparse copy comes with its gated attention selected."""
-    from attnlab import interventions, sparse  # noqa: F401 (interventions registers the gated attention)
+    """A prepared model in eval mode; a sparse copy comes with its gated attention selected (it
+    needs ``attnlab.interventions`` imported, which registers it: every step that runs a model
+    imports it, and this module, below it, does not)."""
+    from attnlab import sparse
     from attnlab.checks import damaged_model_files
 
     try:

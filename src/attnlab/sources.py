@@ -99,7 +99,9 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 def gguf_shape(path: str | Path) -> tuple[int, int] | None:
     """(layers, attention heads) from a GGUF file's header ({arch}.block_count and
     {arch}.attention.head_count), read key by key up to them (the tensors are never read, nor the
-    tokenizer's vocabulary that follows); None when the header lacks them."""
+    tokenizer's vocabulary that follows); None when the header lacks them. Not ``gguf.GGUFReader``:
+    it parses the whole header and tensor table (2.9 s for SmolLM2 here, most of the default dry
+    run's 5 s) and cannot read the first part of a GGUF split into packages."""
     import struct
 
     def read(handle, fmt):

@@ -183,8 +183,7 @@ def _select_gated_attention(model) -> None:
 
     if IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS:
         raise RuntimeError(f"the gated attention '{IMPLEMENTATION}' is not registered: import "
-                           "attnlab.interventions (attnlab.models.load_model does) before making a "
-                           "model sparse or loading a sparse copy")
+                           "attnlab.interventions before making a model sparse or loading a sparse copy")
     model.set_attn_implementation(IMPLEMENTATION)
 
 
