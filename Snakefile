@@ -22,6 +22,7 @@ include: "workflow/rules/inference.smk"
 include: "workflow/rules/attention.smk"
 include: "workflow/rules/mlp.smk"
 include: "workflow/rules/pruning.smk"
+include: "workflow/rules/edges.smk"
 include: "workflow/rules/plots.smk"
 
 

@@ -11,7 +11,9 @@ Parts, in any combination (a block nested in another adds its parts to the outer
 - ``activations``: an ``mlp.ActivationRecorder``: statistics of one layer's MLP activation;
 - ``record``: a ``resume.LayerInputs``: every decoder layer's input and o_proj's input;
 - ``resume``: a ``resume.ResumeAt``: the forward starts at one layer from recorded inputs;
-- ``readout``: a ``readout.Readout``: only the positions and logits a metric reads are computed.
+- ``readout``: a ``readout.Readout``: only the positions and logits a metric reads are computed;
+- ``edges``: an ``edges.EdgePatch``: each receiver (query, key, value, MLP input, logits) reads its
+  own mix of the senders' clean and corrupted activations, or records them, or takes gradients.
 
 The first three act inside the attention computation, through one function registered with
 transformers' attention interface (``attend``): per block of queries it takes the scores,
@@ -19,7 +21,7 @@ applies a sparse model's gates and reduces the weights. What it does comes from 
 config (a sparse model always gates) and from one context variable, which ``intervened``
 sets on entry and resets on exit. The other parts are forward hooks on o_proj, the decoder
 layers and the MLP's ``act_fn``, and stand-ins for modules (``resume``: the layers below the
-resumed one; ``readout``: the last MLP and the LM head), installed on entry and removed on
+resumed one; ``readout``: the last MLP and the LM head; ``edges``: q_proj, k_proj and v_proj), installed on entry and removed on
 exit, exceptions included: nothing of a block outlives it.
 """
 
@@ -37,6 +39,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from attnlab import mlp, sparse
 from attnlab.attention import BatchReduction, LayerStats
+from attnlab.edges import EdgePatch
 from attnlab.readout import Readout
 from attnlab.resume import LayerInputs, ResumeAt
 
@@ -69,7 +72,8 @@ def current() -> Inside:
 def intervened(model, *, gates: sparse.GateTracker | None = None,
                gate_bias: sparse.GateBias | None = None, reduce: BatchReduction | None = None,
                head_gates=None, arm=None, activations=None, record: LayerInputs | None = None,
-               resume: ResumeAt | None = None, readout: Readout | None = None):
+               resume: ResumeAt | None = None, readout: Readout | None = None,
+               edges: EdgePatch | None = None):
     """Run ``model`` with the given parts (module docstring) inside the block; yield what the
     attention function sees."""
     inside = _merged(model, gates=gates, gate_bias=gate_bias, reduce=reduce)
@@ -91,6 +95,8 @@ def intervened(model, *, gates: sparse.GateTracker | None = None,
             handles.append(resume.install(model))
         if readout is not None:
             handles.append(readout.install(model))
+        if edges is not None:
+            handles.append(edges.install(model))
         yield inside
     finally:
         for handle in handles:

@@ -11,10 +11,18 @@ import pandas as pd
 from attnlab.plots import _save, fitted_suptitle, plt
 
 
+EFFECT_DEFINITIONS = {
+    "heads": "explained effect = (m(k) − m(0)) / (m(all) − m(0)), MLPs intact",
+    "edges": "explained effect = (m(n) − m(0)) / (m(all) − m(0)); an edge not kept carries its sender's "
+             "corrupted activation",
+}
+
+
 def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] | None,
                  threshold: float, ablation: str, ranking: str, out_path, dpi: int = 150,
-                 summaries: dict[str, dict] | None = None, ratios: dict[tuple, dict] | None = None) -> None:
-    """Explained effect vs number of heads kept, one curve per model, with an "N×" label;
+                 summaries: dict[str, dict] | None = None, ratios: dict[tuple, dict] | None = None,
+                 unit: str = "heads") -> None:
+    """Explained effect vs number of heads (``unit``: or edges) kept, one curve per model, with an "N×" label;
     a count that rests on a late jump, a curve that overshoots 1 or falls back below the
     threshold is marked on its curve and the N× label says "fragile" with the reason.
     ``summaries`` (each model's sweep.json) give the counts' intervals and the prompts they rest
@@ -36,7 +44,7 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
         text = count_text(needed[model], count["heads_to_reach_exact"])
         if "heads_interval" in summaries.get(model, {}):
             text += " " + interval_text(*summaries[model]["heads_interval"])
-        label = f"{model} ({text} heads to {threshold:g}{fragile})"
+        label = f"{model} ({text} {unit} to {threshold:g}{fragile})"
         colour = colours(k % 10)
         if {"effect_low", "effect_high"} <= set(sweep):
             ax.fill_between(sweep["heads_kept"], sweep["effect_low"], sweep["effect_high"], color=colour,
@@ -44,24 +52,23 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
         ax.plot(sweep["heads_kept"], sweep["explained_effect"], color=colour, lw=1.5, label=label)
         if needed[model] is not None:
             ax.plot([needed[model]], [threshold], "o", color=colour)
-        _mark_fragility(ax, sweep, needed[model], threshold, flags[model], colour, slot=k)
+        _mark_fragility(ax, sweep, needed[model], threshold, flags[model], colour, slot=k, unit=unit)
     ax.axhline(threshold, ls="--", color="grey", lw=1)
     labels = []
     for first, second in comparison_pairs(compare, list(sweeps)):
         if needed.get(first) and needed.get(second):
-            labels.append(_ratio_label(first, second, needed, threshold, ratios.get((first, second)))
-                          + _fragile_note({m: flags[m] for m in (first, second)}))
+            labels.append(_ratio_label(first, second, needed, threshold, ratios.get((first, second)), unit)
+                          + _fragile_note({m: flags[m] for m in (first, second)}).replace(" heads", f" {unit}"))
     if bounds:
         labels.append(textwrap.fill(f"{GRID_NOTE} ({', '.join(bounds)}): N× from such counts is not exact", 80))
     ax.set_xscale("symlog", linthresh=10)
     ax.set_xlim(left=0)
-    ax.set_xlabel("Number of Heads Kept")
+    ax.set_xlabel(f"Number of {unit.title()} Kept")
     ax.set_ylabel("Explained Effect")
-    ax.set_title(f"{task}: ablation = {ablation}, ranking = {ranking}\n"
-                 "explained effect = (m(k) − m(0)) / (m(all) − m(0)), MLPs intact", fontsize=9)
+    ax.set_title(f"{task}: ablation = {ablation}, ranking = {ranking}\n" + EFFECT_DEFINITIONS[unit], fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    notes = [FRAGILITY_DEFINITION]
+    notes = [FRAGILITY_DEFINITION.replace("heads", unit)]
     if summaries:
         notes.insert(0, _prompts_note(summaries))
     _text_below(fig, "\n".join(labels), "\n".join(textwrap.fill(note, 130) for note in notes))
@@ -98,16 +105,17 @@ def _prompts_note(summaries: dict[str, dict]) -> str:
     return "; ".join(parts) + band
 
 
-def _ratio_label(first: str, second: str, needed: dict, threshold: float, interval: dict | None = None) -> str:
-    """"N× fewer heads for B than A", with the N×'s interval when there is one."""
+def _ratio_label(first: str, second: str, needed: dict, threshold: float, interval: dict | None = None,
+                 unit: str = "heads") -> str:
+    """"N× fewer heads (edges) for B than A", with the N×'s interval when there is one."""
     from attnlab.curves import interval_text
 
     ratio = needed[first] / needed[second]
     spread = "" if interval is None else f", N× {interval_text(interval['low'], interval['high'], 2)}"
     if ratio >= 1:
-        return f"{ratio:.1f}× fewer heads for {second} than {first} at {threshold:g}{spread}"
+        return f"{ratio:.1f}× fewer {unit} for {second} than {first} at {threshold:g}{spread}"
     # "0.7× fewer" would read as fewer: say more, and keep the paper's N× beside it
-    return f"{1 / ratio:.1f}× more heads for {second} than {first} (N× = {ratio:.2f}{spread})"
+    return f"{1 / ratio:.1f}× more {unit} for {second} than {first} (N× = {ratio:.2f}{spread})"
 
 
 def _fragile_note(flags: dict[str, dict]) -> str:
@@ -120,7 +128,7 @@ def _fragile_note(flags: dict[str, dict]) -> str:
 
 
 def _mark_fragility(ax, sweep: pd.DataFrame, needed: int | None, threshold: float, flags: dict,
-                    colour, slot: int = 0) -> None:
+                    colour, slot: int = 0, unit: str = "heads") -> None:
     """Mark on the curve what makes its count fragile: the late climb (thick), the overshoot's
     peak (▲) and the lowest point after falling back below the threshold (▼). The ``slot``-th
     curve's labels sit one text line from the one before's (curves often peak together)."""
@@ -128,7 +136,7 @@ def _mark_fragility(ax, sweep: pd.DataFrame, needed: int | None, threshold: floa
     if flags["late_jump"]:
         climb = sweep[(sweep["heads_kept"] >= flags["jump_from_heads"]) & (sweep["heads_kept"] <= needed)]
         ax.plot(climb["heads_kept"], climb["explained_effect"], color=colour, lw=5, alpha=0.35)
-        ax.annotate(f"late jump +{flags['jump_rise']:.2f}\nover {flags['jump_width_heads']} heads",
+        ax.annotate(f"late jump +{flags['jump_rise']:.2f}\nover {flags['jump_width_heads']} {unit}",
                     (needed, threshold), xytext=(-6, 8 + 2 * lift), textcoords="offset points", ha="right",
                     fontsize=7, color=colour, zorder=4)
     if flags["overshoots"]:

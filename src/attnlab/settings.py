@@ -89,3 +89,19 @@ class Sweep:
     log_points: int
     threshold: float
     bootstrap: dict[str, Any]  # n_resamples, confidence
+
+
+@dataclass(frozen=True)
+class EdgeSweep:
+    """pruning.edges with the pruning settings it shares: EAP-IG's steps, the sweep's grid and its
+    refinement, the threshold and the bootstrap."""
+
+    seed: int
+    steps: int
+    batch_size: int
+    device: str
+    log_points: int
+    refine_points: int
+    interval_points: int
+    threshold: float
+    bootstrap: dict[str, Any]  # n_resamples, confidence

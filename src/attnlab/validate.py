@@ -39,11 +39,17 @@ def check(config: dict, schema_path: str | Path = SCHEMA, models_dir: str | Path
 
 
 def _check_pruning(pruning: dict) -> None:
-    """Exact patching cannot be both the ranking and switched off."""
+    """Exact patching cannot be both the ranking and switched off; edge circuits use a head
+    sweep's prompts, so their tasks must be swept."""
     if pruning["ranking"] == "exact" and not pruning["exact"]:
         raise ConfigError("pruning.exact is false but pruning.ranking is exact (its default): heads are "
                           "ranked by exact patching; remove exact: false, or set ranking: attribution "
                           "to rank by attribution alone")
+    unswept = [task for task in pruning["edges"]["tasks"] if task not in pruning["tasks"]]
+    if unswept:
+        raise ConfigError(f"pruning.edges.tasks names {unswept}, which pruning.tasks lacks "
+                          f"({sorted(pruning['tasks'])}): edge circuits run on a head sweep's prompts; "
+                          "add the task to pruning.tasks, or drop it from pruning.edges.tasks")
 
 
 def _check_sources(config: dict) -> None:

@@ -63,6 +63,7 @@ DENSITY_CURVES = {key: path.replace("sweep.json", "sweep.csv") for key, path in 
 # and each prompt's metric at every k: the N×'s interval resamples the prompts of both models.
 DENSITY_PER_PROMPT = {key: path.replace("sweep.json", "per_prompt.parquet") for key, path in DENSITY_SWEEPS.items()}
 DENSITY_SUMMARIES = {copy: f"results/sparsify/{copy}/summary.json" for _, copy in SPARSE_PAIRS}
+EDGE_TASKS = [task for task in PRUNING["edges"]["tasks"] if task in TASKS]  # validated: all of them
 MLP = config["mlp"]
 MLP_DATASETS = CHOSEN["mlp_datasets"]
 
@@ -214,6 +215,21 @@ def pruning_sweeps(wildcards):
             for kind, name in (("sweep", "sweep.csv"), ("summary", "sweep.json"), ("per_prompt", "per_prompt.parquet"))}
 
 
+def edge_settings(wildcards):
+    return typed.slice_of(typed.EdgeSweep, {**PRUNING, **PRUNING["edges"]})
+
+
+def edge_batch(wildcards, attempt):
+    return _halved(PRUNING["edges"]["batch_size"], attempt)
+
+
+def edge_sweeps(wildcards):
+    """Each swept model's edge curve, summary and per-prompt metrics for one task."""
+    return {f"{kind}_{model}": f"results/circuits/{model}/{wildcards.task}/{name}"
+            for model in PRUNING_MODELS
+            for kind, name in (("curve", "curve.csv"), ("summary", "summary.json"), ("per_prompt", "per_prompt.parquet"))}
+
+
 def pruning_bootstrap():
     """The resamples behind every interval, with the seed they are drawn from."""
     return {**PRUNING["bootstrap"], "seed": PRUNING["seed"]}
@@ -268,6 +284,13 @@ def pruning_targets():
     ]
 
 
+def edge_targets():
+    return [
+        *expand("results/circuits/{model}/{task}/edges.parquet", model=PRUNING_MODELS, task=EDGE_TASKS),
+        *expand("results/figures/circuits/{task}.{ext}", task=EDGE_TASKS, ext=EXT),
+    ]
+
+
 def mlp_targets():
     return [
         *expand("results/tables/mlp/{model}/{dataset}.csv", model=MODELS, dataset=MLP_DATASETS),
@@ -294,6 +317,7 @@ def all_targets():
         *sparsify_figures(),
         *length_sweep_targets(),
         *pruning_targets(),
+        *edge_targets(),
         "results/tables/accuracy.csv",
         *expand("results/figures/accuracy/{dataset}.{ext}",
                 dataset=DATASETS, ext=config["plots"]["format"]),

@@ -1,0 +1,92 @@
+"""Edge circuits of a model on a task (EAP-IG scores, the exact sweep over edges kept) and their
+figure."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+
+from attnlab import io
+from attnlab.curves import renamed_unit
+from attnlab.settings import EdgeSweep
+from attnlab.steps.circuits import _ratio, _Swept
+from attnlab.steps.common import _batch_size, _seed_everything, log
+
+
+def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, scoring_path: str,
+                 outputs: dict, threads: int, batch_size: int | None = None) -> None:
+    """Score every edge by EAP-IG on the prompts the head sweep ranked heads on, then keep the
+    top n by |score| and patch every other edge from the corrupted run on the prompts it counted
+    on, for n on a log grid refined around the first crossing. ``outputs``: edges (every edge's
+    score and rank), curve, per_prompt, summary."""
+    import torch
+
+    from attnlab.counting import Bootstrap, count_heads, prompts_digest
+    from attnlab.curves import k_grid
+    from attnlab.edge_circuits import EdgeCircuits, ranked_edges
+    from attnlab.models import load_model, load_tokenizer, pick_device
+    from attnlab.pruning import build_batch
+    from attnlab.tasks import TaskPrompts, subset
+
+    settings = EdgeSweep(**settings)
+    torch.set_num_threads(threads)
+    _seed_everything(settings.seed)
+    tokenizer = load_tokenizer(model_dir)
+    scoring = io.read_json(scoring_path)
+    prompts = TaskPrompts(**io.read_json(prompts_path))
+    model = load_model(model_dir, pick_device(settings.device), torch.float32)
+    size = _batch_size(settings.batch_size, batch_size)
+    ranking = EdgeCircuits(model, build_batch(subset(prompts, scoring["ranked_on"]), tokenizer), size)
+    started = time.perf_counter()
+    edges = ranked_edges(ranking.graph, ranking.scores(settings.steps))
+    scored_s = time.perf_counter() - started
+    io.write_parquet(edges, outputs["edges"])
+    del ranking
+    counted = subset(prompts, scoring["counted_on"])
+    circuits = EdgeCircuits(model, build_batch(counted, tokenizer), size, settings.refine_points)
+    clean, corrupted = circuits.metric(), circuits.corrupted_metric()
+    log.info("%s: %d edges scored in %.0f s; clean metric %.3f, corrupted %.3f on %d counted prompts", task,
+             len(edges), scored_s, clean, corrupted, len(counted.clean))
+    order = edges.sort_values("rank").index.to_numpy()
+    bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
+    started = time.perf_counter()
+    count = count_heads(circuits, order, k_grid(len(edges), 0, settings.log_points), settings.threshold,
+                        bootstrap, scoring["counted_on"], settings.interval_points)
+    swept_s = time.perf_counter() - started
+    io.write_csv(renamed_unit(count.curve), outputs["curve"])
+    io.write_parquet(renamed_unit(count.per_prompt), outputs["per_prompt"])
+    graph = circuits.graph
+    io.write_json({"task": task, "edges": len(edges), "senders": graph.n_senders, "receivers": graph.n_receivers,
+                   "eap_ig_steps": settings.steps, "threshold": settings.threshold, **renamed_unit(count.summary),
+                   "clean_metric": clean, "corrupted_metric": corrupted, "points": len(count.curve),
+                   "refined_points": int(count.curve["refined"].sum()), "score_s": scored_s, "sweep_s": swept_s,
+                   "interval_confidence": bootstrap.confidence, "bootstrap_resamples": bootstrap.n_resamples,
+                   "n_prompts_ranked_on": len(scoring["ranked_on"]), "n_prompts_counted_on": len(counted.clean),
+                   "rank_share": scoring["rank_share"],
+                   "counted_prompts_digest": prompts_digest(counted.clean, counted.corrupted)},
+                  outputs["summary"])
+
+
+def read_edge_sweep(paths: dict[str, str]) -> _Swept:
+    """``paths``: curve, summary, per_prompt of one model x task, named as the head sweeps' are
+    (heads_kept ...), so that the counting and the figures read both alike."""
+    return _Swept(renamed_unit(pd.read_csv(paths["curve"]), "edges", "heads"),
+                  renamed_unit(io.read_json(paths["summary"]), "edges", "heads"),
+                  renamed_unit(io.read_parquet(paths["per_prompt"]), "edges", "heads"))
+
+
+def plot_edges(inputs: dict[str, dict[str, str]], out_path: str, task: str, compare, threshold: float,
+               bootstrap: dict, dpi: int) -> None:
+    """Explained effect against edges kept, every model of ``inputs`` on one axis, with each
+    count's and N×_edges' interval."""
+    from attnlab.plan import comparison_pairs
+    from attnlab.plots_circuits import plot_pruning as plot
+
+    read = {model: read_edge_sweep(paths) for model, paths in inputs.items()}
+    ratios = {pair: _ratio(read[pair[0]], read[pair[1]], threshold, bootstrap)
+              for pair in comparison_pairs(compare, list(inputs))}
+    steps = {r.summary["eap_ig_steps"] for r in read.values()}
+    ranking = f"EAP-IG ({', '.join(map(str, sorted(steps)))} steps), by |score|"
+    plot({m: r.curve for m, r in read.items()}, task, compare, threshold, "corrupted", ranking, out_path, dpi,
+         {m: r.summary for m, r in read.items()}, ratios, unit="edges")

@@ -1,0 +1,214 @@
+"""Edge circuits: the graph, the exact evaluation against the unpatched model and hand-written
+patches, and EAP scores against finite differences."""
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab import sparse
+from attnlab.curves import refined_sweep
+from attnlab.edge_circuits import EdgeCircuits, ranked_edges
+from attnlab.edges import Graph
+from attnlab.pruning import TaskBatch
+from test_attention import TINY
+from test_pruning import _toy_batch
+
+
+def test_the_graph_of_smollm2_has_every_edge_once_and_none_backwards():
+    graph = Graph(n_layers=30, n_heads=9, n_kv_heads=3)
+    assert graph.n_senders == 1 + 30 * 10 and graph.n_receivers == 30 * 16 + 1
+    edges = graph.edges()
+    # a layer's query/key/value receivers hear the embeddings and every earlier layer;
+    # its MLP also hears its own heads; the logits hear everything
+    per_layer = sum(15 * (1 + 10 * layer) + (1 + 10 * layer + 9) for layer in range(30))
+    assert len(edges) == graph.n_edges == per_layer + 301
+    assert not edges.duplicated(["sender", "receiver"]).any()
+    assert (edges["sender_layer"] < edges["receiver_layer"]).sum() + \
+        ((edges["sender_layer"] == edges["receiver_layer"]) & edges["receiver_name"].str.endswith("MLP")).sum() \
+        == len(edges)
+    same_layer = edges[edges["sender_layer"] == edges["receiver_layer"]]
+    assert set(same_layer["sender_name"].str.split(".").str[1].str[0]) == {"H"}  # heads into their own MLP
+
+
+def _model(arch: str, sparse_copy: bool = False, dtype=torch.float32):
+    model = TINY[arch]()
+    if sparse_copy:
+        sparse.make_sparse(model, 0.5)
+    return model.to(dtype)
+
+
+def _plain_metric(model, batch: TaskBatch, ids: torch.Tensor) -> np.ndarray:
+    positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=batch.mask, position_ids=positions).logits
+    return batch.metric(logits, slice(0, batch.n_prompts)).double().numpy()
+
+
+@pytest.mark.parametrize("arch,sparse_copy", [("llama-gqa", False), ("qwen2", False), ("gemma3-sliding", False),
+                                              ("llama-gqa", True)])
+def test_all_edges_give_the_clean_run_and_none_the_corrupted_run(arch, sparse_copy):
+    model = _model(arch, sparse_copy)
+    batch = _toy_batch()
+    circuits = EdgeCircuits(model, batch, batch_size=4)
+    every = circuits.graph.valid()
+    _, kept_all = circuits.per_prompt(every)
+    _, kept_none = circuits.per_prompt(torch.zeros_like(every))
+    np.testing.assert_allclose(kept_all, _plain_metric(model, batch, batch.clean), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(kept_none, _plain_metric(model, batch, batch.corrupted), atol=1e-5, rtol=0)
+
+
+def _float64_batch():
+    batch = _toy_batch()
+
+    def metric(logits, prompts):  # float64 throughout, for finite differences
+        return logits[:, -1, 3] - logits[:, -1, 5]
+    return TaskBatch(batch.clean, batch.corrupted, batch.mask, batch.templates, metric, read_positions=1)
+
+
+class _ByHand:
+    """Runs of a tiny Llama with hooks written here: the clean and corrupted runs' embeddings and
+    layer-0 o_proj inputs, and patched runs that shift one receiver's input."""
+
+    def __init__(self, model, batch):
+        self.model, self.batch = model, batch
+        self.positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+        self.z = {}
+        self.embeds = {}
+        for name, ids in (("clean", batch.clean), ("corrupted", batch.corrupted)):
+            handle = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(
+                lambda module, args, name=name: self.z.__setitem__(name, args[0].detach().clone()))
+            self._run(ids)
+            handle.remove()
+            self.embeds[name] = model.model.embed_tokens(ids).detach()
+
+    def _run(self, ids) -> np.ndarray:
+        with torch.no_grad():
+            logits = self.model(input_ids=ids, attention_mask=self.batch.mask, position_ids=self.positions).logits
+        return self.batch.metric(logits, slice(0, self.batch.n_prompts)).double().numpy()
+
+    def head_output(self, name: str, head: int) -> torch.Tensor:
+        """Layer 0, ``head``'s contribution to the residual stream: its o_proj slice."""
+        dim = self.model.config.head_dim
+        o_proj = self.model.model.layers[0].self_attn.o_proj.weight
+        return self.z[name][..., head * dim:(head + 1) * dim] @ o_proj[:, head * dim:(head + 1) * dim].T
+
+    def logits_shifted(self, shift: torch.Tensor) -> np.ndarray:
+        """The clean run with the final norm's input shifted by ``shift``."""
+        handle = self.model.model.norm.register_forward_pre_hook(lambda module, args: (args[0] + shift,))
+        try:
+            return self._run(self.batch.clean)
+        finally:
+            handle.remove()
+
+    def query_shifted(self, layer: int, head: int, shift: torch.Tensor) -> np.ndarray:
+        """The clean run with ``head``'s query input at ``layer`` shifted by ``shift`` (the other
+        heads' queries, and every key and value, read the residual stream as it is)."""
+        block = self.model.model.layers[layer]
+        dim = self.model.config.head_dim
+        seen = {}
+        pre = block.register_forward_pre_hook(lambda module, args, kwargs: seen.__setitem__("x", kwargs.get(
+            "hidden_states", args[0] if args else None)), with_kwargs=True)
+
+        def patch(module, args, output):
+            out = output.clone()
+            own = module.forward(block.input_layernorm(seen["x"] + shift))  # forward: not this hook again
+            out[..., head * dim:(head + 1) * dim] = own[..., head * dim:(head + 1) * dim]
+            return out
+        post = block.self_attn.q_proj.register_forward_hook(patch)
+        try:
+            return self._run(self.batch.clean)
+        finally:
+            pre.remove()
+            post.remove()
+
+
+def test_dropping_one_edge_equals_a_patch_written_by_hand():
+    model = _model("llama-gqa", dtype=torch.float64)
+    batch = _float64_batch()
+    circuits = EdgeCircuits(model, batch, batch_size=6)
+    graph, hand = circuits.graph, _ByHand(model, batch)
+    every = graph.valid()
+
+    dropped = every.clone()
+    dropped[0, graph.logits_receiver] = False  # embeddings -> logits
+    want = hand.logits_shifted(hand.embeds["corrupted"] - hand.embeds["clean"])
+    np.testing.assert_allclose(circuits.per_prompt(dropped)[1], want, atol=1e-9, rtol=0)
+
+    dropped = every.clone()
+    dropped[graph.head_sender(0, 1), graph.attention_slice(1).start + 2] = False  # L0.H1 -> L1.H2.q
+    want = hand.query_shifted(1, 2, hand.head_output("corrupted", 1) - hand.head_output("clean", 1))
+    np.testing.assert_allclose(circuits.per_prompt(dropped)[1], want, atol=1e-9, rtol=0)
+    assert np.abs(want - _plain_metric(model, batch, batch.clean)).max() > 1e-6  # the patch did something
+
+
+def test_one_step_scores_equal_finite_differences():
+    model = _model("llama-gqa", dtype=torch.float64)
+    batch = _float64_batch()
+    circuits = EdgeCircuits(model, batch, batch_size=6)
+    graph, hand = circuits.graph, _ByHand(model, batch)
+    scores = circuits.scores(steps=1)
+    # transformers' RMS norms compute in float32 even in a float64 model: a step this large keeps
+    # their rounding (~1e-7 of the metric) out of the difference, whose own error is O(eps²)
+    eps = 1e-2
+
+    def central(metric_shifted_by):
+        """d mean-metric / dt at t = 0, the receiver's input shifted by −t (clean − corrupted) of
+        the sender: minus the score's linear estimate."""
+        return (metric_shifted_by(eps).mean() - metric_shifted_by(-eps).mean()) / (2 * eps)
+
+    difference = hand.embeds["clean"] - hand.embeds["corrupted"]
+    estimate = -central(lambda t: hand.logits_shifted(-t * difference))
+    assert scores[0, graph.logits_receiver].item() == pytest.approx(estimate, rel=1e-4)
+
+    difference = hand.head_output("clean", 1) - hand.head_output("corrupted", 1)
+    receiver = graph.attention_slice(1).start + 2
+    estimate = -central(lambda t: hand.query_shifted(1, 2, -t * difference))
+    assert scores[graph.head_sender(0, 1), receiver].item() == pytest.approx(estimate, rel=1e-4)
+    assert abs(estimate) > 1e-6
+
+
+def test_ranked_edges_order_by_absolute_score():
+    graph = Graph(n_layers=1, n_heads=2, n_kv_heads=1)
+    scores = torch.zeros(graph.n_senders, graph.n_receivers)
+    scores[0, graph.logits_receiver], scores[1, graph.logits_receiver] = 0.5, -2.0
+    edges = ranked_edges(graph, scores)
+    top = edges.sort_values("rank").head(2)
+    assert top["sender_name"].tolist() == ["L0.H0", "embed"]
+    assert top["score"].tolist() == [-2.0, 0.5]
+
+
+def test_log_refinement_finds_the_first_crossing_to_the_edge_in_few_passes():
+    calls = []
+
+    def metric_at(k):
+        calls.append(k)
+        return k ** 0.5
+
+    n = 70_000
+    grid = [0, *np.unique(np.geomspace(1, n, 40).round().astype(int)).tolist()]
+    sweep = refined_sweep(metric_at, n, sorted(set(grid) | {n}), threshold=0.9, refine_points=12)
+    reached = sweep[sweep["explained_effect"] >= 0.9]["heads_kept"].min()
+    assert reached == int(np.ceil((0.9 * n ** 0.5) ** 2))
+    assert reached - 1 in set(sweep["heads_kept"])  # found to the edge
+    assert len(calls) < 40 + 4 * 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_dir", ["smollm2_dir", "gemma3_dir"])
+def test_embedded_models_all_edges_clean_none_corrupted_to_1e5(model_dir, request):
+    """The issue's exactness on the real models (Gemma-3: sandwich norms, whose scale is split
+    between heads), on IOI prompts with their own metric."""
+    from attnlab.models import load_model, load_tokenizer
+    from attnlab.pruning import build_batch
+    from attnlab.tasks import generate_task
+
+    path = request.getfixturevalue(model_dir)
+    tokenizer = load_tokenizer(path)
+    model = load_model(path, torch.device("cpu"), torch.float32)
+    batch = build_batch(generate_task("ioi", tokenizer, 6, 0), tokenizer)
+    circuits = EdgeCircuits(model, batch, batch_size=6)
+    every = circuits.graph.valid()
+    np.testing.assert_allclose(circuits.per_prompt(every)[1], _plain_metric(model, batch, batch.clean),
+                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(circuits.per_prompt(torch.zeros_like(every))[1],
+                               _plain_metric(model, batch, batch.corrupted), atol=1e-5, rtol=0)
