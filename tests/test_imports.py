@@ -58,7 +58,8 @@ def test_the_library_has_no_import_cycle():
 def test_the_intervention_parts_sit_below_the_context_that_composes_them():
     graph = import_graph()
     assert "attnlab.interventions" in graph["attnlab.pruning"]
-    for part in ("attnlab.sparse", "attnlab.mlp", "attnlab.attention", "attnlab.resume", "attnlab.readout"):
+    for part in ("attnlab.sparse", "attnlab.mlp", "attnlab.attention", "attnlab.resume", "attnlab.readout",
+                 "attnlab.edges"):
         assert part in graph["attnlab.interventions"]
         assert "attnlab.interventions" not in graph[part]
 
@@ -68,7 +69,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_the_parts_below_the_context_never_import_it():
-    """sparse, mlp and models sit below attnlab.interventions: not even a nested import of it."""
+    """sparse, mlp, models and edges sit below attnlab.interventions: not even a nested import of it."""
     graph = import_graph()
-    for lower in ("attnlab.sparse", "attnlab.mlp", "attnlab.models"):
+    for lower in ("attnlab.sparse", "attnlab.mlp", "attnlab.models", "attnlab.edges"):
         assert "attnlab.interventions" not in graph[lower], lower

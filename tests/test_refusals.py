@@ -117,3 +117,19 @@ def test_rebuild_requests_are_read_from_the_command_line_while_parsing():
     assert rebuild_requests(["snakemake", "--forceall"]) == {"all"}
     assert rebuild_requests(["snakemake", "--forcerun=a b"]) == {"a", "b"}
     assert rebuild_requests(["snakemake", "--cores", "2", "results/x.png"]) == set()
+
+
+def test_edge_circuits_of_a_task_without_a_head_sweep_are_refused_before_any_job(tmp_path):
+    config = _tiny()
+    config["pruning"]["edges"] = {"tasks": ["docstring"]}
+    _refused(tmp_path, config, "pruning.edges.tasks names ['docstring'], which pruning.tasks lacks",
+             "add the task to pruning.tasks")
+
+
+def test_edge_circuits_plan_one_job_per_model_and_task(tmp_path):
+    config = _tiny()
+    config["pruning"]["edges"] = {"tasks": ["ioi"]}
+    result = dry_run(tmp_path, config)
+    assert result.returncode == 0, result.stdout[-3000:]
+    counts = job_counts(result.stdout)
+    assert counts["edge_circuit"] == counts["sweep_heads"] and counts["plot_edges"] == 1

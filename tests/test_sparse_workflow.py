@@ -81,6 +81,7 @@ def test_every_stage_runs_on_the_sparse_copy(sparse_run):
     assert sweeps[DENSE]["counted_prompts_digest"] == sweeps[SPARSE]["counted_prompts_digest"]
     assert heads.loc[SPARSE, "heads_fewer_paired"] == True  # noqa: E712 (read from CSV: a bool or NaN)
     assert (workdir / "results/figures/pruning/heads_vs_density.png").stat().st_size > 10_000
+    _check_edge_circuits(workdir)
     # Extraction of the copy is gated: it says so, and its received attention differs from the base's.
     with h5py.File(workdir / f"results/attention/{SPARSE}/svamp/none.h5") as sparse_h5, \
             h5py.File(workdir / f"results/attention/{DENSE}/svamp/none.h5") as dense_h5:
@@ -91,3 +92,23 @@ def test_every_stage_runs_on_the_sparse_copy(sparse_run):
         assert difference > 1e-3
     accuracy = pd.read_csv(workdir / "results/tables/accuracy.csv")
     assert set(accuracy["model"]) == {DENSE, SPARSE}
+
+
+def _check_edge_circuits(workdir):
+    """Both models' edge circuits on the head sweep's prompts: every edge scored, the curve from
+    the corrupted run (0) to the clean one (1), its count inside its interval, and the figure."""
+    for name in (DENSE, SPARSE):
+        folder = workdir / f"results/circuits/{name}/ioi"
+        edges = pd.read_parquet(folder / "edges.parquet")
+        summary = json.loads((folder / "summary.json").read_text())
+        curve = pd.read_csv(folder / "curve.csv")
+        heads = json.loads((workdir / f"results/pruning/{name}/ioi/sweep.json").read_text())
+        assert len(edges) == summary["edges"] == 70_651  # SmolLM2's graph (test_edges)
+        assert sorted(edges["rank"]) == list(range(1, len(edges) + 1))
+        assert curve["explained_effect"].iloc[0] == 0 and curve["explained_effect"].iloc[-1] == 1
+        assert curve["edges_kept"].iloc[-1] == len(edges)
+        assert summary["counted_prompts_digest"] == heads["counted_prompts_digest"]  # the same prompts
+        assert summary["clean_metric"] == pytest.approx(curve["metric"].iloc[-1])
+        needed, (low, high) = summary["edges_to_reach_threshold"], summary["edges_interval"]
+        assert needed is not None and low <= needed <= high
+    assert (workdir / "results/figures/circuits/ioi.png").stat().st_size > 10_000

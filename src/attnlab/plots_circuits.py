@@ -65,7 +65,8 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
     ax.set_xlim(left=0)
     ax.set_xlabel(f"Number of {unit.title()} Kept")
     ax.set_ylabel("Explained Effect")
-    ax.set_title(f"{task}: ablation = {ablation}, ranking = {ranking}\n" + EFFECT_DEFINITIONS[unit], fontsize=9)
+    title = f"{task}: ablation = {ablation}, ranking = {ranking}\n" + EFFECT_DEFINITIONS[unit]
+    ax.set_title("\n".join(textwrap.fill(line, 90) for line in title.split("\n")), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     notes = [FRAGILITY_DEFINITION.replace("heads", unit)]
@@ -260,8 +261,8 @@ def _log_density_axis(ax, densities: pd.Series) -> None:
         ax.xaxis.set_major_formatter(FormatStrFormatter("%.3g"))
 
 
-def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 150) -> None:
-    """Heads to the threshold against held-out density (log), one panel per task, one line per
+def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 150, unit: str = "heads") -> None:
+    """Heads (``unit``: or edges, the table's columns still named heads_*) to the threshold against held-out density (log), one panel per task, one line per
     dense model x ablation x ranking x prompt count; the dense model sits at density 1 and each
     copy is labelled N× against it. A curve that never reaches the threshold has no point (NaN).
     ``base`` names the dense model where the table has no ``base`` column."""
@@ -299,7 +300,7 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
         _log_density_axis(ax, table["heldout_density"])
         ax.set_title(task)
         ax.set_xlabel("held-out density (share of causal edges open)")
-        ax.set_ylabel(f"heads to {table['threshold'].iloc[0]:g} explained effect")
+        ax.set_ylabel(f"{unit} to {table['threshold'].iloc[0]:g} explained effect")
     axes[0][0].legend(fontsize=6)
     dense_name = "the dense model" if several else base if base else table["base"].iloc[0]
     fragile_note = ("; (fragile): either count rests on a late jump, an overshoot past 1 or a curve "
@@ -311,8 +312,67 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
         fragile_note += ("; bars and [a, b]: bootstrap intervals over the prompts counted on (heads_low/high, "
                          "heads_fewer_low/high; paired where both models were counted on the same prompts; an arrow up: "
                          "some resamples never reach the threshold), given the ranking")
-    fitted_suptitle(fig, f"Heads needed vs density; labels: N× = heads {dense_name} needs / heads the "
+    fragile_note = fragile_note.replace("heads", unit)  # the columns of {unit}_vs_density.csv
+    fitted_suptitle(fig, f"{unit.title()} needed vs density; labels: N× = {unit} {dense_name} needs / {unit} the "
                     "copy needs (> 1: the copy needs fewer); density on held-out text at the copy's "
                     "inference gate bias" + fragile_note, fontsize=8)
     fig.tight_layout()  # it makes room for the suptitle's lines
+    _save(fig, out_path, dpi)
+
+
+def _component_positions(layers: int, heads: int, kv_heads: int) -> dict[str, tuple[float, float]]:
+    """Where each component sits: one row per layer's attention (its heads; key/value heads a
+    little below, under the query heads they serve), one per layer's MLP (right), the embeddings
+    at the bottom and the logits at the top."""
+    middle = (heads - 1) / 2
+    places = {"embed": (middle, -1.0), "logits": (middle, 2.0 * layers)}
+    group = heads // kv_heads
+    for layer in range(layers):
+        for head in range(heads):
+            places[f"L{layer}.H{head}"] = (head, 2.0 * layer)
+        for kv in range(kv_heads):
+            places[f"L{layer}.KV{kv}"] = (kv * group + (group - 1) / 2, 2.0 * layer - 0.4)
+        places[f"L{layer}.MLP"] = (heads + 0.5, 2.0 * layer + 1)
+    return places
+
+
+def _component(name: str) -> str:
+    """The node a sender or receiver belongs to: L3.H2.q -> L3.H2, L3.KV1.k -> L3.KV1."""
+    return name.rsplit(".", 1)[0] if name.endswith((".q", ".k", ".v")) else name
+
+
+def plot_circuit(edges: pd.DataFrame, kept: int, dims: tuple[int, int, int], title: str, out_path,
+                 dpi: int = 150, max_drawn: int = 400) -> None:
+    """The circuit of the ``kept`` edges of largest |score| (``edges``: every edge with score and
+    rank), drawn over the model's components (``dims``: layers, heads, key/value heads); at most
+    ``max_drawn`` of them, the strongest, and the title says so."""
+    from matplotlib.collections import LineCollection
+
+    layers, heads, kv_heads = dims
+    places = _component_positions(layers, heads, kv_heads)
+    circuit = edges.sort_values("rank").head(kept)
+    drawn = circuit.head(max_drawn)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * heads + 3), max(6.0, 0.32 * layers + 2)))
+    xy = np.array(list(places.values()))
+    ax.scatter(xy[:, 0], xy[:, 1], s=6, color="0.85", zorder=1)
+    used = set(drawn["sender_name"]) | {_component(name) for name in drawn["receiver_name"]}
+    on = np.array([places[name] for name in used])
+    if len(on):
+        ax.scatter(on[:, 0], on[:, 1], s=14, color="black", zorder=3)
+    segments = [(places[row.sender_name], places[_component(row.receiver_name)]) for row in drawn.itertuples()]
+    strength = drawn["score"].abs().to_numpy()
+    widths = 0.2 + 2.8 * strength / strength.max() if len(strength) and strength.max() > 0 else 0.5
+    colours = np.where(drawn["score"].to_numpy() >= 0, "tab:blue", "tab:red")
+    ax.add_collection(LineCollection(segments, linewidths=widths, colors=colours, alpha=0.45, zorder=2))
+    ax.set_yticks([-1, *[2 * layer for layer in range(0, layers, max(1, layers // 10))], 2 * layers])
+    ax.set_yticklabels(["embed", *[f"L{layer}" for layer in range(0, layers, max(1, layers // 10))], "logits"])
+    ax.set_xticks(list(range(heads)) + [heads + 0.5])
+    ax.set_xticklabels([f"H{head}" for head in range(heads)] + ["MLP"], fontsize=7)
+    ax.set_xlim(-1, heads + 1.5)
+    ax.set_ylim(-2, 2 * layers + 1)
+    shown = f"all {kept:,}" if kept <= max_drawn else f"the {max_drawn:,} of largest |score| of {kept:,}"
+    fitted_suptitle(fig, f"{title}\n{shown} edges drawn; width ∝ |EAP-IG score|, blue: positive "
+                    "(carries the clean effect), red: negative; key/value heads under their query heads",
+                    fontsize=8)
+    fig.tight_layout()
     _save(fig, out_path, dpi)

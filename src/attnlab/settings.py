@@ -103,5 +103,6 @@ class EdgeSweep:
     log_points: int
     refine_points: int
     interval_points: int
+    n_counted: int | None  # the first n of the head sweep's counted prompts (None: all)
     threshold: float
     bootstrap: dict[str, Any]  # n_resamples, confidence

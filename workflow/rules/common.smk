@@ -64,6 +64,10 @@ DENSITY_CURVES = {key: path.replace("sweep.json", "sweep.csv") for key, path in 
 DENSITY_PER_PROMPT = {key: path.replace("sweep.json", "per_prompt.parquet") for key, path in DENSITY_SWEEPS.items()}
 DENSITY_SUMMARIES = {copy: f"results/sparsify/{copy}/summary.json" for _, copy in SPARSE_PAIRS}
 EDGE_TASKS = [task for task in PRUNING["edges"]["tasks"] if task in TASKS]  # validated: all of them
+# What edges_vs_density reads, as heads_vs_density does: "model/task" -> each file of the edge sweep.
+EDGE_DENSITY = {kind: {f"{model}/{task}": f"results/circuits/{model}/{task}/{name}"
+                       for model in dict.fromkeys(m for pair in SPARSE_PAIRS for m in pair) for task in EDGE_TASKS}
+                for kind, name in (("summary", "summary.json"), ("curve", "curve.csv"), ("per_prompt", "per_prompt.parquet"))}
 MLP = config["mlp"]
 MLP_DATASETS = CHOSEN["mlp_datasets"]
 
@@ -288,6 +292,9 @@ def edge_targets():
     return [
         *expand("results/circuits/{model}/{task}/edges.parquet", model=PRUNING_MODELS, task=EDGE_TASKS),
         *expand("results/figures/circuits/{task}.{ext}", task=EDGE_TASKS, ext=EXT),
+        *expand("results/figures/circuits/{model}/{task}.circuit.{ext}", model=PRUNING_MODELS, task=EDGE_TASKS,
+                ext=EXT),
+        *(["results/tables/edges_vs_density.csv"] if SPARSE_PAIRS and EDGE_TASKS else []),
     ]
 
 

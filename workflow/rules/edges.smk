@@ -53,3 +53,55 @@ rule plot_edges:
         "../../envs/attnlab.yaml"
     script:
         "../scripts/plot_edges.py"
+
+
+rule plot_circuit:
+    """The circuit at the first crossing of the threshold: components as nodes by layer, its
+    edges by |score| (the strongest drawn where there are many)."""
+    input:
+        edges="results/circuits/{model}/{task}/edges.parquet",
+        summary="results/circuits/{model}/{task}/summary.json",
+    output:
+        report(
+            "results/figures/circuits/{model}/{task}.circuit.{ext}",
+            caption="../report/circuit.rst",
+            category="Edge circuits",
+        ),
+    params:
+        dpi=config["plots"]["dpi"],
+    log:
+        "results/logs/plot_circuit/{model}/{task}.{ext}.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/plot_circuit.py"
+
+
+rule edges_vs_density:
+    """Edges each dense model needs against its sparse copies', by the copies' held-out density."""
+    input:
+        sweeps=list(EDGE_DENSITY["summary"].values()),
+        curves=list(EDGE_DENSITY["curve"].values()),
+        per_prompt=list(EDGE_DENSITY["per_prompt"].values()),
+        summaries=list(DENSITY_SUMMARIES.values()),
+    output:
+        table="results/tables/edges_vs_density.csv",
+        figure=report(
+            f"results/figures/circuits/edges_vs_density.{EXT}",
+            caption="../report/edges_vs_density.rst",
+            category="Edge circuits",
+        ),
+    params:
+        sweep_keys=list(EDGE_DENSITY["summary"]),
+        copies=list(DENSITY_SUMMARIES),
+        pairs=SPARSE_PAIRS,
+        n_prompts={task: PRUNING["tasks"][task]["n"] for task in EDGE_TASKS},
+        bootstrap=pruning_bootstrap(),
+        dpi=config["plots"]["dpi"],
+        unit="edges",
+    log:
+        "results/logs/edges_vs_density.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/heads_vs_density.py"

@@ -106,6 +106,7 @@ rule heads_vs_density:
         n_prompts={task: PRUNING["tasks"][task]["n"] for task in TASKS},
         bootstrap=pruning_bootstrap(),
         dpi=config["plots"]["dpi"],
+        unit="heads",
     log:
         "results/logs/heads_vs_density.log",
     conda:

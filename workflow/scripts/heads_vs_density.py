@@ -12,4 +12,5 @@ steps.heads_vs_density(
     table_path=snakemake.output.table,
     figure_path=snakemake.output.figure,
     dpi=snakemake.params.dpi,
+    unit=snakemake.params.unit,
 )

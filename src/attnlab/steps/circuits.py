@@ -145,13 +145,18 @@ class _Swept:
     per_prompt: pd.DataFrame
 
 
-def _read_sweep(paths: dict[str, str], ranking: str | None = None) -> _Swept:
+def _read_sweep(paths: dict[str, str], ranking: str | None = None, unit: str = "heads") -> _Swept:
     """``paths``: sweep (curves), summary (sweep.json), per_prompt; ``ranking``: the summary's own
-    when None."""
-    summary = io.read_json(paths["summary"])
+    when None. ``unit`` "edges": an edge sweep (one ranking), its "edges" named "heads" as the
+    counting and the figures read them."""
+    from attnlab.curves import renamed_unit
+
+    summary = renamed_unit(io.read_json(paths["summary"]), unit, "heads")
+    curve = renamed_unit(pd.read_csv(paths["sweep"]), unit, "heads")
+    rows = renamed_unit(io.read_parquet(paths["per_prompt"]), unit, "heads")
+    if unit == "edges":
+        return _Swept(curve, summary, rows)
     ranking = ranking or summary["ranking"]
-    curve = pd.read_csv(paths["sweep"])
-    rows = io.read_parquet(paths["per_prompt"])
     return _Swept(curve[curve["ranking"] == ranking].reset_index(drop=True), summary,
                   rows[rows["ranking"] == ranking])
 
@@ -169,16 +174,18 @@ def _ratio(first: _Swept, second: _Swept, threshold: float, bootstrap: dict) -> 
 def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
                      per_prompt_paths: dict[str, str], summary_paths: dict[str, str], pairs: list,
                      n_prompts: dict[str, int], bootstrap: dict, table_path: str, figure_path: str,
-                     dpi: int) -> None:
-    """Each dense model's heads to the threshold beside its sparse copies' (sweep_paths keyed
-    "model/task"), against the copies' held-out density (their summary.json); whether each
-    count, and so each N×, is fragile comes from the sweep's curve (curve_paths, same keys), and
-    each N×'s interval from both sweeps' per-prompt metrics (per_prompt_paths, paired)."""
-    from attnlab.curves import crossing, flag_fragile_counts, fragility, heads_vs_density_table
+                     dpi: int, unit: str = "heads") -> None:
+    """Each dense model's heads (``unit``: or edges) to the threshold beside its sparse copies'
+    (sweep_paths keyed "model/task"), against the copies' held-out density (their summary.json);
+    whether each count, and so each N×, is fragile comes from the sweep's curve (curve_paths,
+    same keys), and each N×'s interval from both sweeps' per-prompt metrics (per_prompt_paths,
+    paired)."""
+    from attnlab.curves import (crossing, flag_fragile_counts, fragility, heads_vs_density_table,
+                                renamed_unit)
     from attnlab.plots_circuits import plot_heads_vs_density
 
     read = {tuple(key.split("/")): _read_sweep({"sweep": curve_paths[key], "summary": path,
-                                                "per_prompt": per_prompt_paths[key]})
+                                                "per_prompt": per_prompt_paths[key]}, unit=unit)
             for key, path in sweep_paths.items()}
     # the counts from the curve: a sweep.json of older code meant less by "exact"
     sweeps = {key: {**r.summary, **crossing(r.curve, r.summary["threshold"])} for key, r in read.items()}
@@ -194,8 +201,8 @@ def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
                          heads_fewer_low=[r and r["low"] for r in ratios],
                          heads_fewer_high=[r and r["high"] for r in ratios],
                          heads_fewer_paired=[r and r["paired"] for r in ratios])
-    io.write_csv(table, table_path)
-    plot_heads_vs_density(table, "", figure_path, dpi)
+    io.write_csv(renamed_unit(table, "heads", unit), table_path)
+    plot_heads_vs_density(table, "", figure_path, dpi, unit)
 
 
 def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, checkpoint: str,

@@ -10,7 +10,7 @@ import pandas as pd
 from attnlab import io
 from attnlab.curves import renamed_unit
 from attnlab.settings import EdgeSweep
-from attnlab.steps.circuits import _ratio, _Swept
+from attnlab.steps.circuits import _ratio, _read_sweep
 from attnlab.steps.common import _batch_size, _seed_everything, log
 
 
@@ -43,7 +43,8 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     scored_s = time.perf_counter() - started
     io.write_parquet(edges, outputs["edges"])
     del ranking
-    counted = subset(prompts, scoring["counted_on"])
+    counted_on = scoring["counted_on"][:settings.n_counted]  # ascending ids: the first n (None: all)
+    counted = subset(prompts, counted_on)
     circuits = EdgeCircuits(model, build_batch(counted, tokenizer), size, settings.refine_points)
     clean, corrupted = circuits.metric(), circuits.corrupted_metric()
     log.info("%s: %d edges scored in %.0f s; clean metric %.3f, corrupted %.3f on %d counted prompts", task,
@@ -52,13 +53,14 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
     started = time.perf_counter()
     count = count_heads(circuits, order, k_grid(len(edges), 0, settings.log_points), settings.threshold,
-                        bootstrap, scoring["counted_on"], settings.interval_points)
+                        bootstrap, counted_on, settings.interval_points)
     swept_s = time.perf_counter() - started
     io.write_csv(renamed_unit(count.curve), outputs["curve"])
     io.write_parquet(renamed_unit(count.per_prompt), outputs["per_prompt"])
     graph = circuits.graph
     io.write_json({"task": task, "edges": len(edges), "senders": graph.n_senders, "receivers": graph.n_receivers,
-                   "eap_ig_steps": settings.steps, "threshold": settings.threshold, **renamed_unit(count.summary),
+                   "layers": graph.n_layers, "heads": graph.n_heads, "kv_heads": graph.n_kv_heads,
+                   "eap_ig_steps": settings.steps, "ablation": "corrupted", "ranking": f"EAP-IG {settings.steps} steps", "threshold": settings.threshold, **renamed_unit(count.summary),
                    "clean_metric": clean, "corrupted_metric": corrupted, "points": len(count.curve),
                    "refined_points": int(count.curve["refined"].sum()), "score_s": scored_s, "sweep_s": swept_s,
                    "interval_confidence": bootstrap.confidence, "bootstrap_resamples": bootstrap.n_resamples,
@@ -68,14 +70,6 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
                   outputs["summary"])
 
 
-def read_edge_sweep(paths: dict[str, str]) -> _Swept:
-    """``paths``: curve, summary, per_prompt of one model x task, named as the head sweeps' are
-    (heads_kept ...), so that the counting and the figures read both alike."""
-    return _Swept(renamed_unit(pd.read_csv(paths["curve"]), "edges", "heads"),
-                  renamed_unit(io.read_json(paths["summary"]), "edges", "heads"),
-                  renamed_unit(io.read_parquet(paths["per_prompt"]), "edges", "heads"))
-
-
 def plot_edges(inputs: dict[str, dict[str, str]], out_path: str, task: str, compare, threshold: float,
                bootstrap: dict, dpi: int) -> None:
     """Explained effect against edges kept, every model of ``inputs`` on one axis, with each
@@ -83,10 +77,27 @@ def plot_edges(inputs: dict[str, dict[str, str]], out_path: str, task: str, comp
     from attnlab.plan import comparison_pairs
     from attnlab.plots_circuits import plot_pruning as plot
 
-    read = {model: read_edge_sweep(paths) for model, paths in inputs.items()}
+    read = {model: _read_sweep({"sweep": paths["curve"], "summary": paths["summary"],
+                                "per_prompt": paths["per_prompt"]}, unit="edges") for model, paths in inputs.items()}
     ratios = {pair: _ratio(read[pair[0]], read[pair[1]], threshold, bootstrap)
               for pair in comparison_pairs(compare, list(inputs))}
     steps = {r.summary["eap_ig_steps"] for r in read.values()}
     ranking = f"EAP-IG ({', '.join(map(str, sorted(steps)))} steps), by |score|"
     plot({m: r.curve for m, r in read.items()}, task, compare, threshold, "corrupted", ranking, out_path, dpi,
          {m: r.summary for m, r in read.items()}, ratios, unit="edges")
+
+
+def plot_circuit(edges_path: str, summary_path: str, out_path: str, model: str, dpi: int) -> None:
+    """The circuit at the first crossing of the threshold (summary.json's count; with none, every
+    edge), drawn over the model's components."""
+    from attnlab.curves import count_text
+    from attnlab.plots_circuits import plot_circuit as plot
+
+    summary = io.read_json(summary_path)
+    needed = summary["edges_to_reach_threshold"]
+    kept = summary["edges"] if needed is None else needed
+    count = count_text(needed, summary["edges_to_reach_exact"])
+    title = (f"{model}, {summary['task']}: the circuit at {summary['threshold']:g} explained effect "
+             f"({count} of {summary['edges']:,} edges)")
+    plot(io.read_parquet(edges_path), kept, (summary["layers"], summary["heads"], summary["kv_heads"]), title,
+         out_path, dpi)
