@@ -212,3 +212,32 @@ def test_embedded_models_all_edges_clean_none_corrupted_to_1e5(model_dir, reques
                                atol=1e-5, rtol=0)
     np.testing.assert_allclose(circuits.per_prompt(torch.zeros_like(every))[1],
                                _plain_metric(model, batch, batch.corrupted), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "gemma3-sliding"])
+def test_a_random_circuit_is_the_same_from_either_base(arch):
+    """Each receiver reads live − Σ dropped (live − corrupted) or corrupted + Σ kept (live −
+    corrupted), whichever it keeps less of: forcing every receiver onto one base, then the other,
+    gives the same metrics, and they differ from both ends."""
+    from attnlab.edges import EdgePatch, Plan
+
+    model = _model(arch)
+    batch = _toy_batch()
+    circuits = EdgeCircuits(model, batch, batch_size=6)
+    graph = circuits.graph
+    kept = graph.valid() & (torch.rand(graph.n_senders, graph.n_receivers,
+                                       generator=torch.Generator().manual_seed(0)) < 0.3)
+    rows = slice(0, len(batch.clean))
+    metrics = []
+    for live in (True, False):
+        patch = EdgePatch(graph, kept=kept, corrupted=circuits.corrupted[0])
+        plan = patch.plan
+        live_base = torch.full_like(plan.live_base, live)
+        coef = torch.where(live_base[None, :], kept.float() - 1, kept.float()) * graph.valid()
+        patch.plan = Plan(coef, live_base, plan.patched | ~live_base, coef.abs().sum(1) > 0)
+        with torch.no_grad():
+            metrics.append(batch.metric(circuits._logits(rows, patch, ids=batch.clean), rows).numpy())
+    np.testing.assert_allclose(metrics[0], metrics[1], atol=1e-4, rtol=0)
+    assert np.abs(metrics[0] - circuits.per_prompt(kept)[1]).max() < 1e-4
+    for end in (circuits.metric(), circuits.corrupted_metric()):
+        assert abs(metrics[0].mean() - end) > 1e-3

@@ -185,6 +185,7 @@ class Plan:
     coef: torch.Tensor  # [senders, receivers]: -1 dropped (live base), 1 kept (corrupted base), else 0
     live_base: torch.Tensor  # [receivers] bool
     patched: torch.Tensor  # [receivers] bool: the receiver does not read the live residual as it is
+    used: torch.Tensor  # [senders] bool: some receiver reads the sender's (live − corrupted)
 
     @classmethod
     def of(cls, graph: Graph, kept: torch.Tensor) -> "Plan":
@@ -195,7 +196,7 @@ class Plan:
         n_valid, n_kept = valid.sum(0), kept.sum(0)
         live_base = 2 * n_kept >= n_valid
         coef = torch.where(live_base[None, :], kept.float() - 1, kept.float()) * valid
-        return cls(coef, live_base, n_kept < n_valid)
+        return cls(coef, live_base, n_kept < n_valid, coef.abs().sum(1) > 0)
 
 
 class _ReceiverProjection(nn.Module):
@@ -312,20 +313,29 @@ class _Installed:
             if record.senders is None:
                 record.senders = values.new_empty(self.graph.n_senders, *values.shape[1:])
             record.senders[index:stop] = values.detach()
-        if self.plan is not None:
-            if self.deltas is None:
-                self.deltas = values.new_empty(self.graph.n_senders, *values.shape[1:])
+        if self.plan is not None and bool(self.plan.used[index:stop].any()):  # others are never read
+            recorded = self.patch.corrupted.senders
+            if recorded.shape[1:] != values.shape[1:]:
+                raise ValueError(f"edge patching: this pass runs {tuple(values.shape[1:])} [rows, tokens, hidden], "
+                                 f"the corrupted recording holds {tuple(recorded.shape[1:])}: record the "
+                                 "corrupted run of the same batch of prompts")
+            if self.deltas is None:  # zeros: a sender no receiver reads is never written, and the
+                # matrix product below multiplies its row by 0
+                self.deltas = values.new_zeros(self.graph.n_senders, *values.shape[1:])
             torch.sub(values, self.patch.corrupted.senders[index:stop], out=self.deltas[index:stop])
 
     def _heads(self, index: int, scale):
-        weight_of = self.graph.n_heads
+        n_heads = self.graph.n_heads
+
+        first = self.graph.head_sender(index, 0)
 
         def record(module, args, output):
-            if self.patch.record is None and self.plan is None:
+            unread = self.plan is None or not bool(self.plan.used[first:first + n_heads].any())
+            if self.patch.record is None and unread:
                 return
-            z = args[0]
-            weight = module.weight.view(module.out_features, weight_of, -1)
-            heads = torch.einsum("bthe,dhe->hbtd", z.view(*z.shape[:-1], weight_of, -1), weight)
+            z = args[0]  # o_proj's input, the heads' outputs side by side; a bias is no sender's
+            weight = module.weight.view(module.out_features, n_heads, -1)
+            heads = torch.einsum("bthe,dhe->hbtd", z.view(*z.shape[:-1], n_heads, -1), weight)
             if scale is not None:  # a post-norm of the block's output: the same scale for every head
                 weight_norm, eps = scale
                 heads = heads * (torch.rsqrt(output.float().pow(2).mean(-1, keepdim=True) + eps) * weight_norm)
@@ -361,6 +371,9 @@ class _Installed:
         on top of the base most of them read (the others corrected by the bases' difference)."""
         coef = plan.coef[:upstream, receivers]  # [senders, receivers]
         used = coef.abs().sum(1).nonzero()[:, 0]
+        if not len(used):  # every receiver reads its base as it is
+            on_live = plan.live_base[receivers].to(live.device)[:, None, None, None]
+            return torch.where(on_live, live, corrupted)
         deltas = self.deltas[:upstream]
         if coef.shape[1] == 1:  # one receiver (an MLP, the logits): add its senders one by one
             base = live if bool(plan.live_base[receivers][0]) else corrupted
