@@ -59,7 +59,8 @@ def renamed_unit(value, source: str = "heads", target: str = "edges"):
     if isinstance(value, pd.DataFrame):
         return value.rename(columns=lambda column: column.replace(source, target))
     if isinstance(value, dict):
-        return {key.replace(source, target): renamed_unit(item, source, target) for key, item in value.items()}
+        return {key.replace(source, target).replace(f"the_{source[:-1]}", f"the_{target[:-1]}"):
+                renamed_unit(item, source, target) for key, item in value.items()}  # interval_to_the_head
     if isinstance(value, list):  # fragile_reasons: "falls back to 0.85 at 12 heads"
         return [item.replace(f" {source}", f" {target}") if isinstance(item, str) else item for item in value]
     return value

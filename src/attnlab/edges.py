@@ -139,7 +139,7 @@ class Graph:
     def mask(self, senders: np.ndarray, receivers: np.ndarray) -> torch.Tensor:
         """[senders, receivers] bool with the given edges set."""
         mask = torch.zeros(self.n_senders, self.n_receivers, dtype=torch.bool)
-        mask[torch.as_tensor(senders, dtype=torch.long), torch.as_tensor(receivers, dtype=torch.long)] = True
+        mask[torch.tensor(np.asarray(senders), dtype=torch.long), torch.tensor(np.asarray(receivers), dtype=torch.long)] = True
         return mask
 
 
