@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.attnlab-installed
 
-.PHONY: install run mechanism sparse sparse-gpu test test-fast lint dry-run report clean bench-peers
+.PHONY: install run mechanism sparse sparse-gpu test test-fast lint dry-run report clean bench-peers bench-edge-peers
 
 install: $(STAMP)
 
@@ -64,6 +64,24 @@ $(PEERS_MODELS): | $(STAMP)
 
 bench-peers: install $(PEERS_STAMP) $(PEERS_MODELS)
 	$(BIN)/python benchmarks/peers.py --peer-python $(PEERS_VENV)/bin/python $(PEERS_ARGS)
+
+# attnlab's edge scores beside auto-circuit's (benchmarks/edge_peers.py). auto-circuit 1.0.1 needs
+# TransformerLens' HookedTransformer, which 4.x removed: its own virtualenv, TransformerLens 3.9
+# (benchmarks/autocircuit-requirements.txt says why each piece is there).
+AUTOCIRCUIT_VENV  ?= .venv-autocircuit
+AUTOCIRCUIT_STAMP  = $(AUTOCIRCUIT_VENV)/.autocircuit-installed
+
+$(AUTOCIRCUIT_STAMP): benchmarks/autocircuit-requirements.txt benchmarks/peers-constraints.txt
+	test -x $(AUTOCIRCUIT_VENV)/bin/python || $(PYTHON) -m venv $(AUTOCIRCUIT_VENV)
+	$(AUTOCIRCUIT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(AUTOCIRCUIT_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	grep -v '^transformer-lens' benchmarks/peers-constraints.txt > $(AUTOCIRCUIT_VENV)/constraints.txt
+	$(AUTOCIRCUIT_VENV)/bin/python -m pip install --quiet -r benchmarks/autocircuit-requirements.txt -c $(AUTOCIRCUIT_VENV)/constraints.txt
+	$(AUTOCIRCUIT_VENV)/bin/python -m pip install --quiet --no-deps auto-circuit==1.0.1
+	touch $@
+
+bench-edge-peers: install $(AUTOCIRCUIT_STAMP)
+	$(BIN)/python benchmarks/edge_peers.py --peer-python $(AUTOCIRCUIT_VENV)/bin/python $(EDGE_PEERS_ARGS)
 
 clean:
 	rm -rf results/* resources .snakemake
