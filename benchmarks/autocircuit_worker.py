@@ -147,31 +147,56 @@ def metric(logits_last: torch.Tensor, answers: torch.Tensor, distractors: torch.
     return a - d
 
 
+def attnlab_names(edge, kv_group: int) -> tuple[str, str]:
+    """An auto-circuit edge's (sender, receiver) in attnlab's names (module docstring)."""
+    s, d = edge.src.name, edge.dest.name
+    if s == "Resid Start":
+        sender = "embed"
+    elif s.startswith("MLP "):
+        sender = f"L{s.split()[1]}.MLP"
+    else:  # A{l}.{h}
+        layer, head = s[1:].split(".")
+        sender = f"L{layer}.H{head}"
+    if d == "Resid End":
+        receiver = "logits"
+    elif d.startswith("MLP "):
+        receiver = f"L{d.split()[1]}.MLP"
+    else:  # A{l}.{h}.{Q|K|V}
+        layer, head, letter = d[1:].split(".")
+        if letter == "Q":
+            receiver = f"L{layer}.H{head}.q"
+        else:
+            receiver = f"L{layer}.KV{int(head) // kv_group}.{letter.lower()}"
+    return sender, receiver
+
+
 def scores_by_name(model, prune_scores, kv_group: int) -> dict[tuple[str, str], float]:
     """auto-circuit prune scores → {(attnlab sender, attnlab receiver): score}, K/V summed per kv head."""
     out: dict[tuple[str, str], float] = defaultdict(float)
-    # gather all edges' scores in one go per destination module
     for edge in model.edges:
-        s, d = edge.src.name, edge.dest.name
-        if s == "Resid Start":
-            sender = "embed"
-        elif s.startswith("MLP "):
-            sender = f"L{s.split()[1]}.MLP"
-        else:  # A{l}.{h}
-            layer, head = s[1:].split(".")
-            sender = f"L{layer}.H{head}"
-        if d == "Resid End":
-            receiver = "logits"
-        elif d.startswith("MLP "):
-            receiver = f"L{d.split()[1]}.MLP"
-        else:  # A{l}.{h}.{Q|K|V}
-            layer, head, letter = d[1:].split(".")
-            if letter == "Q":
-                receiver = f"L{layer}.H{head}.q"
-            else:
-                receiver = f"L{layer}.KV{int(head) // kv_group}.{letter.lower()}"
-        out[(sender, receiver)] += float(prune_scores[edge.dest.module_name][edge.patch_idx])
+        out[attnlab_names(edge, kv_group)] += float(prune_scores[edge.dest.module_name][edge.patch_idx])
     return out
+
+
+def circuit_metrics(model, loader, circuits: dict[str, list], template, kv_group: int, answers, distractors) -> dict:
+    """The mean metric of each circuit (attnlab edge names; a key/value-head edge stands for the
+    edges into every query head of its group) with run_circuits: clean input, the circuit's edges
+    clean, every other edge carrying the corrupted run's sender output."""
+    results = {}
+    for name, kept in circuits.items():
+        chosen = {tuple(edge) for edge in kept}
+        scores = {module: torch.zeros_like(tensor) for module, tensor in template.items()}
+        count = 0
+        for edge in model.edges:
+            if attnlab_names(edge, kv_group) in chosen:
+                scores[edge.dest.module_name][edge.patch_idx] = 1.0
+                count += 1
+        outs = run_circuits(model, loader, [count], scores, patch_type=PatchType.TREE_PATCH,
+                            ablation_type=AblationType.RESAMPLE)
+        logits = torch.cat(list(outs[count].values()))
+        results[name] = {"autocircuit_edges": count, "metric": metric(logits, answers, distractors).mean().item()}
+        print(name, results[name], flush=True)
+    return results
 
 
 def write_scores(path: Path, scores: dict[tuple[str, str], float]) -> None:
@@ -189,6 +214,8 @@ def main() -> None:
     parser.add_argument("--ig-samples", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-curve", action="store_true")
+    parser.add_argument("--circuits", help="JSON {name: [[sender, receiver], ...]} in attnlab's names: each "
+                        "circuit's metric to autocircuit_circuits.json")
     parser.add_argument("--skip-slow-eap", action="store_true",
                         help="use mask_gradient(mask_val=0) for the EAP file instead of the per-edge reference EAP")
     args = parser.parse_args()
@@ -289,6 +316,12 @@ def main() -> None:
         (out / "autocircuit_curve.csv").write_text(
             "n,metric\n" + "".join(f"{n},{m!r}\n" for n, m in rows))
         print(rows, flush=True)
+        save_timing()
+
+    if args.circuits:
+        kept = json.loads(Path(args.circuits).read_text())
+        timing["circuits"] = timed("circuits", lambda: circuit_metrics(model, loader, kept, eap, kv_group, answers,
+                                                                       distractors))
         save_timing()
 
     if args.ig_samples > 0:

@@ -11,7 +11,10 @@ own virtualenv (``benchmarks/autocircuit_worker.py``, which maps its node names 
 and sums its per-query-head key/value receivers onto attnlab's key/value heads). Written to
 benchmarks/out/edge_peers/: both tools' scores and ``comparison.json`` (Spearman of |score| and
 of the signed scores, Pearson, the largest difference, the overlap of the top 1% of edges by
-|score|, sign agreement, each tool's seconds and its own plain forward's).
+|score|, sign agreement, each tool's seconds and its own plain forward's), and, for the top n
+edges of attnlab's EAP ranking (``--circuits``), the metric of that circuit (every other edge
+carrying the corrupted activation) evaluated by each tool: the exact evaluation checked against
+an independent implementation.
 
 auto-circuit's integrated gradients interpolate the edge masks, not the input embeddings (the
 worker's docstring), so only plain EAP is the same quantity in both tools; ``--ig`` also runs
@@ -75,6 +78,8 @@ def main() -> None:
                         help="also auto-circuit's reference EAP (a Python loop over its 123,211 edges: ~20 min)")
     parser.add_argument("--ig", action="store_true", help="also auto-circuit's mask-IG (5 samples)")
     parser.add_argument("--curve", action="store_true", help="also auto-circuit's faithfulness curve")
+    parser.add_argument("--circuits", type=int, nargs="*", default=[100, 1000, 10000],
+                        help="evaluate the top n edges of attnlab's EAP ranking exactly in both tools")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out = OUT / "edge_peers"
@@ -96,16 +101,30 @@ def main() -> None:
     started = time.perf_counter()
     circuits.metric()
     seconds["attnlab_forward_s"] = time.perf_counter() - started
+    circuits_path, ours_circuits = out / "circuits.json", {}
+    order = ours[1].sort_values("rank")
+    for n in args.circuits:
+        top = order.head(n)
+        ours_circuits[f"top{n}"] = {"edges": n, "metric": circuits.metric(circuits.kept(top.index.to_numpy(), n))}
+    circuits_path.write_text(json.dumps({f"top{n}": order.head(n)[["sender_name", "receiver_name"]].values.tolist()
+                                         for n in args.circuits}))
     worker = [args.peer_python, str(REPO / "benchmarks/autocircuit_worker.py"), "--model", str(path),
               "--inputs", str(out / "inputs.json"), "--out", str(out), "--threads", str(args.threads)]
     worker += [] if args.reference_eap else ["--skip-slow-eap"]
     worker += [] if args.curve else ["--no-curve"]
     worker += [] if args.ig else ["--ig-samples", "0"]
+    worker += ["--circuits", str(circuits_path)] if args.circuits else []
     subprocess.run(worker, check=True)
     peer_timing = json.loads((out / "autocircuit_timing.json").read_text())
     result = {"model": "smollm2-135m", "task": "ioi", "prompts": args.n, "tokens": batch.clean.shape[1],
               **seconds, "autocircuit": peer_timing,
               "eap": agreement(ours[1], pd.read_csv(out / "autocircuit_eap.csv"))}
+    if args.circuits:
+        theirs = peer_timing["circuits"]
+        result["circuits"] = {name: {"attnlab_metric": value["metric"], "autocircuit_metric": theirs[name]["metric"],
+                                     "edges": value["edges"], "autocircuit_edges": theirs[name]["autocircuit_edges"],
+                                     "abs_difference": abs(value["metric"] - theirs[name]["metric"])}
+                              for name, value in ours_circuits.items()}
     if args.ig:
         result["ig_different_definitions"] = agreement(ours[5], pd.read_csv(out / "autocircuit_ig5.csv"))
     (out / "comparison.json").write_text(json.dumps(result, indent=2))

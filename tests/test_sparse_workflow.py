@@ -112,3 +112,10 @@ def _check_edge_circuits(workdir):
         needed, (low, high) = summary["edges_to_reach_threshold"], summary["edges_interval"]
         assert needed is not None and low <= needed <= high
     assert (workdir / "results/figures/circuits/ioi.png").stat().st_size > 10_000
+    for name in (DENSE, SPARSE):
+        assert (workdir / f"results/figures/circuits/{name}/ioi.circuit.png").stat().st_size > 10_000
+    table = pd.read_csv(workdir / "results/tables/edges_vs_density.csv").set_index("label")
+    assert table.loc[DENSE, "heldout_density"] == 1 and table.loc[SPARSE, "edges_fewer_paired"] == True  # noqa: E712
+    assert table.loc[SPARSE, "edges_to_reach_threshold"] == json.loads(
+        (workdir / f"results/circuits/{SPARSE}/ioi/summary.json").read_text())["edges_to_reach_threshold"]
+    assert (workdir / "results/figures/circuits/edges_vs_density.png").stat().st_size > 10_000

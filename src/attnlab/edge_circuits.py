@@ -136,19 +136,21 @@ class EdgeCircuits:
 
 def _edge_scores(graph: Graph, differences: torch.Tensor, perturb: Perturbation, steps: int) -> torch.Tensor:
     """Σ over rows and positions of (clean − corrupted) sender activations · the receivers'
-    gradients summed over the steps, over ``steps``: [senders, receivers]."""
+    gradients summed over the steps, over ``steps``: [senders, receivers]. Each block is one
+    matrix product over the flattened rows, positions and hidden units."""
     scores = torch.zeros(graph.n_senders, graph.n_receivers, dtype=torch.float64)
+    flat = differences.flatten(1)  # [senders, rows x tokens x hidden], a view
+
+    def block(senders: int, gradient: torch.Tensor) -> torch.Tensor:
+        return (flat[:senders] @ gradient.flatten(1).T / steps).double().cpu()
     for layer in range(graph.n_layers):
-        gradient = perturb.layers[layer].grad / steps  # [per_layer, rows, tokens, hidden]
-        attention = graph.attention_slice(layer)
-        up = graph.upstream(attention.start)
-        scores[:up, attention] = torch.einsum("sbtd,rbtd->sr", differences[:up],
-                                              gradient[:graph.attention_receivers]).double().cpu()
+        first = graph.attention_slice(layer).start
+        scores[:graph.upstream(first), graph.attention_slice(layer)] = block(graph.upstream(first),
+                                                                             perturb.gradient(first))
         receiver = graph.mlp_receiver(layer)
-        up = graph.upstream(receiver)
-        scores[:up, receiver] = torch.einsum("sbtd,btd->s", differences[:up], gradient[-1]).double().cpu()
-    gradient = perturb.logits.grad[0] / steps
-    scores[:, graph.logits_receiver] = torch.einsum("sbtd,btd->s", differences, gradient).double().cpu()
+        scores[:graph.upstream(receiver), receiver] = block(graph.upstream(receiver), perturb.gradient(receiver))[:, 0]
+    receiver = graph.logits_receiver
+    scores[:, receiver] = block(graph.n_senders, perturb.gradient(receiver))[:, 0]
     return scores
 
 

@@ -153,28 +153,31 @@ class Recording:
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     middle: dict[int, torch.Tensor] = field(default_factory=dict)
     final: torch.Tensor | None = None
+    # the (live − corrupted) rows of the passes patched against this recording, reused from pass
+    # to pass: zeros at first, then always finite, which is all a row multiplied by 0 needs
+    differences: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
 class Perturbation:
     """Zero leaves added to the receivers' inputs (the same across passes, so their gradients add
-    up): per layer [attention receivers + MLP, rows, tokens, hidden], and the logits'."""
+    up), one per group of receivers that read one point of the residual stream, keyed by the
+    group's first receiver: [receivers of the group, rows, tokens, hidden]."""
 
-    layers: dict[int, torch.Tensor] = field(default_factory=dict)
-    logits: torch.Tensor | None = None
+    groups: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def leaf(self, layer: int | None, like: torch.Tensor, count: int) -> torch.Tensor:
-        store = self.layers.get(layer) if layer is not None else self.logits
+    def leaf(self, first: int, like: torch.Tensor, count: int) -> torch.Tensor:
+        store = self.groups.get(first)
         if store is None:
             store = torch.zeros(count, *like.shape, device=like.device, dtype=like.dtype, requires_grad=True)
-            if layer is None:
-                self.logits = store
-            else:
-                self.layers[layer] = store
+            self.groups[first] = store
         if store.shape[1:] != like.shape:
             raise ValueError(f"the perturbation was made for inputs {tuple(store.shape[1:])}, this pass runs "
                              f"{tuple(like.shape)}: use one Perturbation per batch of prompts")
         return store
+
+    def gradient(self, first: int) -> torch.Tensor:
+        return self.groups[first].grad
 
 
 @dataclass(frozen=True, eq=False)
@@ -319,9 +322,11 @@ class _Installed:
                 raise ValueError(f"edge patching: this pass runs {tuple(values.shape[1:])} [rows, tokens, hidden], "
                                  f"the corrupted recording holds {tuple(recorded.shape[1:])}: record the "
                                  "corrupted run of the same batch of prompts")
-            if self.deltas is None:  # zeros: a sender no receiver reads is never written, and the
-                # matrix product below multiplies its row by 0
-                self.deltas = values.new_zeros(self.graph.n_senders, *values.shape[1:])
+            if self.deltas is None:  # a sender no receiver reads is never written: the matrix product
+                # in _mixed multiplies its row by 0, so it must be finite (Recording.differences)
+                if self.patch.corrupted.differences is None:
+                    self.patch.corrupted.differences = torch.zeros_like(recorded)
+                self.deltas = self.patch.corrupted.differences
             torch.sub(values, self.patch.corrupted.senders[index:stop], out=self.deltas[index:stop])
 
     def _heads(self, index: int, scale):
@@ -348,8 +353,8 @@ class _Installed:
         return record
 
     # ---- receivers ----
-    def _inputs(self, receivers: slice, live: torch.Tensor, corrupted: dict | torch.Tensor | None,
-                layer: int | None, upstream: int) -> torch.Tensor | None:
+    def _inputs(self, receivers: slice, live: torch.Tensor, corrupted: torch.Tensor | None,
+                upstream: int) -> torch.Tensor | None:
         """The inputs [receivers, rows, tokens, hidden] of ``receivers``, all fed by the first
         ``upstream`` senders, whose point in the live residual stream is ``live``; None where
         every one of them reads ``live`` as it is."""
@@ -359,9 +364,7 @@ class _Installed:
             inputs = self._mixed(plan, receivers, live, corrupted, upstream)
         if self.patch.perturb is not None:
             count = receivers.stop - receivers.start
-            leaf = self.patch.perturb.leaf(layer, live, self.graph.per_layer if layer is not None else 1)
-            offset = self.graph.logits_receiver if layer is None else layer * self.graph.per_layer
-            leaf = leaf[receivers.start - offset:receivers.stop - offset]
+            leaf = self.patch.perturb.leaf(receivers.start, live, count)
             inputs = (live.expand(count, *live.shape) if inputs is None else inputs) + leaf
         return inputs
 
@@ -403,7 +406,7 @@ class _Installed:
             if record is not None:
                 record.layer_inputs[index] = live.detach()
             corrupted = self.patch.corrupted.layer_inputs[index] if self.plan is not None else None
-            inputs = self._inputs(graph.attention_slice(index), live, corrupted, index,
+            inputs = self._inputs(graph.attention_slice(index), live, corrupted,
                                   graph.upstream(graph.attention_slice(index).start))
             if inputs is not None:
                 self.attention_inputs[index] = inputs
@@ -419,7 +422,7 @@ class _Installed:
             self.attention_inputs.pop(index, None)
             receiver = graph.mlp_receiver(index)
             corrupted = self.patch.corrupted.middle[index] if self.plan is not None else None
-            inputs = self._inputs(slice(receiver, receiver + 1), live, corrupted, index, graph.upstream(receiver))
+            inputs = self._inputs(slice(receiver, receiver + 1), live, corrupted, graph.upstream(receiver))
             return None if inputs is None else module.forward(inputs[0])  # forward: not this hook again
         return hook
 
@@ -432,6 +435,6 @@ class _Installed:
                 self.patch.record.final = live.detach()
             receiver = graph.logits_receiver
             corrupted = self.patch.corrupted.final if self.plan is not None else None
-            inputs = self._inputs(slice(receiver, receiver + 1), live, corrupted, None, graph.n_senders)
+            inputs = self._inputs(slice(receiver, receiver + 1), live, corrupted, graph.n_senders)
             return None if inputs is None else module.forward(inputs[0])
         return hook
