@@ -33,6 +33,7 @@ from attnlab.interventions import intervened
 from attnlab.pruning import LOGITS_KEPT, TaskBatch
 from attnlab.readout import Readout
 
+
 class EdgeCircuits:
     """A task batch's edge scores and circuit metrics on one model, in mini-batches."""
 

@@ -139,7 +139,8 @@ class Graph:
     def mask(self, senders: np.ndarray, receivers: np.ndarray) -> torch.Tensor:
         """[senders, receivers] bool with the given edges set."""
         mask = torch.zeros(self.n_senders, self.n_receivers, dtype=torch.bool)
-        mask[torch.tensor(np.asarray(senders), dtype=torch.long), torch.tensor(np.asarray(receivers), dtype=torch.long)] = True
+        rows, columns = (torch.tensor(np.asarray(index), dtype=torch.long) for index in (senders, receivers))
+        mask[rows, columns] = True
         return mask
 
 

@@ -20,9 +20,10 @@ transformers' attention interface (``attend``): per block of queries it takes th
 applies a sparse model's gates and reduces the weights. What it does comes from the model's
 config (a sparse model always gates) and from one context variable, which ``intervened``
 sets on entry and resets on exit. The other parts are forward hooks on o_proj, the decoder
-layers and the MLP's ``act_fn``, and stand-ins for modules (``resume``: the layers below the
-resumed one; ``readout``: the last MLP and the LM head; ``edges``: q_proj, k_proj and v_proj), installed on entry and removed on
-exit, exceptions included: nothing of a block outlives it.
+layers, the norms and the MLP's ``act_fn``, and stand-ins for modules (``resume``: the layers
+below the resumed one; ``readout``: the last MLP and the LM head; ``edges``: q_proj, k_proj and
+v_proj), installed on entry and removed on exit, exceptions included: nothing of a block
+outlives it.
 """
 
 from __future__ import annotations

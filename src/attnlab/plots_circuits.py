@@ -261,8 +261,10 @@ def _log_density_axis(ax, densities: pd.Series) -> None:
         ax.xaxis.set_major_formatter(FormatStrFormatter("%.3g"))
 
 
-def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 150, unit: str = "heads") -> None:
-    """Heads (``unit``: or edges, the table's columns still named heads_*) to the threshold against held-out density (log), one panel per task, one line per
+def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 150,
+                          unit: str = "heads") -> None:
+    """Heads (``unit``: or edges, the table's columns still named heads_*) to the threshold
+    against held-out density (log), one panel per task, one line per
     dense model x ablation x ranking x prompt count; the dense model sits at density 1 and each
     copy is labelled N× against it. A curve that never reaches the threshold has no point (NaN).
     ``base`` names the dense model where the table has no ``base`` column."""

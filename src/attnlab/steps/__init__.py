@@ -17,10 +17,10 @@ from attnlab.steps.reasoning import (accuracy_table, generate, grade, placement_
                                      plot_length_sweep, plot_placement)
 
 __all__ = [
-    "LATER_COLUMNS", "accuracy_table", "edge_circuit", "extract_attention", "generate", "grade", "heads_vs_density",
-    "lambda_summary", "make_prompts", "mlp_activations", "mlp_summary", "placement_table",
-    "plot_accuracy", "plot_attention_figure", "plot_circuit", "plot_edges", "plot_attention_head", "plot_length_sweep",
-    "plot_placement", "plot_pruning", "plot_sparsify", "prepare_dataset", "prepare_fewshot",
-    "prepare_model", "rank_attention_heads", "score_heads", "setup_logging", "sparsify_model",
-    "sweep_heads",
+    "LATER_COLUMNS", "accuracy_table", "edge_circuit", "extract_attention", "generate", "grade",
+    "heads_vs_density", "lambda_summary", "make_prompts", "mlp_activations", "mlp_summary",
+    "placement_table", "plot_accuracy", "plot_attention_figure", "plot_attention_head",
+    "plot_circuit", "plot_edges", "plot_length_sweep", "plot_placement", "plot_pruning",
+    "plot_sparsify", "prepare_dataset", "prepare_fewshot", "prepare_model", "rank_attention_heads",
+    "score_heads", "setup_logging", "sparsify_model", "sweep_heads",
 ]

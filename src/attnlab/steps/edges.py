@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import pandas as pd
-
 from attnlab import io
 from attnlab.curves import renamed_unit
 from attnlab.settings import EdgeSweep
@@ -60,7 +58,9 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     graph = circuits.graph
     io.write_json({"task": task, "edges": len(edges), "senders": graph.n_senders, "receivers": graph.n_receivers,
                    "layers": graph.n_layers, "heads": graph.n_heads, "kv_heads": graph.n_kv_heads,
-                   "eap_ig_steps": settings.steps, "ablation": "corrupted", "ranking": f"EAP-IG {settings.steps} steps", "threshold": settings.threshold, **renamed_unit(count.summary),
+                   "eap_ig_steps": settings.steps, "ablation": "corrupted",
+                   "ranking": f"EAP-IG {settings.steps} steps", "threshold": settings.threshold,
+                   **renamed_unit(count.summary),
                    "clean_metric": clean, "corrupted_metric": corrupted, "points": len(count.curve),
                    "refined_points": int(count.curve["refined"].sum()), "score_s": scored_s, "sweep_s": swept_s,
                    "interval_confidence": bootstrap.confidence, "bootstrap_resamples": bootstrap.n_resamples,
