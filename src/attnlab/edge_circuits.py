@@ -42,19 +42,14 @@ class EdgeCircuits:
         model.requires_grad_(False)
         self.graph = Graph.of(model)
         self.edges = self.graph.edges()
-        self.batch_size = max(1, batch_size // batch.rows_per_prompt) * batch.rows_per_prompt
+        self.batch_size = batch_size
         self.device = model.device
-        self.positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
-        self._corrupted: list[Recording] | None = None
+        self.positions = batch.positions
+        self._corrupted: list[tuple[Recording, torch.Tensor]] | None = None  # with its metric
 
     # ---- passes ----
     def _chunks(self) -> list[slice]:
-        n = len(self.batch.clean)
-        return [slice(i, min(i + self.batch_size, n)) for i in range(0, n, self.batch_size)]
-
-    def _prompts_of(self, rows: slice) -> slice:
-        per = self.batch.rows_per_prompt
-        return slice(rows.start // per, rows.stop // per)
+        return self.batch.chunks(self.batch_size)
 
     def _logits(self, rows: slice, patch: EdgePatch, ids: torch.Tensor | None = None,
                 embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,14 +64,17 @@ class EdgeCircuits:
         recording = Recording()
         with torch.no_grad():
             logits = self._logits(rows, EdgePatch(self.graph, record=recording), ids=ids)
-        return recording, self.batch.metric(logits, self._prompts_of(rows))
+        return recording, self.batch.metric(logits, self.batch.prompts_of(rows))
+
+    def _corrupted_runs(self) -> list[tuple[Recording, torch.Tensor]]:
+        """The corrupted run of each mini-batch and its metric, recorded once."""
+        if self._corrupted is None:
+            self._corrupted = [self._record(self.batch.corrupted, rows) for rows in self._chunks()]
+        return self._corrupted
 
     @property
     def corrupted(self) -> list[Recording]:
-        """The corrupted run of each mini-batch, recorded once."""
-        if self._corrupted is None:
-            self._corrupted = [self._record(self.batch.corrupted, rows)[0] for rows in self._chunks()]
-        return self._corrupted
+        return [recording for recording, _ in self._corrupted_runs()]
 
     # ---- scores ----
     def scores(self, steps: int = 5) -> torch.Tensor:
@@ -95,7 +93,7 @@ class EdgeCircuits:
             for k in range(1, steps + 1):
                 embeds = corrupted_in + (k / steps) * (clean_in - corrupted_in)
                 logits = self._logits(rows, EdgePatch(graph, perturb=perturb), embeds=embeds)
-                metric = self.batch.metric(logits, self._prompts_of(rows)).sum() / self.batch.n_prompts
+                metric = self.batch.metric(logits, self.batch.prompts_of(rows)).sum() / self.batch.n_prompts
                 metric.backward()
             scores += _edge_scores(graph, clean.senders - corrupted.senders, perturb, steps)
         return scores.float()
@@ -114,15 +112,14 @@ class EdgeCircuits:
             for rows, corrupted in zip(self._chunks(), self.corrupted):
                 patch = EdgePatch(self.graph) if kept is None else EdgePatch(self.graph, kept=kept, corrupted=corrupted)
                 values.append(self.batch.metric(self._logits(rows, patch, ids=self.batch.clean),
-                                                self._prompts_of(rows)))
+                                                self.batch.prompts_of(rows)))
         return sum(float(v.sum()) for v in values) / self.batch.n_prompts, torch.cat(values).double().cpu().numpy()
 
     def metric(self, kept: torch.Tensor | None = None) -> float:
         return self.per_prompt(kept)[0]
 
     def corrupted_metric(self) -> float:
-        values = [self._record(self.batch.corrupted, rows)[1].sum() for rows in self._chunks()]
-        return float(sum(values)) / self.batch.n_prompts
+        return float(sum(metric.sum() for _, metric in self._corrupted_runs())) / self.batch.n_prompts
 
     def sweep(self, order: np.ndarray, ks: list[int], threshold: float | None = None):
         """The metric with only the first n edges of ``order`` kept, for every n of ``ks``,

@@ -97,6 +97,25 @@ class TaskBatch:
     def n_prompts(self) -> int:
         return len(self.clean) // self.rows_per_prompt
 
+    @property
+    def positions(self) -> torch.Tensor:
+        """Each token's position, counted from the row's first real token (left padding)."""
+        return (self.mask.cumsum(-1) - 1).clamp(min=0)
+
+    def whole_prompts(self, batch_size: int) -> int:
+        """``batch_size`` rows rounded down to whole prompts (at least one): a prompt's rows never
+        straddle two mini-batches."""
+        return max(1, batch_size // self.rows_per_prompt) * self.rows_per_prompt
+
+    def chunks(self, batch_size: int) -> list[slice]:
+        """The rows of each mini-batch of at most ``whole_prompts(batch_size)`` rows."""
+        size, n = self.whole_prompts(batch_size), len(self.clean)
+        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+    def prompts_of(self, rows: slice) -> slice:
+        """The prompts whose rows are ``rows``."""
+        return slice(rows.start // self.rows_per_prompt, rows.stop // self.rows_per_prompt)
+
 
 def build_batch(prompts: TaskPrompts, tokenizer) -> TaskBatch:
     clean = [tokenizer(p).input_ids for p in prompts.clean]
@@ -165,17 +184,15 @@ class Patcher:
         if ablation not in ABLATIONS:
             raise ValueError(f"ablation must be one of {ABLATIONS}, not {ablation!r}")
         self.model, self.batch = model, batch
-        # A prompt's rows never straddle two mini-batches.
-        self.batch_size = max(1, batch_size // batch.rows_per_prompt) * batch.rows_per_prompt
+        self.batch_size = batch.whole_prompts(batch_size)
         model.requires_grad_(False)
         self.gates = HeadGates(model)
         self.device = model.device
-        self.positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+        self.positions = batch.positions
         self.references = self._references(ablation)
 
-    def _chunks(self):
-        n = len(self.batch.clean)
-        return [slice(i, min(i + self.batch_size, n)) for i in range(0, n, self.batch_size)]
+    def _chunks(self) -> list[slice]:
+        return self.batch.chunks(self.batch_size)
 
     def _logits(self, ids: torch.Tensor, rows: slice, copies: int = 1, start: int = 0, past=None,
                 record: LayerInputs | None = None, read: str = "tokens", **parts) -> torch.Tensor:
@@ -199,12 +216,8 @@ class Patcher:
             record.cache = out.past_key_values
         return out.logits
 
-    def _prompts_of(self, rows: slice) -> slice:
-        per = self.batch.rows_per_prompt
-        return slice(rows.start // per, rows.stop // per)
-
     def _metric(self, ids: torch.Tensor, rows: slice) -> torch.Tensor:
-        return self.batch.metric(self._logits(ids, rows), self._prompts_of(rows))
+        return self.batch.metric(self._logits(ids, rows), self.batch.prompts_of(rows))
 
     def _references(self, ablation: str) -> list[list[torch.Tensor]]:
         """Per chunk, per layer: what an ablated head's slice is replaced by."""
@@ -265,7 +278,7 @@ class Patcher:
         for rows, reference in zip(self._chunks(), self.references):
             self.gates.reference, self.gates.gates = reference, gates
             logits = self._logits(self.batch.clean, rows, read="all")
-            metric = self.batch.metric(logits, self._prompts_of(rows)).sum() / self.batch.n_prompts
+            metric = self.batch.metric(logits, self.batch.prompts_of(rows)).sum() / self.batch.n_prompts
             metric.backward()
         self.gates.reference = None
         return gates.grad.detach().cpu()
@@ -290,7 +303,7 @@ class Patcher:
                 recorded = LayerInputs()
                 self.gates.reference = None
                 full.append(self.batch.metric(self._logits(self.batch.clean, rows, record=recorded, read="fast"),
-                                              self._prompts_of(rows)))
+                                              self.batch.prompts_of(rows)))
                 for layer in tqdm(range(layers), desc="exact patching", unit="layer", mininterval=10):
                     start = min(self._first_changed(reference[layer], recorded.attention[layer]),
                                 cached_positions(recorded.cache))
@@ -336,7 +349,7 @@ class Patcher:
         resume = ResumeAt(layer, tiled(recorded.hidden[layer]), tiled(recorded.attention[layer]))
         past = prefix_cache(self.model, recorded.cache, start, copies)
         logits = self._logits(self.batch.clean, rows, copies, start=start, past=past, read="fast", resume=resume)
-        prompts = self._prompts_of(rows)
+        prompts = self.batch.prompts_of(rows)
         return torch.stack([self.batch.metric(block, prompts).double().sum().cpu()
                             for block in logits.split(n_rows)])
 

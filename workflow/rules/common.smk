@@ -63,7 +63,7 @@ DENSITY_CURVES = {key: path.replace("sweep.json", "sweep.csv") for key, path in 
 # and each prompt's metric at every k: the N×'s interval resamples the prompts of both models.
 DENSITY_PER_PROMPT = {key: path.replace("sweep.json", "per_prompt.parquet") for key, path in DENSITY_SWEEPS.items()}
 DENSITY_SUMMARIES = {copy: f"results/sparsify/{copy}/summary.json" for _, copy in SPARSE_PAIRS}
-EDGE_TASKS = [task for task in PRUNING["edges"]["tasks"] if task in TASKS]  # validated: all of them
+EDGE_TASKS = [task for task in PRUNING["edges"]["tasks"] if task in TASKS]  # none when no model is swept
 # What edges_vs_density reads, as heads_vs_density does: "model/task" -> each file of the edge sweep.
 EDGE_DENSITY = {kind: {f"{model}/{task}": f"results/circuits/{model}/{task}/{name}"
                        for model in dict.fromkeys(m for pair in SPARSE_PAIRS for m in pair) for task in EDGE_TASKS}
@@ -212,11 +212,15 @@ def pruning_batch(wildcards, attempt):
     return _halved(PRUNING["batch_size"], attempt)
 
 
+def _sweep_files(task: str, folder: str, names: tuple[str, str, str]) -> dict[str, str]:
+    """Each swept model's curves, count summary and per-prompt metrics for one task, under
+    results/{folder}/ (pruning: heads; circuits: edges), keyed as plot_pruning.py reads them."""
+    return {f"{kind}_{model}": f"results/{folder}/{model}/{task}/{name}"
+            for model in PRUNING_MODELS for kind, name in zip(("sweep", "summary", "per_prompt"), names)}
+
+
 def pruning_sweeps(wildcards):
-    """Each swept model's curves, count summary and per-prompt metrics for one task."""
-    return {f"{kind}_{model}": f"results/pruning/{model}/{wildcards.task}/{name}"
-            for model in PRUNING_MODELS
-            for kind, name in (("sweep", "sweep.csv"), ("summary", "sweep.json"), ("per_prompt", "per_prompt.parquet"))}
+    return _sweep_files(wildcards.task, "pruning", ("sweep.csv", "sweep.json", "per_prompt.parquet"))
 
 
 def edge_settings(wildcards):
@@ -228,10 +232,7 @@ def edge_batch(wildcards, attempt):
 
 
 def edge_sweeps(wildcards):
-    """Each swept model's edge curve, summary and per-prompt metrics for one task."""
-    return {f"{kind}_{model}": f"results/circuits/{model}/{wildcards.task}/{name}"
-            for model in PRUNING_MODELS
-            for kind, name in (("curve", "curve.csv"), ("summary", "summary.json"), ("per_prompt", "per_prompt.parquet"))}
+    return _sweep_files(wildcards.task, "circuits", ("curve.csv", "summary.json", "per_prompt.parquet"))
 
 
 def pruning_bootstrap():

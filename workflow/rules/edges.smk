@@ -45,14 +45,17 @@ rule plot_edges:
         models=PRUNING_MODELS,
         compare=PRUNING["compare"],
         threshold=PRUNING["threshold"],
+        ablation="corrupted",
+        ranking=f"EAP-IG ({PRUNING['edges']['steps']} steps), by |score|",
         bootstrap=pruning_bootstrap(),
         dpi=config["plots"]["dpi"],
+        unit="edges",
     log:
         "results/logs/plot_edges/{task}.{ext}.log",
     conda:
         "../../envs/attnlab.yaml"
     script:
-        "../scripts/plot_edges.py"
+        "../scripts/plot_pruning.py"
 
 
 rule plot_circuit:

@@ -77,6 +77,7 @@ rule plot_pruning:
         ranking=PRUNING["ranking"],
         bootstrap=pruning_bootstrap(),
         dpi=config["plots"]["dpi"],
+        unit="heads",
     log:
         "results/logs/plot_pruning/{task}.{ext}.log",
     conda:

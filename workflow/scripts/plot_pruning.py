@@ -12,4 +12,5 @@ steps.plot_pruning(
     ranking=snakemake.params.ranking,
     bootstrap=snakemake.params.bootstrap,
     dpi=snakemake.params.dpi,
+    unit=snakemake.params.unit,
 )

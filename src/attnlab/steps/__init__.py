@@ -11,7 +11,7 @@ from attnlab.steps.analysis import (extract_attention, lambda_summary, mlp_activ
 from attnlab.steps.circuits import (heads_vs_density, plot_pruning, plot_sparsify, score_heads,
                                     sparsify_model, sweep_heads)
 from attnlab.steps.common import LATER_COLUMNS, setup_logging
-from attnlab.steps.edges import edge_circuit, plot_circuit, plot_edges
+from attnlab.steps.edges import edge_circuit, plot_circuit
 from attnlab.steps.inputs import make_prompts, prepare_dataset, prepare_fewshot, prepare_model
 from attnlab.steps.reasoning import (accuracy_table, generate, grade, placement_table, plot_accuracy,
                                      plot_length_sweep, plot_placement)
@@ -20,7 +20,7 @@ __all__ = [
     "LATER_COLUMNS", "accuracy_table", "edge_circuit", "extract_attention", "generate", "grade",
     "heads_vs_density", "lambda_summary", "make_prompts", "mlp_activations", "mlp_summary",
     "placement_table", "plot_accuracy", "plot_attention_figure", "plot_attention_head",
-    "plot_circuit", "plot_edges", "plot_length_sweep", "plot_placement", "plot_pruning",
+    "plot_circuit", "plot_length_sweep", "plot_placement", "plot_pruning",
     "plot_sparsify", "prepare_dataset", "prepare_fewshot", "prepare_model", "rank_attention_heads",
     "score_heads", "setup_logging", "sparsify_model", "sweep_heads",
 ]

@@ -121,18 +121,19 @@ def _ranking_summary(summary: dict) -> dict:
 
 
 def plot_pruning(inputs: dict[str, dict[str, str]], out_path: str, task: str, compare, threshold: float,
-                 ablation: str, ranking: str, bootstrap: dict, dpi: int) -> None:
+                 ablation: str, ranking: str, bootstrap: dict, dpi: int, unit: str = "heads") -> None:
     """The pruning figure of one task from each model's sweep (``inputs[model]``: sweep, summary,
-    per_prompt), the configured ranking's curves, with every count's and N×'s interval."""
+    per_prompt), the configured ranking's curves, with every count's and N×'s interval; ``unit``
+    "edges": edge sweeps (one ranking each, which ``ranking`` names)."""
     from attnlab.plan import comparison_pairs
     from attnlab.plots_circuits import plot_pruning as plot
 
-    read = {model: _read_sweep(paths, ranking) for model, paths in inputs.items()}
+    read = {model: _read_sweep(paths, ranking, unit) for model, paths in inputs.items()}
     ratios = {}
     for first, second in comparison_pairs(compare, list(inputs)):
         ratios[(first, second)] = _ratio(read[first], read[second], threshold, bootstrap)
     plot({m: r.curve for m, r in read.items()}, task, compare, threshold, ablation, ranking, out_path, dpi,
-         {m: r.summary for m, r in read.items()}, ratios)
+         {m: r.summary for m, r in read.items()}, ratios, unit)
 
 
 @dataclasses.dataclass

@@ -8,7 +8,6 @@ import time
 from attnlab import io
 from attnlab.curves import renamed_unit
 from attnlab.settings import EdgeSweep
-from attnlab.steps.circuits import _ratio, _read_sweep
 from attnlab.steps.common import _batch_size, _seed_everything, log
 
 
@@ -68,23 +67,6 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
                    "rank_share": scoring["rank_share"],
                    "counted_prompts_digest": prompts_digest(counted.clean, counted.corrupted)},
                   outputs["summary"])
-
-
-def plot_edges(inputs: dict[str, dict[str, str]], out_path: str, task: str, compare, threshold: float,
-               bootstrap: dict, dpi: int) -> None:
-    """Explained effect against edges kept, every model of ``inputs`` on one axis, with each
-    count's and N×_edges' interval."""
-    from attnlab.plan import comparison_pairs
-    from attnlab.plots_circuits import plot_pruning as plot
-
-    read = {model: _read_sweep({"sweep": paths["curve"], "summary": paths["summary"],
-                                "per_prompt": paths["per_prompt"]}, unit="edges") for model, paths in inputs.items()}
-    ratios = {pair: _ratio(read[pair[0]], read[pair[1]], threshold, bootstrap)
-              for pair in comparison_pairs(compare, list(inputs))}
-    steps = {r.summary["eap_ig_steps"] for r in read.values()}
-    ranking = f"EAP-IG ({', '.join(map(str, sorted(steps)))} steps), by |score|"
-    plot({m: r.curve for m, r in read.items()}, task, compare, threshold, "corrupted", ranking, out_path, dpi,
-         {m: r.summary for m, r in read.items()}, ratios, unit="edges")
 
 
 def plot_circuit(edges_path: str, summary_path: str, out_path: str, model: str, dpi: int) -> None:
