@@ -8,7 +8,8 @@ import torch
 from attnlab import sparse
 from attnlab.curves import refined_sweep
 from attnlab.edge_circuits import EdgeCircuits, ranked_edges
-from attnlab.edges import Graph
+from attnlab.edges import EdgePatch, Graph, ReceiverGradients, Recording
+from attnlab.interventions import intervened
 from attnlab.pruning import TaskBatch
 from test_attention import TINY
 from test_pruning import _toy_batch
@@ -165,6 +166,72 @@ def test_one_step_scores_equal_finite_differences():
     estimate = -central(lambda t: hand.query_shifted(1, 2, -t * difference))
     assert scores[graph.head_sender(0, 1), receiver].item() == pytest.approx(estimate, rel=1e-4)
     assert abs(estimate) > 1e-6
+
+
+def _receiver_gradients_by_hand(model, batch) -> torch.Tensor:
+    """[receivers, rows, tokens, hidden]: the gradient of the summed metric at each receiver's
+    input, by hooks written here: a zero leaf added to each receiver's own input (every query,
+    key and value head its own copy of the layer's input, normed and projected for its slice
+    alone; every MLP and the logits their pre-norm's input)."""
+    graph = Graph.of(model)
+    positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+    shape = (*batch.clean.shape, model.config.hidden_size)
+    leaves = torch.zeros(graph.n_receivers, *shape, dtype=torch.float64, requires_grad=True)
+    handles, seen = [], {}
+    for index, block in enumerate(model.model.layers):
+        handles.append(block.register_forward_pre_hook(lambda module, args, kwargs, index=index: seen.__setitem__(
+            index, kwargs.get("hidden_states", args[0] if args else None)), with_kwargs=True))
+        first = graph.attention_slice(index).start
+        h, g = graph.n_heads, graph.n_kv_heads
+        for name, start, heads in (("q_proj", first, h), ("k_proj", first + h, g), ("v_proj", first + h + g, g)):
+            def own_inputs(module, args, output, index=index, start=start, heads=heads, block=block):
+                out, width = output.clone(), output.shape[-1] // heads
+                for head in range(heads):
+                    own = module.forward(block.input_layernorm(seen[index] + leaves[start + head]))
+                    out[..., head * width:(head + 1) * width] = own[..., head * width:(head + 1) * width]
+                return out
+            handles.append(getattr(block.self_attn, name).register_forward_hook(own_inputs))
+        mlp_norm = getattr(block, "pre_feedforward_layernorm", block.post_attention_layernorm)
+        handles.append(mlp_norm.register_forward_pre_hook(
+            lambda module, args, index=index: (args[0] + leaves[graph.mlp_receiver(index)],)))
+    handles.append(model.model.norm.register_forward_pre_hook(
+        lambda module, args: (args[0] + leaves[graph.logits_receiver],)))
+    try:
+        logits = model(input_ids=batch.clean, attention_mask=batch.mask, position_ids=positions).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    batch.metric(logits, slice(0, batch.n_prompts)).sum().backward()
+    return leaves.grad
+
+
+@pytest.mark.parametrize("arch,sparse_copy", [("llama-gqa", False), ("qwen2", False), ("gemma3-sliding", False),
+                                              ("llama-gqa", True)])
+def test_receiver_gradients_equal_autograd_through_each_receivers_own_input(arch, sparse_copy):
+    """The gradients EAP-IG scores with come from the projections' output gradients taken back
+    through the pre-norm in closed form; autograd through per-receiver inputs must agree."""
+    model = _model(arch, sparse_copy, dtype=torch.float64)
+    model.requires_grad_(False)
+    batch = _float64_batch()
+    graph = Graph.of(model)
+    want = _receiver_gradients_by_hand(model, batch)
+    gradients = ReceiverGradients()
+    positions = (batch.mask.cumsum(-1) - 1).clamp(min=0)
+    with intervened(model, edges=EdgePatch(graph, gradients=gradients)):
+        logits = model(input_ids=batch.clean, attention_mask=batch.mask, position_ids=positions).logits
+    batch.metric(logits, slice(0, batch.n_prompts)).sum().backward()
+    got = torch.cat([torch.cat([gradients.gradient(graph.attention_slice(layer).start),
+                                gradients.gradient(graph.mlp_receiver(layer))]) for layer in range(graph.n_layers)]
+                    + [gradients.gradient(graph.logits_receiver)])
+    assert want.abs().amax(dim=(1, 2, 3)).min() > 0  # every receiver matters on this model
+    # transformers' RMS norms compute in float32 even in a float64 model (as in the test above)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
+def test_gradients_on_a_patched_pass_are_refused():
+    graph = Graph(n_layers=2, n_heads=4, n_kv_heads=2)
+    with pytest.raises(ValueError, match=r"gradients=\) are taken on unpatched passes"):
+        EdgePatch(graph, kept=graph.valid(), corrupted=Recording(), gradients=ReceiverGradients())
 
 
 def test_ranked_edges_order_by_absolute_score():

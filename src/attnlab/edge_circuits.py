@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from attnlab.curves import refined_sweep
-from attnlab.edges import EdgePatch, Graph, Perturbation, Recording
+from attnlab.edges import EdgePatch, Graph, ReceiverGradients, Recording
 from attnlab.interventions import intervened
 from attnlab.pruning import LOGITS_KEPT, TaskBatch
 from attnlab.readout import Readout
@@ -89,13 +89,13 @@ class EdgeCircuits:
             with torch.no_grad():
                 clean_in = embed(self.batch.clean[rows].to(self.device))
                 corrupted_in = embed(self.batch.corrupted[rows].to(self.device))
-            perturb = Perturbation()
+            gradients = ReceiverGradients()
             for k in range(1, steps + 1):
                 embeds = corrupted_in + (k / steps) * (clean_in - corrupted_in)
-                logits = self._logits(rows, EdgePatch(graph, perturb=perturb), embeds=embeds)
+                logits = self._logits(rows, EdgePatch(graph, gradients=gradients), embeds=embeds)
                 metric = self.batch.metric(logits, self.batch.prompts_of(rows)).sum() / self.batch.n_prompts
                 metric.backward()
-            scores += _edge_scores(graph, clean.senders - corrupted.senders, perturb, steps)
+            scores += _edge_scores(graph, clean.senders - corrupted.senders, gradients, steps)
         return scores.float()
 
     # ---- circuits ----
@@ -132,7 +132,7 @@ class EdgeCircuits:
         return refined_sweep(metric_at, len(order), ks, threshold, refine_points=self.refine_points), per_prompt
 
 
-def _edge_scores(graph: Graph, differences: torch.Tensor, perturb: Perturbation, steps: int) -> torch.Tensor:
+def _edge_scores(graph: Graph, differences: torch.Tensor, gradients: ReceiverGradients, steps: int) -> torch.Tensor:
     """Σ over rows and positions of (clean − corrupted) sender activations · the receivers'
     gradients summed over the steps, over ``steps``: [senders, receivers]. Each block is one
     matrix product over the flattened rows, positions and hidden units."""
@@ -140,15 +140,15 @@ def _edge_scores(graph: Graph, differences: torch.Tensor, perturb: Perturbation,
     flat = differences.flatten(1)  # [senders, rows x tokens x hidden], a view
 
     def block(senders: int, gradient: torch.Tensor) -> torch.Tensor:
-        return (flat[:senders] @ gradient.flatten(1).T / steps).double().cpu()
+        return (flat[:senders] @ gradient.flatten(1).T.to(flat.dtype) / steps).double().cpu()
     for layer in range(graph.n_layers):
         first = graph.attention_slice(layer).start
         scores[:graph.upstream(first), graph.attention_slice(layer)] = block(graph.upstream(first),
-                                                                             perturb.gradient(first))
+                                                                             gradients.gradient(first))
         receiver = graph.mlp_receiver(layer)
-        scores[:graph.upstream(receiver), receiver] = block(graph.upstream(receiver), perturb.gradient(receiver))[:, 0]
+        scores[:graph.upstream(receiver), receiver] = block(graph.upstream(receiver), gradients.gradient(receiver))[:, 0]
     receiver = graph.logits_receiver
-    scores[:, receiver] = block(graph.n_senders, perturb.gradient(receiver))[:, 0]
+    scores[:, receiver] = block(graph.n_senders, gradients.gradient(receiver))[:, 0]
     return scores
 
 

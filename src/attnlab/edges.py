@@ -15,8 +15,11 @@ carries:
 - ``kept`` (with the corrupted run's ``Recording``): every edge not kept carries the sender's
   corrupted activation into its receiver, a kept one the sender's activation in this pass; each
   receiver sees its own mix, and its pre-norm is applied to that mix;
-- ``perturb``: a zero tensor that requires grad is added to every receiver's input, so that one
-  backward pass gives the gradient of the metric at each receiver (edge attribution).
+- ``gradients``: each backward pass adds the gradient of the metric with respect to every
+  receiver's input (edge attribution). Receivers reading the live residual as it is are not
+  given inputs of their own: a query/key/value head's gradient is its slice of the projection's
+  output gradient taken back through the layer's RMS pre-norm (one vector-Jacobian product for
+  all heads), an MLP's or the logits' the gradient that reaches its pre-norm's input.
 
 A receiver's input is computed from whichever side it keeps less of: the live residual minus
 (live − corrupted) of its dropped senders, or the corrupted residual plus (live − corrupted) of its
@@ -160,25 +163,40 @@ class Recording:
 
 
 @dataclass(eq=False)
-class Perturbation:
-    """Zero leaves added to the receivers' inputs (the same across passes, so their gradients add
-    up), one per group of receivers that read one point of the residual stream, keyed by the
-    group's first receiver: [receivers of the group, rows, tokens, hidden]."""
+class ReceiverGradients:
+    """The gradient of the metric with respect to each receiver's input, summed over the backward
+    passes of the forwards that carry it: one tensor (float32 at least) per group of receivers
+    that read one point of the residual stream, keyed by the group's first receiver, [receivers
+    of the group, rows, tokens, hidden]."""
 
     groups: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def leaf(self, first: int, like: torch.Tensor, count: int) -> torch.Tensor:
+    def add(self, first: int, count: int, within: slice, gradient: torch.Tensor) -> None:
+        """Add ``gradient`` [receivers, rows, tokens, hidden] to receivers ``within`` the group of
+        ``count`` receivers starting at ``first``."""
         store = self.groups.get(first)
         if store is None:
-            store = torch.zeros(count, *like.shape, device=like.device, dtype=like.dtype, requires_grad=True)
-            self.groups[first] = store
-        if store.shape[1:] != like.shape:
-            raise ValueError(f"the perturbation was made for inputs {tuple(store.shape[1:])}, this pass runs "
-                             f"{tuple(like.shape)}: use one Perturbation per batch of prompts")
-        return store
+            dtype = torch.promote_types(gradient.dtype, torch.float32)
+            store = self.groups[first] = gradient.new_zeros(count, *gradient.shape[1:], dtype=dtype)
+        if store.shape[1:] != gradient.shape[1:]:
+            raise ValueError(f"the receiver gradients were summed over inputs {tuple(store.shape[1:])}, this pass "
+                             f"runs {tuple(gradient.shape[1:])}: use one ReceiverGradients per batch of prompts")
+        store[within] += gradient
 
     def gradient(self, first: int) -> torch.Tensor:
-        return self.groups[first].grad
+        return self.groups[first]
+
+
+def rms_input_gradient(x: torch.Tensor, eps: float, weighted: torch.Tensor) -> torch.Tensor:
+    """The vector-Jacobian product of y = x · rsqrt(mean(x²) + eps) · w at ``x`` [..., hidden]
+    for a stack of output gradients g given as ``weighted`` = w ∘ g [n, ..., hidden] (the weight
+    folded into whatever produced g), in float32 at least, as the norms compute:
+    r · (w ∘ g) − x · r³ · mean(x ∘ w ∘ g), with r = rsqrt(mean(x²) + eps)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x, weighted = x.to(dtype), weighted.to(dtype)
+    inverse = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    projection = torch.einsum("n...d,...d->n...", weighted, x)[..., None] / x.shape[-1]
+    return (weighted * inverse).addcmul_(x * inverse.pow(3), projection, value=-1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -213,28 +231,46 @@ class _ReceiverProjection(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         inputs = self.state.attention_inputs.get(self.layer)
-        if inputs is None:
-            return self.linear(hidden_states)
-        normed = self.state.layers[self.layer].input_layernorm(inputs[self.rows])  # [heads, b, t, d]
         weight = self.linear.weight.view(self.heads, -1, self.linear.in_features)
+        if inputs is None:
+            out = self.linear(hidden_states)
+            if self.state.patch.gradients is not None and out.requires_grad:
+                live = self.state.live_inputs[self.layer]
+                out.register_hook(lambda grad: self._input_gradient(live, weight, grad))
+            return out
+        normed = self.state.layers[self.layer].input_layernorm(inputs[self.rows])  # [heads, b, t, d]
         out = torch.einsum("hbtd,hed->bthe", normed, weight).flatten(2)
         return out if self.linear.bias is None else out + self.linear.bias
+
+    def _input_gradient(self, live: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
+        """Each head's input gradient from the projection's output gradient [b, t, heads · e]:
+        its slice through the weight, then back through the layer's pre-norm at ``live``."""
+        norm_weight, eps = self.state.input_norm(self.layer)
+        weight = weight * norm_weight.to(weight.dtype)  # w ∘ (W_h^T g_h) = (W_h ∘ w)^T g_h
+        per_head = torch.einsum("bthe,hed->hbtd", grad.view(*grad.shape[:-1], self.heads, -1), weight)
+        graph = self.state.graph
+        self.state.patch.gradients.add(graph.attention_slice(self.layer).start, graph.attention_receivers,
+                                       self.rows, rms_input_gradient(live, eps, per_head))
 
 
 @dataclass(eq=False)
 class EdgePatch:
     """The edge part of ``intervened`` (module docstring). ``kept`` needs ``corrupted``;
-    ``record`` and ``perturb`` work alone or with it."""
+    ``record`` works alone or with either; ``gradients`` are taken on unpatched passes (EAP-IG
+    interpolates the inputs, not the edges)."""
 
     graph: Graph
     kept: torch.Tensor | None = None
     corrupted: Recording | None = None
     record: Recording | None = None
-    perturb: Perturbation | None = None
+    gradients: ReceiverGradients | None = None
 
     def __post_init__(self):
         if self.kept is not None and self.corrupted is None:
             raise ValueError("patching edges (kept=) needs the corrupted run's Recording (corrupted=)")
+        if self.kept is not None and self.gradients is not None:
+            raise ValueError("receiver gradients (gradients=) are taken on unpatched passes: drop kept= "
+                             "(EAP-IG moves the inputs from the corrupted to the clean prompt, not the edges)")
         self.plan = None if self.kept is None else Plan.of(self.graph, self.kept)
 
     def install(self, model) -> "_Installed":
@@ -270,16 +306,18 @@ class _Installed:
         if Graph.of(model) != self.graph:
             raise ValueError(f"the edge patch was made for {self.graph}, the model is {Graph.of(model)}")
         self.attention_inputs: dict[int, torch.Tensor] = {}
+        self.live_inputs: dict[int, torch.Tensor] = {}  # each layer's input, kept for receiver gradients
+        self._input_norms: dict[int, tuple[torch.Tensor, float]] = {}
+        self.hidden, self.device = model.config.get_text_config().hidden_size, model.device
         self.deltas: torch.Tensor | None = None  # live − corrupted, per sender (patching only)
         self.handles, self.swapped = [], []
-        hidden = model.config.get_text_config().hidden_size
         for index, layer in enumerate(self.layers):
             missing = [name for name in REQUIRED if not hasattr(layer, name)]
             if missing:
                 raise NotImplementedError(f"edge patching: decoder layer {type(layer).__name__} has no {missing}")
             sandwich = hasattr(layer, "pre_feedforward_layernorm")
             mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
-            attention_scale = _norm_weight(layer.post_attention_layernorm, hidden, model.device) if sandwich else None
+            attention_scale = _norm_weight(layer.post_attention_layernorm, self.hidden, self.device) if sandwich else None
             mlp_out = layer.post_feedforward_layernorm if sandwich else layer.mlp
             self.handles += [
                 layer.register_forward_pre_hook(self._layer_input(index), with_kwargs=True),
@@ -305,7 +343,14 @@ class _Installed:
         for module, name, original in self.swapped:
             setattr(module, name, original)
         self.attention_inputs.clear()
+        self.live_inputs.clear()
         self.deltas = None
+
+    def input_norm(self, layer: int) -> tuple[torch.Tensor, float]:
+        """(w, eps) of a layer's input_layernorm, read once per installation."""
+        if layer not in self._input_norms:
+            self._input_norms[layer] = _norm_weight(self.layers[layer].input_layernorm, self.hidden, self.device)
+        return self._input_norms[layer]
 
     # ---- senders ----
     def _sender(self, index: int, value: torch.Tensor) -> None:
@@ -359,15 +404,24 @@ class _Installed:
         """The inputs [receivers, rows, tokens, hidden] of ``receivers``, all fed by the first
         ``upstream`` senders, whose point in the live residual stream is ``live``; None where
         every one of them reads ``live`` as it is."""
-        inputs = None
         plan = self.plan
         if plan is not None and bool(plan.patched[receivers].any()):
-            inputs = self._mixed(plan, receivers, live, corrupted, upstream)
-        if self.patch.perturb is not None:
-            count = receivers.stop - receivers.start
-            leaf = self.patch.perturb.leaf(receivers.start, live, count)
-            inputs = (live.expand(count, *live.shape) if inputs is None else inputs) + leaf
-        return inputs
+            return self._mixed(plan, receivers, live, corrupted, upstream)
+        return None
+
+    def _single_receiver(self, module: nn.Module, receiver: int, live: torch.Tensor,
+                         corrupted: torch.Tensor | None, upstream: int) -> torch.Tensor | None:
+        """The output of the pre-norm ``module`` of a lone receiver (an MLP, the logits) on its own
+        input; None where it reads ``live`` as it is and no gradient is asked for."""
+        inputs = self._inputs(slice(receiver, receiver + 1), live, corrupted, upstream)
+        if inputs is not None:
+            return module.forward(inputs[0])  # forward: not this hook again
+        gradients = self.patch.gradients
+        if gradients is None or not live.requires_grad:
+            return None
+        own = live.view_as(live)  # its gradient is the part that flows through this norm alone
+        own.register_hook(lambda grad: gradients.add(receiver, 1, slice(0, 1), grad[None]))
+        return module.forward(own)
 
     def _mixed(self, plan: Plan, receivers: slice, live: torch.Tensor, corrupted: torch.Tensor,
                upstream: int) -> torch.Tensor:
@@ -400,9 +454,15 @@ class _Installed:
 
         def hook(module, args, kwargs):
             live = args[0] if args else kwargs["hidden_states"]
+            replaced = None
             if index == 0:
                 self.attention_inputs.clear()
+                self.live_inputs.clear()
+                if self.patch.gradients is not None and torch.is_grad_enabled() and not live.requires_grad:
+                    live = replaced = live.detach().requires_grad_(True)  # a graph to take gradients on
                 self._sender(0, live)
+            if self.patch.gradients is not None:
+                self.live_inputs[index] = live
             record = self.patch.record
             if record is not None:
                 record.layer_inputs[index] = live.detach()
@@ -411,6 +471,11 @@ class _Installed:
                                   graph.upstream(graph.attention_slice(index).start))
             if inputs is not None:
                 self.attention_inputs[index] = inputs
+            if replaced is None:
+                return None
+            if args:
+                return (replaced, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": replaced}
         return hook
 
     def _mlp_input(self, index: int):
@@ -423,8 +488,7 @@ class _Installed:
             self.attention_inputs.pop(index, None)
             receiver = graph.mlp_receiver(index)
             corrupted = self.patch.corrupted.middle[index] if self.plan is not None else None
-            inputs = self._inputs(slice(receiver, receiver + 1), live, corrupted, graph.upstream(receiver))
-            return None if inputs is None else module.forward(inputs[0])  # forward: not this hook again
+            return self._single_receiver(module, receiver, live, corrupted, graph.upstream(receiver))
         return hook
 
     def _final(self):
@@ -434,8 +498,6 @@ class _Installed:
             live = args[0]
             if self.patch.record is not None:
                 self.patch.record.final = live.detach()
-            receiver = graph.logits_receiver
             corrupted = self.patch.corrupted.final if self.plan is not None else None
-            inputs = self._inputs(slice(receiver, receiver + 1), live, corrupted, graph.n_senders)
-            return None if inputs is None else module.forward(inputs[0])
+            return self._single_receiver(module, graph.logits_receiver, live, corrupted, graph.n_senders)
         return hook
