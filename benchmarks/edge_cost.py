@@ -9,7 +9,7 @@ patched: the same readout as every pass here) and one forward-and-backward (the 
 metric with respect to the input embeddings). EAP-IG scoring (two recording forwards and
 ``--steps`` forward-and-backward passes) is divided by the second, the exact evaluation of a
 circuit keeping the top n edges (the corrupted run recorded beforehand, once for every n) by the
-first. Memory: the peak resident size above the loaded model's, after each stage (ru_maxrss,
+first, each the median of five ratios to a forward timed just before it. Memory: the peak resident size above the loaded model's, after each stage (ru_maxrss,
 which only grows), beside the bytes of the per-sender activations a batch holds.
 """
 
@@ -37,6 +37,15 @@ def median_seconds(run, repeats: int = 3) -> float:
         run()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def ratio_to_forward(run, forward, repeats: int = 5) -> float:
+    """The median over ``repeats`` of run's time over a forward's timed just before it: a drifting
+    clock speed (shared machines) moves both."""
+    ratios = []
+    for _ in range(repeats):
+        ratios.append(median_seconds(run, 1) / median_seconds(forward, 1))
+    return statistics.median(ratios)
 
 
 def peak_mib() -> float:
@@ -79,8 +88,8 @@ def main() -> None:
     scoring_mib = peak_mib() - loaded_mib
     order = ranked_edges(circuits.graph, scores).sort_values("rank").index.to_numpy()
     circuits.corrupted  # recorded once, before the timed evaluations
-    evaluations = {n: median_seconds(lambda n=n: circuits.metric(circuits.kept(order, n))) / forward
-                   for n in args.keep}
+    masks = {n: circuits.kept(order, n) for n in args.keep}
+    evaluations = {n: ratio_to_forward(lambda n=n: circuits.metric(masks[n]), circuits.metric) for n in args.keep}
     graph, shape = circuits.graph, batch.clean.shape
     senders_mib = graph.n_senders * shape[0] * shape[1] * model.config.hidden_size * 4 / 2**20
     result = {

@@ -60,8 +60,9 @@ class EdgeCircuits:
                               position_ids=self.positions[rows].to(self.device), use_cache=False,
                               logits_to_keep=LOGITS_KEPT).logits
 
-    def _record(self, ids: torch.Tensor, rows: slice) -> tuple[Recording, torch.Tensor]:
-        recording = Recording()
+    def _record(self, ids: torch.Tensor, rows: slice, points: torch.Tensor | None = None
+                ) -> tuple[Recording, torch.Tensor]:
+        recording = Recording(points=points)
         with torch.no_grad():
             logits = self._logits(rows, EdgePatch(self.graph, record=recording), ids=ids)
         return recording, self.batch.metric(logits, self.batch.prompts_of(rows))
@@ -69,7 +70,8 @@ class EdgeCircuits:
     def _corrupted_runs(self) -> list[tuple[Recording, torch.Tensor]]:
         """The corrupted run of each mini-batch and its metric, recorded once."""
         if self._corrupted is None:
-            self._corrupted = [self._record(self.batch.corrupted, rows) for rows in self._chunks()]
+            self._corrupted = [self._record(self.batch.corrupted, rows, self.batch.differing_points(rows))
+                               for rows in self._chunks()]
         return self._corrupted
 
     @property

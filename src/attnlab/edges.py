@@ -149,10 +149,15 @@ class Graph:
 
 @dataclass
 class Recording:
-    """One forward's sender contributions [senders, rows, tokens, hidden] and the residual stream
-    at each receiver's point: each layer's input, its MLP's input (``middle``) and the final
-    norm's input."""
+    """One forward's sender contributions [senders, points, hidden] and the residual stream at
+    each receiver's point [points, hidden]: each layer's input, its MLP's input (``middle``) and
+    the final norm's input. Points are the tokens of the pass flattened (row × tokens + position),
+    all of them or only ``points``: where the passes patched against this recording may differ
+    from it. A causal model computes the same at every token before a prompt's first difference
+    between its clean and corrupted ids, so those tokens read the live residual as it is."""
 
+    points: torch.Tensor | None = None  # flat token indices; None: every token
+    shape: tuple[int, int] | None = None  # (rows, tokens) of the recorded pass
     senders: torch.Tensor | None = None
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     middle: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -176,7 +181,7 @@ class ReceiverGradients:
         ``count`` receivers starting at ``first``."""
         store = self.groups.get(first)
         if store is None:
-            dtype = torch.promote_types(gradient.dtype, torch.float32)
+            dtype = _at_least_float32(gradient)
             store = self.groups[first] = gradient.new_zeros(count, *gradient.shape[1:], dtype=dtype)
         if store.shape[1:] != gradient.shape[1:]:
             raise ValueError(f"the receiver gradients were summed over inputs {tuple(store.shape[1:])}, this pass "
@@ -192,7 +197,7 @@ def rms_input_gradient(x: torch.Tensor, eps: float, weighted: torch.Tensor) -> t
     for a stack of output gradients g given as ``weighted`` = w ∘ g [n, ..., hidden] (the weight
     folded into whatever produced g), in float32 at least, as the norms compute:
     r · (w ∘ g) − x · r³ · mean(x ∘ w ∘ g), with r = rsqrt(mean(x²) + eps)."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = _at_least_float32(x)
     x, weighted = x.to(dtype), weighted.to(dtype)
     inverse = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     projection = torch.einsum("n...d,...d->n...", weighted, x)[..., None] / x.shape[-1]
@@ -221,6 +226,20 @@ class Plan:
         return cls(coef, live_base, n_kept < n_valid, coef.abs().sum(1) > 0)
 
 
+@dataclass(eq=False)
+class _GroupInputs:
+    """What a group of receivers reading one point of the residual stream reads at the patched
+    points: the receivers at offsets ``mixed_at`` (within the group) their own mixes ``mixed``
+    [len(mixed_at), points, hidden]; those at ``corrupted_at`` the corrupted residual
+    ``corrupted`` [points, hidden] as it is; the others the live residual as it is."""
+
+    mixed: torch.Tensor | None
+    mixed_at: list[int]
+    corrupted: torch.Tensor
+    corrupted_at: list[int]
+    corrupted_normed: torch.Tensor | None = None  # the pre-norm of ``corrupted``, once per group
+
+
 class _ReceiverProjection(nn.Module):
     """Stands in for q_proj, k_proj or v_proj of a layer whose receivers get their own inputs:
     each head's slice of the projection applied to the layer's pre-norm of that head's input."""
@@ -230,17 +249,41 @@ class _ReceiverProjection(nn.Module):
         self.linear, self.state, self.layer, self.rows, self.heads = linear, state, layer, rows, heads
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        inputs = self.state.attention_inputs.get(self.layer)
+        group = self.state.attention_inputs.get(self.layer)
         weight = self.linear.weight.view(self.heads, -1, self.linear.in_features)
-        if inputs is None:
-            out = self.linear(hidden_states)
+        out = self.linear(hidden_states)  # every head on the live residual
+        if group is None:
             if self.state.patch.gradients is not None and out.requires_grad:
                 live = self.state.live_inputs[self.layer]
                 out.register_hook(lambda grad: self._input_gradient(live, weight, grad))
             return out
-        normed = self.state.layers[self.layer].input_layernorm(inputs[self.rows])  # [heads, b, t, d]
-        out = torch.einsum("hbtd,hed->bthe", normed, weight).flatten(2)
-        return out if self.linear.bias is None else out + self.linear.bias
+        points = self.state.points
+        flat = out.view(-1, out.shape[-1])
+        at_points = flat if points is None else flat.index_select(0, points)
+        per_head = at_points.view(len(at_points), self.heads, -1)  # [points, heads, e], a view
+        bias = None if self.linear.bias is None else self.linear.bias.view(self.heads, -1)
+        own = [(index, offset - self.rows.start) for index, offset in enumerate(group.mixed_at)
+               if self.rows.start <= offset < self.rows.stop]
+        if own:
+            heads = _contiguous([head for _, head in own])
+            norm_weight, eps = self.state.input_norm(self.layer)
+            x = group.mixed[_contiguous([index for index, _ in own])]  # [own heads, points, d]
+            inverse = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=_at_least_float32(x)).pow(2)
+                                  / x.shape[-1] + eps)
+            # the pre-norm's weight folded into the projection: (x · r ∘ w) W_h^T = r · x (W_h ∘ w)^T
+            projected = torch.bmm(x, (weight[heads] * norm_weight.to(weight.dtype)).transpose(1, 2))
+            projected = projected * inverse.to(projected.dtype)
+            per_head[:, heads] = (projected if bias is None else projected + bias[heads][:, None]).transpose(0, 1)
+        corrupted = _contiguous([offset - self.rows.start for offset in group.corrupted_at
+                                 if self.rows.start <= offset < self.rows.stop])
+        if corrupted:
+            if group.corrupted_normed is None:
+                group.corrupted_normed = self.state.layers[self.layer].input_layernorm(group.corrupted)
+            projected = torch.einsum("pd,hed->phe", group.corrupted_normed, weight[corrupted])
+            per_head[:, corrupted] = projected if bias is None else projected + bias[corrupted]
+        if points is not None:
+            flat.index_copy_(0, points, at_points)
+        return out
 
     def _input_gradient(self, live: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
         """Each head's input gradient from the projection's output gradient [b, t, heads · e]:
@@ -277,6 +320,24 @@ class EdgePatch:
         return _Installed(self, model)
 
 
+def _contiguous(indices: list[int]) -> list[int] | slice:
+    """``indices`` as a slice where they are a run (indexing with it is a view, not a copy)."""
+    if indices and indices == list(range(indices[0], indices[-1] + 1)):
+        return slice(indices[0], indices[-1] + 1)
+    return indices
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.dtype:
+    """The dtype RMS norms compute in: float32, or the input's if wider."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _recorded(record: Recording, x: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., rows, tokens, hidden] at the recording's points: [..., points, hidden]."""
+    flat = x.flatten(-3, -2)
+    return flat if record.points is None else flat.index_select(-2, record.points.to(x.device))
+
+
 def _norm_weight(norm: nn.Module, hidden: int, device) -> tuple[torch.Tensor, float]:
     """(w, eps) of an RMS norm y = x · rsqrt(mean(x²) + eps) · w, read from the module itself:
     its output on a row of ones is w · rsqrt(1 + eps)."""
@@ -310,6 +371,9 @@ class _Installed:
         self._input_norms: dict[int, tuple[torch.Tensor, float]] = {}
         self.hidden, self.device = model.config.get_text_config().hidden_size, model.device
         self.deltas: torch.Tensor | None = None  # live − corrupted, per sender (patching only)
+        self.points = None if patch.plan is None else patch.corrupted.points
+        if self.points is not None:
+            self.points = self.points.to(model.device)
         self.handles, self.swapped = [], []
         for index, layer in enumerate(self.layers):
             missing = [name for name in REQUIRED if not hasattr(layer, name)]
@@ -337,6 +401,22 @@ class _Installed:
             setattr(attention, name, _ReceiverProjection(linear, self, index, rows, heads))
             self.swapped.append((attention, name, linear))
 
+    def points_of(self, x: torch.Tensor, flat: bool = False) -> torch.Tensor:
+        """``x`` [..., rows, tokens, hidden] at the patched points: [..., points, hidden]
+        (``flat``: ``x`` is [..., rows · tokens, hidden] already)."""
+        flat_x = x if flat else x.flatten(-3, -2)
+        return flat_x if self.points is None else flat_x.index_select(-2, self.points)
+
+    def at_points(self, like: torch.Tensor, own: torch.Tensor, elsewhere) -> torch.Tensor:
+        """A tensor shaped like ``like`` [rows, tokens, features] holding ``own`` [points,
+        features] at the patched points and ``elsewhere()`` (what the layer computes on the live
+        residual) at every other token."""
+        if self.points is None:
+            return own.view(*like.shape[:-1], own.shape[-1])
+        out = elsewhere()
+        out.view(-1, out.shape[-1]).index_copy_(0, self.points, own.to(out.dtype))
+        return out
+
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
@@ -356,24 +436,25 @@ class _Installed:
     def _sender(self, index: int, value: torch.Tensor) -> None:
         """Sender ``index`` wrote ``value`` [rows, tokens, hidden] (or several: [n, rows, ...])."""
         values = value if value.dim() == 4 else value[None]
-        stop = index + len(values)
         record = self.patch.record
         if record is not None:
             if record.senders is None:
-                record.senders = values.new_empty(self.graph.n_senders, *values.shape[1:])
-            record.senders[index:stop] = values.detach()
-        if self.plan is not None and bool(self.plan.used[index:stop].any()):  # others are never read
-            recorded = self.patch.corrupted.senders
-            if recorded.shape[1:] != values.shape[1:]:
-                raise ValueError(f"edge patching: this pass runs {tuple(values.shape[1:])} [rows, tokens, hidden], "
-                                 f"the corrupted recording holds {tuple(recorded.shape[1:])}: record the "
-                                 "corrupted run of the same batch of prompts")
-            if self.deltas is None:  # a sender no receiver reads is never written: the matrix product
-                # in _mixed multiplies its row by 0, so it must be finite (Recording.differences)
-                if self.patch.corrupted.differences is None:
-                    self.patch.corrupted.differences = torch.zeros_like(recorded)
-                self.deltas = self.patch.corrupted.differences
-            torch.sub(values, self.patch.corrupted.senders[index:stop], out=self.deltas[index:stop])
+                record.senders = values.new_empty(self.graph.n_senders, *_recorded(record, values[0]).shape)
+            record.senders[index:index + len(values)] = _recorded(record, values.detach())
+        self._patched_sender(index, len(values), lambda: self.points_of(values))
+
+    def _patched_sender(self, index: int, count: int, current) -> None:
+        """Senders ``index`` to ``index + count`` wrote ``current()`` [count, points, hidden] at the
+        patched points: keep their (live − corrupted) where some receiver reads it."""
+        if self.plan is None or not bool(self.plan.used[index:index + count].any()):  # never read
+            return
+        if self.deltas is None:  # a sender no receiver reads is never written: the matrix product
+            # in _mixed multiplies its row by 0, so it must be finite (Recording.differences)
+            corrupted = self.patch.corrupted
+            if corrupted.differences is None:
+                corrupted.differences = torch.zeros_like(corrupted.senders)
+            self.deltas = corrupted.differences
+        torch.sub(current(), self.patch.corrupted.senders[index:index + count], out=self.deltas[index:index + count])
 
     def _heads(self, index: int, scale):
         n_heads = self.graph.n_heads
@@ -385,13 +466,23 @@ class _Installed:
             if self.patch.record is None and unread:
                 return
             z = args[0]  # o_proj's input, the heads' outputs side by side; a bias is no sender's
-            weight = module.weight.view(module.out_features, n_heads, -1)
-            heads = torch.einsum("bthe,dhe->hbtd", z.view(*z.shape[:-1], n_heads, -1), weight)
-            if scale is not None:  # a post-norm of the block's output: the same scale for every head
-                weight_norm, eps = scale
-                heads = heads * (torch.rsqrt(output.float().pow(2).mean(-1, keepdim=True) + eps) * weight_norm)
-            self._sender(self.graph.head_sender(index, 0), heads)
+            if self.patch.record is None:  # only the patched points are read
+                self._patched_sender(first, n_heads, lambda: self._head_outputs(
+                    module, self.points_of(z), self.points_of(output), scale))
+            else:
+                self._sender(first, self._head_outputs(module, z, output, scale))
         return record
+
+    def _head_outputs(self, o_proj: nn.Module, z: torch.Tensor, output: torch.Tensor, scale) -> torch.Tensor:
+        """Each head's contribution [heads, ..., hidden] from o_proj's input ``z`` [..., heads · e]
+        and output ``output`` [..., hidden]."""
+        n_heads = self.graph.n_heads
+        weight = o_proj.weight.view(o_proj.out_features, n_heads, -1)
+        heads = torch.einsum("...he,dhe->h...d", z.view(*z.shape[:-1], n_heads, -1), weight)
+        if scale is not None:  # a post-norm of the block's output: the same scale for every head
+            weight_norm, eps = scale
+            heads = heads * (torch.rsqrt(output.float().pow(2).mean(-1, keepdim=True) + eps) * weight_norm)
+        return heads
 
     def _mlp_output(self, index: int):
         def record(module, args, output):
@@ -400,22 +491,29 @@ class _Installed:
 
     # ---- receivers ----
     def _inputs(self, receivers: slice, live: torch.Tensor, corrupted: torch.Tensor | None,
-                upstream: int) -> torch.Tensor | None:
-        """The inputs [receivers, rows, tokens, hidden] of ``receivers``, all fed by the first
-        ``upstream`` senders, whose point in the live residual stream is ``live``; None where
-        every one of them reads ``live`` as it is."""
+                upstream: int) -> "_GroupInputs | None":
+        """What ``receivers``, all fed by the first ``upstream`` senders, read at the patched
+        points, where the live residual stream is ``live`` [rows, tokens, hidden] and the
+        corrupted run's ``corrupted`` [points, hidden]; None where every one reads ``live`` as
+        it is."""
         plan = self.plan
-        if plan is not None and bool(plan.patched[receivers].any()):
-            return self._mixed(plan, receivers, live, corrupted, upstream)
-        return None
+        if plan is None or not bool(plan.patched[receivers].any()):
+            return None
+        coef, on_live = plan.coef[:upstream, receivers], plan.live_base[receivers]
+        mixing = coef.abs().sum(0) > 0
+        mixed_at = mixing.nonzero()[:, 0].tolist()
+        mixed = self._mixed(coef[:, mixing], on_live[mixing], self.points_of(live), corrupted) if mixed_at else None
+        return _GroupInputs(mixed, mixed_at, corrupted, (~mixing & ~on_live).nonzero()[:, 0].tolist())
 
-    def _single_receiver(self, module: nn.Module, receiver: int, live: torch.Tensor,
+    def _single_receiver(self, module: nn.Module, receiver: int, live: torch.Tensor, output: torch.Tensor,
                          corrupted: torch.Tensor | None, upstream: int) -> torch.Tensor | None:
         """The output of the pre-norm ``module`` of a lone receiver (an MLP, the logits) on its own
-        input; None where it reads ``live`` as it is and no gradient is asked for."""
-        inputs = self._inputs(slice(receiver, receiver + 1), live, corrupted, upstream)
-        if inputs is not None:
-            return module.forward(inputs[0])  # forward: not this hook again
+        input, given its ``output`` on the ``live`` residual; None where it reads ``live`` as it
+        is and no gradient is asked for."""
+        group = self._inputs(slice(receiver, receiver + 1), live, corrupted, upstream)
+        if group is not None:  # forward: not this hook again
+            own = group.corrupted if group.mixed is None else group.mixed[0]
+            return self.at_points(output, module.forward(own), output.clone)
         gradients = self.patch.gradients
         if gradients is None or not live.requires_grad:
             return None
@@ -423,25 +521,22 @@ class _Installed:
         own.register_hook(lambda grad: gradients.add(receiver, 1, slice(0, 1), grad[None]))
         return module.forward(own)
 
-    def _mixed(self, plan: Plan, receivers: slice, live: torch.Tensor, corrupted: torch.Tensor,
-               upstream: int) -> torch.Tensor:
-        """base + Σ_s coef[s, r] (live − corrupted)_s for each receiver r, as one matrix product
-        on top of the base most of them read (the others corrected by the bases' difference)."""
-        coef = plan.coef[:upstream, receivers]  # [senders, receivers]
+    def _mixed(self, coef: torch.Tensor, on_live: torch.Tensor, live: torch.Tensor,
+               corrupted: torch.Tensor) -> torch.Tensor:
+        """base + Σ_s coef[s, r] (live − corrupted)_s [receivers, points, hidden] for each
+        receiver r (a column of ``coef``, over the first senders; its base the live residual
+        where ``on_live``, else the corrupted one): one matrix product on top of the base most of
+        them read (the others corrected by the bases' difference)."""
+        upstream = len(coef)
         used = coef.abs().sum(1).nonzero()[:, 0]
-        if not len(used):  # every receiver reads its base as it is
-            on_live = plan.live_base[receivers].to(live.device)[:, None, None, None]
-            return torch.where(on_live, live, corrupted)
         deltas = self.deltas[:upstream]
-        if coef.shape[1] == 1:  # one receiver (an MLP, the logits): add its senders one by one
-            base = live if bool(plan.live_base[receivers][0]) else corrupted
-            inputs = base.clone()
+        if coef.shape[1] == 1:  # one receiver: add its senders one by one
+            inputs = (live if bool(on_live[0]) else corrupted).clone()
             for sender in used.tolist():
                 inputs.add_(deltas[sender], alpha=float(coef[sender, 0]))
             return inputs[None]
         if 4 * len(used) < upstream:  # a few senders: gather them; else the whole prefix (a view)
             coef, deltas = coef[used], deltas.index_select(0, used.to(deltas.device))
-        on_live = plan.live_base[receivers]
         majority, minority = (live, corrupted) if 2 * int(on_live.sum()) >= len(on_live) else (corrupted, live)
         inputs = torch.addmm(majority.reshape(1, -1), coef.T.to(live.device, live.dtype), deltas.flatten(1))
         others = (on_live != (majority is live)).nonzero()[:, 0]
@@ -465,7 +560,13 @@ class _Installed:
                 self.live_inputs[index] = live
             record = self.patch.record
             if record is not None:
-                record.layer_inputs[index] = live.detach()
+                if index == 0:
+                    record.shape = tuple(live.shape[:2])
+                record.layer_inputs[index] = _recorded(record, live.detach())
+            if index == 0 and self.plan is not None and self.patch.corrupted.shape != tuple(live.shape[:2]):
+                raise ValueError(f"edge patching: this pass runs {tuple(live.shape[:2])} [rows, tokens], the "
+                                 f"corrupted recording {self.patch.corrupted.shape}: record the corrupted run "
+                                 "of the same batch of prompts")
             corrupted = self.patch.corrupted.layer_inputs[index] if self.plan is not None else None
             inputs = self._inputs(graph.attention_slice(index), live, corrupted,
                                   graph.upstream(graph.attention_slice(index).start))
@@ -484,11 +585,11 @@ class _Installed:
         def hook(module, args, output):
             live = args[0]
             if self.patch.record is not None:
-                self.patch.record.middle[index] = live.detach()
+                self.patch.record.middle[index] = _recorded(self.patch.record, live.detach())
             self.attention_inputs.pop(index, None)
             receiver = graph.mlp_receiver(index)
             corrupted = self.patch.corrupted.middle[index] if self.plan is not None else None
-            return self._single_receiver(module, receiver, live, corrupted, graph.upstream(receiver))
+            return self._single_receiver(module, receiver, live, output, corrupted, graph.upstream(receiver))
         return hook
 
     def _final(self):
@@ -497,7 +598,7 @@ class _Installed:
         def hook(module, args, output):
             live = args[0]
             if self.patch.record is not None:
-                self.patch.record.final = live.detach()
+                self.patch.record.final = _recorded(self.patch.record, live.detach())
             corrupted = self.patch.corrupted.final if self.plan is not None else None
-            return self._single_receiver(module, graph.logits_receiver, live, corrupted, graph.n_senders)
+            return self._single_receiver(module, graph.logits_receiver, live, output, corrupted, graph.n_senders)
         return hook

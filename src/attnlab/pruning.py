@@ -112,6 +112,13 @@ class TaskBatch:
         size, n = self.whole_prompts(batch_size), len(self.clean)
         return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
+    def differing_points(self, rows: slice) -> torch.Tensor:
+        """The tokens of ``rows`` at and after each row's first difference between its clean and
+        corrupted ids, as flat indices (row × tokens + position): before it, a causal model
+        computes the same on both."""
+        differs = (self.clean[rows] != self.corrupted[rows]).int().cummax(dim=1).values.bool()
+        return differs.flatten().nonzero()[:, 0]
+
     def prompts_of(self, rows: slice) -> slice:
         """The prompts whose rows are ``rows``."""
         return slice(rows.start // self.rows_per_prompt, rows.stop // self.rows_per_prompt)
