@@ -6,11 +6,13 @@
 On the embedded model (converted into benchmarks/out/ once), over ``--n`` prompts of the task in
 one batch: the units are one forward over the prompts (the edge machinery installed, nothing
 patched: the same readout as every pass here) and one forward-and-backward (the gradient of the
-metric with respect to the input embeddings). EAP-IG scoring (two recording forwards and
+metric with respect to the input embeddings). EAP-IG scoring (a recording forward and
 ``--steps`` forward-and-backward passes) is divided by the second, the exact evaluation of a
 circuit keeping the top n edges (the corrupted run recorded beforehand, once for every n) by the
-first, each the median of five ratios to a forward timed just before it. Memory: the peak resident size above the loaded model's, after each stage (ru_maxrss,
-which only grows), beside the bytes of the per-sender activations a batch holds.
+first, each the median of five ratios to a forward timed just before it. Memory: the peak
+resident size above the loaded model's, after each stage (ru_maxrss, which only grows), beside
+the bytes of the per-sender activations a batch holds. ``mixing_gflop``: the matrix products
+that mix each receiver's input from the senders (``EdgePatch``), beside a forward's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 import torch
 
 from attnlab.edge_circuits import EdgeCircuits, ranked_edges
+from attnlab.edges import Graph, Plan
 from attnlab.models import load_model, load_tokenizer
 from attnlab.pruning import build_batch
 from attnlab.tasks import generate_task
@@ -46,6 +49,23 @@ def ratio_to_forward(run, forward, repeats: int = 5) -> float:
     for _ in range(repeats):
         ratios.append(median_seconds(run, 1) / median_seconds(forward, 1))
     return statistics.median(ratios)
+
+
+def mixing_flop(graph: Graph, kept: torch.Tensor, points: int, hidden: int) -> float:
+    """The multiply-adds (×2) of the matrix products that mix the receivers' inputs: for each
+    group of receivers with their own mix, the senders some of them read × those receivers ×
+    the patched points × hidden units (``EdgePatch``; lone receivers add sender by sender)."""
+    plan = Plan.of(graph, kept)
+    groups = [(graph.attention_slice(layer), graph.upstream(graph.attention_slice(layer).start))
+              for layer in range(graph.n_layers)]
+    groups += [(slice(r, r + 1), graph.upstream(r)) for r in [*map(graph.mlp_receiver, range(graph.n_layers)),
+                                                              graph.logits_receiver]]
+    total = 0
+    for receivers, upstream in groups:
+        coef = plan.coef[:upstream, receivers]
+        mixing = coef.abs().sum(0) > 0
+        total += int((coef[:, mixing].abs().sum(1) > 0).sum()) * int(mixing.sum()) * points * hidden * 2
+    return total
 
 
 def peak_mib() -> float:
@@ -86,11 +106,14 @@ def main() -> None:
     scores = circuits.scores(args.steps)
     scoring_s = time.perf_counter() - started
     scoring_mib = peak_mib() - loaded_mib
+    # the unit again after the scoring, its mean with the one before: a drifting clock moves both
+    forward_backward_s = (forward_backward_s + median_seconds(lambda: forward_backward(circuits))) / 2
     order = ranked_edges(circuits.graph, scores).sort_values("rank").index.to_numpy()
     circuits.corrupted  # recorded once, before the timed evaluations
     masks = {n: circuits.kept(order, n) for n in args.keep}
     evaluations = {n: ratio_to_forward(lambda n=n: circuits.metric(masks[n]), circuits.metric) for n in args.keep}
     graph, shape = circuits.graph, batch.clean.shape
+    points = len(batch.differing_points(slice(0, len(batch.clean))))
     senders_mib = graph.n_senders * shape[0] * shape[1] * model.config.hidden_size * 4 / 2**20
     result = {
         "model": args.model, "task": args.task, "prompts": args.n, "tokens_per_prompt": shape[1],
@@ -101,6 +124,11 @@ def main() -> None:
         "scoring_target_forward_backwards": args.steps + 2,
         "evaluation_in_forwards": {str(n): ratio for n, ratio in evaluations.items()},
         "evaluation_target_forwards": 1.5,
+        "patched_points": points, "points_in_the_batch": shape[0] * shape[1],
+        "mixing_gflop": {str(n): mixing_flop(graph, masks[n], points, model.config.hidden_size) / 1e9
+                         for n in args.keep},
+        "forward_gflop": 2 * sum(p.numel() for name, p in model.named_parameters() if "embed" not in name)
+        * shape[0] * shape[1] / 1e9,
         "peak_above_model_mib": {"scoring": scoring_mib, "scoring_and_evaluation": peak_mib() - loaded_mib},
         "one_recording_of_every_sender_mib": senders_mib,
     }

@@ -163,9 +163,12 @@ def test_dropping_one_edge_equals_a_patch_written_by_hand(shape):
     assert np.abs(want - _plain_metric(model, batch, batch.clean)).max() > 1e-5  # the patch did something
 
 
-def test_one_step_scores_equal_finite_differences():
+# the difference quotient's noise: transformers' norms round to float32 in a float64 model,
+# ~2e-7 of the quotient here, which matters where every layer-0 head -> layer-1 query edge is small
+@pytest.mark.parametrize("shape,noise", [("toy", 0), ("shared-prefixes", 5e-7)])
+def test_one_step_scores_equal_finite_differences(shape, noise):
     model = _model("llama-gqa", dtype=torch.float64)
-    batch = _float64_batch()
+    batch = _float64_batch(shape)
     circuits = EdgeCircuits(model, batch, batch_size=6)
     graph, hand = circuits.graph, _ByHand(model, batch)
     scores = circuits.scores(steps=1)
@@ -182,11 +185,14 @@ def test_one_step_scores_equal_finite_differences():
     estimate = -central(lambda t: hand.logits_shifted(-t * difference))
     assert scores[0, graph.logits_receiver].item() == pytest.approx(estimate, rel=1e-4)
 
-    difference = hand.head_output("clean", 1) - hand.head_output("corrupted", 1)
-    receiver = graph.attention_slice(1).start + 2
-    estimate = -central(lambda t: hand.query_shifted(1, 2, -t * difference))
-    assert scores[graph.head_sender(0, 1), receiver].item() == pytest.approx(estimate, rel=1e-4)
-    assert abs(estimate) > 1e-6
+    # the layer-0 head -> layer-1 query edge with the largest score
+    heads = [graph.head_sender(0, head) for head in range(graph.n_heads)]
+    queries = graph.attention_slice(1).start + torch.arange(graph.n_heads)
+    sender, query = divmod(int(scores[heads][:, queries].abs().argmax()), graph.n_heads)
+    difference = hand.head_output("clean", sender) - hand.head_output("corrupted", sender)
+    estimate = -central(lambda t: hand.query_shifted(1, query, -t * difference))
+    assert scores[heads[sender], queries[query]].item() == pytest.approx(estimate, rel=1e-4, abs=noise)
+    assert abs(estimate) > max(1e-5, 100 * noise)
 
 
 def _receiver_gradients_by_hand(model, batch) -> torch.Tensor:
@@ -241,8 +247,7 @@ def test_receiver_gradients_equal_autograd_through_each_receivers_own_input(arch
     with intervened(model, edges=EdgePatch(graph, gradients=gradients)):
         logits = model(input_ids=batch.clean, attention_mask=batch.mask, position_ids=positions).logits
     batch.metric(logits, slice(0, batch.n_prompts)).sum().backward()
-    got = torch.cat([torch.cat([gradients.gradient(graph.attention_slice(layer).start),
-                                gradients.gradient(graph.mlp_receiver(layer))]) for layer in range(graph.n_layers)]
+    got = torch.cat([gradients.gradient(graph.attention_slice(layer).start) for layer in range(graph.n_layers)]
                     + [gradients.gradient(graph.logits_receiver)])
     assert want.abs().amax(dim=(1, 2, 3)).min() > 0  # every receiver matters on this model
     # transformers' RMS norms compute in float32 even in a float64 model (as in the test above)

@@ -10,8 +10,9 @@ are those of ``edges.Graph`` and every pass goes through ``intervened(model, edg
   metric drops when that one edge carries the corrupted activation. The Riemann sum ends at the
   clean input, so ``steps=1`` is plain edge attribution patching (EAP, the gradient at the
   clean input). Hanna et al.'s code takes k = 0..steps−1 (ending next to the corrupted input);
-  for steps ≥ 5 the two differ by a step of the sum. Cost: two recording forwards and ``steps``
-  forward-and-backward passes per batch of prompts.
+  for steps ≥ 5 the two differ by a step of the sum. Cost: a recording forward of the corrupted
+  run and ``steps`` forward-and-backward passes per batch of prompts (the last one, at the clean
+  input, records the clean run).
 - Evaluation: a circuit keeps n edges (ranked by |score|); every other edge carries its sender's
   corrupted activation (``edges.EdgePatch``). Keeping every edge is the clean forward, none the
   corrupted one. The corrupted run of each batch is recorded once and reused for every n.
@@ -86,18 +87,20 @@ class EdgeCircuits:
         graph, scores = self.graph, torch.zeros(self.graph.n_senders, self.graph.n_receivers, dtype=torch.float64)
         embed = self.model.get_input_embeddings()
         for rows in tqdm(self._chunks(), desc="edge scores", unit="batch", mininterval=10):
-            clean, _ = self._record(self.batch.clean, rows)
-            corrupted, _ = self._record(self.batch.corrupted, rows)
+            points = self.batch.differing_points(rows)  # elsewhere clean − corrupted is 0
+            corrupted, _ = self._record(self.batch.corrupted, rows, points)
             with torch.no_grad():
                 clean_in = embed(self.batch.clean[rows].to(self.device))
                 corrupted_in = embed(self.batch.corrupted[rows].to(self.device))
-            gradients = ReceiverGradients()
+            gradients, clean = ReceiverGradients(), Recording(points=points)
             for k in range(1, steps + 1):
-                embeds = corrupted_in + (k / steps) * (clean_in - corrupted_in)
-                logits = self._logits(rows, EdgePatch(graph, gradients=gradients), embeds=embeds)
+                # the last step is the clean input itself: its pass records the clean run too
+                embeds = clean_in if k == steps else corrupted_in + (k / steps) * (clean_in - corrupted_in)
+                patch = EdgePatch(graph, gradients=gradients, record=clean if k == steps else None)
+                logits = self._logits(rows, patch, embeds=embeds)
                 metric = self.batch.metric(logits, self.batch.prompts_of(rows)).sum() / self.batch.n_prompts
                 metric.backward()
-            scores += _edge_scores(graph, clean.senders - corrupted.senders, gradients, steps)
+            scores += _edge_scores(graph, clean.senders.sub_(corrupted.senders), gradients, points, steps)
         return scores.float()
 
     # ---- circuits ----
@@ -134,23 +137,25 @@ class EdgeCircuits:
         return refined_sweep(metric_at, len(order), ks, threshold, refine_points=self.refine_points), per_prompt
 
 
-def _edge_scores(graph: Graph, differences: torch.Tensor, gradients: ReceiverGradients, steps: int) -> torch.Tensor:
-    """Σ over rows and positions of (clean − corrupted) sender activations · the receivers'
-    gradients summed over the steps, over ``steps``: [senders, receivers]. Each block is one
-    matrix product over the flattened rows, positions and hidden units."""
+def _edge_scores(graph: Graph, differences: torch.Tensor, gradients: ReceiverGradients, points: torch.Tensor,
+                 steps: int) -> torch.Tensor:
+    """Σ over the ``points`` (flat row × token indices) and hidden units of (clean − corrupted)
+    sender activations ``differences`` [senders, points, hidden] · the receivers' gradients summed
+    over the steps, over ``steps``: [senders, receivers]. One matrix product per layer's receivers
+    (its heads' and its MLP's), one for the logits."""
     scores = torch.zeros(graph.n_senders, graph.n_receivers, dtype=torch.float64)
-    flat = differences.flatten(1)  # [senders, rows x tokens x hidden], a view
+    flat = differences.flatten(1)  # [senders, points x hidden], a view
 
-    def block(senders: int, gradient: torch.Tensor) -> torch.Tensor:
-        return (flat[:senders] @ gradient.flatten(1).T.to(flat.dtype) / steps).double().cpu()
+    def block(receivers: slice) -> torch.Tensor:
+        """[senders upstream of the last of ``receivers``, receivers]."""
+        gradient = gradients.gradient(receivers.start).flatten(1, 2).index_select(1, points.to(flat.device))
+        return (flat[:graph.upstream(receivers.stop - 1)] @ gradient.flatten(1).T.to(flat.dtype) / steps).double().cpu()
     for layer in range(graph.n_layers):
-        first = graph.attention_slice(layer).start
-        scores[:graph.upstream(first), graph.attention_slice(layer)] = block(graph.upstream(first),
-                                                                             gradients.gradient(first))
-        receiver = graph.mlp_receiver(layer)
-        scores[:graph.upstream(receiver), receiver] = block(graph.upstream(receiver), gradients.gradient(receiver))[:, 0]
-    receiver = graph.logits_receiver
-    scores[:, receiver] = block(graph.n_senders, gradients.gradient(receiver))[:, 0]
+        attention, mlp = graph.attention_slice(layer), graph.mlp_receiver(layer)
+        both = block(graph.layer_receivers(mlp))  # the attention columns' extra rows (this layer's heads) unused
+        scores[:graph.upstream(attention.start), attention] = both[:graph.upstream(attention.start), :-1]
+        scores[:graph.upstream(mlp), mlp] = both[:, -1]
+    scores[:, graph.logits_receiver] = block(graph.layer_receivers(graph.logits_receiver))[:, 0]
     return scores
 
 

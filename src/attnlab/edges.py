@@ -89,6 +89,14 @@ class Graph:
     def attention_slice(self, layer: int) -> slice:
         return slice(layer * self.per_layer, layer * self.per_layer + self.attention_receivers)
 
+    def layer_receivers(self, receiver: int) -> slice:
+        """The receivers of ``receiver``'s layer (its query/key/value heads, then its MLP); the
+        logits alone."""
+        if receiver == self.logits_receiver:
+            return slice(receiver, receiver + 1)
+        first = receiver - receiver % self.per_layer
+        return slice(first, first + self.per_layer)
+
     def mlp_receiver(self, layer: int) -> int:
         return layer * self.per_layer + self.attention_receivers
 
@@ -170,9 +178,9 @@ class Recording:
 @dataclass(eq=False)
 class ReceiverGradients:
     """The gradient of the metric with respect to each receiver's input, summed over the backward
-    passes of the forwards that carry it: one tensor (float32 at least) per group of receivers
-    that read one point of the residual stream, keyed by the group's first receiver, [receivers
-    of the group, rows, tokens, hidden]."""
+    passes of the forwards that carry it: one tensor (float32 at least) per layer's receivers
+    (``Graph.layer_receivers``: its query/key/value heads and its MLP; the logits alone), keyed by
+    the first of them, [receivers, rows, tokens, hidden]."""
 
     groups: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -292,8 +300,9 @@ class _ReceiverProjection(nn.Module):
         weight = weight * norm_weight.to(weight.dtype)  # w ∘ (W_h^T g_h) = (W_h ∘ w)^T g_h
         per_head = torch.einsum("bthe,hed->hbtd", grad.view(*grad.shape[:-1], self.heads, -1), weight)
         graph = self.state.graph
-        self.state.patch.gradients.add(graph.attention_slice(self.layer).start, graph.attention_receivers,
-                                       self.rows, rms_input_gradient(live, eps, per_head))
+        layer = graph.layer_receivers(graph.attention_slice(self.layer).start)
+        self.state.patch.gradients.add(layer.start, layer.stop - layer.start, self.rows,
+                                       rms_input_gradient(live, eps, per_head))
 
 
 @dataclass(eq=False)
@@ -469,8 +478,8 @@ class _Installed:
             if self.patch.record is None:  # only the patched points are read
                 self._patched_sender(first, n_heads, lambda: self._head_outputs(
                     module, self.points_of(z), self.points_of(output), scale))
-            else:
-                self._sender(first, self._head_outputs(module, z, output, scale))
+            else:  # recorded: no graph (a recording pass may be taking gradients)
+                self._sender(first, self._head_outputs(module, z.detach(), output.detach(), scale))
         return record
 
     def _head_outputs(self, o_proj: nn.Module, z: torch.Tensor, output: torch.Tensor, scale) -> torch.Tensor:
@@ -518,7 +527,9 @@ class _Installed:
         if gradients is None or not live.requires_grad:
             return None
         own = live.view_as(live)  # its gradient is the part that flows through this norm alone
-        own.register_hook(lambda grad: gradients.add(receiver, 1, slice(0, 1), grad[None]))
+        layer = self.graph.layer_receivers(receiver)
+        within = slice(receiver - layer.start, receiver - layer.start + 1)
+        own.register_hook(lambda grad: gradients.add(layer.start, layer.stop - layer.start, within, grad[None]))
         return module.forward(own)
 
     def _mixed(self, coef: torch.Tensor, on_live: torch.Tensor, live: torch.Tensor,
