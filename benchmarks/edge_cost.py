@@ -8,8 +8,10 @@ one batch: the units are one forward over the prompts (the edge machinery instal
 patched: the same readout as every pass here) and one forward-and-backward (the gradient of the
 metric with respect to the input embeddings). EAP-IG scoring (a recording forward and
 ``--steps`` forward-and-backward passes) is divided by the second, the exact evaluation of a
-circuit keeping the top n edges (the corrupted run recorded beforehand, once for every n) by the
-first, each the median of five ratios to a forward timed just before it. Memory: the peak
+circuit keeping the top n edges (the corrupted run recorded beforehand, once for every n) by
+the first: each the median of several ratios (``--scoring-repeats`` for scoring, five for an
+evaluation) to its unit timed just before it, so that a drifting clock (a shared machine)
+moves both sides of a ratio. Memory: the peak
 resident size above the loaded model's, after each stage (ru_maxrss, which only grows), beside
 the bytes of the per-sender activations a batch holds. ``mixing_gflop``: the matrix products
 that mix each receiver's input from the senders (``EdgePatch``), beside a forward's.
@@ -43,8 +45,8 @@ def median_seconds(run, repeats: int = 3) -> float:
 
 
 def ratio_to_forward(run, forward, repeats: int = 5) -> float:
-    """The median over ``repeats`` of run's time over a forward's timed just before it: a drifting
-    clock speed (shared machines) moves both."""
+    """The median over ``repeats`` of run's time over ``forward``'s (the unit) timed just
+    before it."""
     ratios = []
     for _ in range(repeats):
         ratios.append(median_seconds(run, 1) / median_seconds(forward, 1))
@@ -89,6 +91,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--keep", type=int, nargs="+", default=[100, 1000, 10000, 60000])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--scoring-repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -106,8 +109,9 @@ def main() -> None:
     scores = circuits.scores(args.steps)
     scoring_s = time.perf_counter() - started
     scoring_mib = peak_mib() - loaded_mib
-    # the unit again after the scoring, its mean with the one before: a drifting clock moves both
-    forward_backward_s = (forward_backward_s + median_seconds(lambda: forward_backward(circuits))) / 2
+    scoring_ratios = [scoring_s / forward_backward_s] + [
+        ratio_to_forward(lambda: circuits.scores(args.steps), lambda: forward_backward(circuits), 1)
+        for _ in range(args.scoring_repeats - 1)]
     order = ranked_edges(circuits.graph, scores).sort_values("rank").index.to_numpy()
     circuits.corrupted  # recorded once, before the timed evaluations
     masks = {n: circuits.kept(order, n) for n in args.keep}
@@ -120,7 +124,8 @@ def main() -> None:
         "edges": graph.n_edges, "steps": args.steps, "threads": args.threads,
         "forward_s": forward, "forward_backward_s": forward_backward_s,
         "forward_backward_in_forwards": forward_backward_s / forward,
-        "scoring_s": scoring_s, "scoring_in_forward_backwards": scoring_s / forward_backward_s,
+        "scoring_s": scoring_s, "scoring_in_forward_backwards": statistics.median(scoring_ratios),
+        "scoring_in_forward_backwards_each_run": scoring_ratios,
         "scoring_target_forward_backwards": args.steps + 2,
         "evaluation_in_forwards": {str(n): ratio for n, ratio in evaluations.items()},
         "evaluation_target_forwards": 1.5,

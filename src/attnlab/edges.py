@@ -341,10 +341,11 @@ def _at_least_float32(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _recorded(record: Recording, x: torch.Tensor) -> torch.Tensor:
-    """``x`` [..., rows, tokens, hidden] at the recording's points: [..., points, hidden]."""
+def _at(x: torch.Tensor, points: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [..., rows, tokens, hidden] at ``points`` (flat token indices; None: every token):
+    [..., points, hidden]."""
     flat = x.flatten(-3, -2)
-    return flat if record.points is None else flat.index_select(-2, record.points.to(x.device))
+    return flat if points is None else flat.index_select(-2, points.to(x.device))
 
 
 def _norm_weight(norm: nn.Module, hidden: int, device) -> tuple[torch.Tensor, float]:
@@ -410,12 +411,6 @@ class _Installed:
             setattr(attention, name, _ReceiverProjection(linear, self, index, rows, heads))
             self.swapped.append((attention, name, linear))
 
-    def points_of(self, x: torch.Tensor, flat: bool = False) -> torch.Tensor:
-        """``x`` [..., rows, tokens, hidden] at the patched points: [..., points, hidden]
-        (``flat``: ``x`` is [..., rows · tokens, hidden] already)."""
-        flat_x = x if flat else x.flatten(-3, -2)
-        return flat_x if self.points is None else flat_x.index_select(-2, self.points)
-
     def at_points(self, like: torch.Tensor, own: torch.Tensor, elsewhere) -> torch.Tensor:
         """A tensor shaped like ``like`` [rows, tokens, features] holding ``own`` [points,
         features] at the patched points and ``elsewhere()`` (what the layer computes on the live
@@ -448,9 +443,9 @@ class _Installed:
         record = self.patch.record
         if record is not None:
             if record.senders is None:
-                record.senders = values.new_empty(self.graph.n_senders, *_recorded(record, values[0]).shape)
-            record.senders[index:index + len(values)] = _recorded(record, values.detach())
-        self._patched_sender(index, len(values), lambda: self.points_of(values))
+                record.senders = values.new_empty(self.graph.n_senders, *_at(values[0], record.points).shape)
+            record.senders[index:index + len(values)] = _at(values.detach(), record.points)
+        self._patched_sender(index, len(values), lambda: _at(values, self.points))
 
     def _patched_sender(self, index: int, count: int, current) -> None:
         """Senders ``index`` to ``index + count`` wrote ``current()`` [count, points, hidden] at the
@@ -477,7 +472,7 @@ class _Installed:
             z = args[0]  # o_proj's input, the heads' outputs side by side; a bias is no sender's
             if self.patch.record is None:  # only the patched points are read
                 self._patched_sender(first, n_heads, lambda: self._head_outputs(
-                    module, self.points_of(z), self.points_of(output), scale))
+                    module, _at(z, self.points), _at(output, self.points), scale))
             else:  # recorded: no graph (a recording pass may be taking gradients)
                 self._sender(first, self._head_outputs(module, z.detach(), output.detach(), scale))
         return record
@@ -511,7 +506,7 @@ class _Installed:
         coef, on_live = plan.coef[:upstream, receivers], plan.live_base[receivers]
         mixing = coef.abs().sum(0) > 0
         mixed_at = mixing.nonzero()[:, 0].tolist()
-        mixed = self._mixed(coef[:, mixing], on_live[mixing], self.points_of(live), corrupted) if mixed_at else None
+        mixed = self._mixed(coef[:, mixing], on_live[mixing], _at(live, self.points), corrupted) if mixed_at else None
         return _GroupInputs(mixed, mixed_at, corrupted, (~mixing & ~on_live).nonzero()[:, 0].tolist())
 
     def _single_receiver(self, module: nn.Module, receiver: int, live: torch.Tensor, output: torch.Tensor,
@@ -573,7 +568,7 @@ class _Installed:
             if record is not None:
                 if index == 0:
                     record.shape = tuple(live.shape[:2])
-                record.layer_inputs[index] = _recorded(record, live.detach())
+                record.layer_inputs[index] = _at(live.detach(), record.points)
             if index == 0 and self.plan is not None and self.patch.corrupted.shape != tuple(live.shape[:2]):
                 raise ValueError(f"edge patching: this pass runs {tuple(live.shape[:2])} [rows, tokens], the "
                                  f"corrupted recording {self.patch.corrupted.shape}: record the corrupted run "
@@ -596,7 +591,7 @@ class _Installed:
         def hook(module, args, output):
             live = args[0]
             if self.patch.record is not None:
-                self.patch.record.middle[index] = _recorded(self.patch.record, live.detach())
+                self.patch.record.middle[index] = _at(live.detach(), self.patch.record.points)
             self.attention_inputs.pop(index, None)
             receiver = graph.mlp_receiver(index)
             corrupted = self.patch.corrupted.middle[index] if self.plan is not None else None
@@ -609,7 +604,7 @@ class _Installed:
         def hook(module, args, output):
             live = args[0]
             if self.patch.record is not None:
-                self.patch.record.final = _recorded(self.patch.record, live.detach())
+                self.patch.record.final = _at(live.detach(), self.patch.record.points)
             corrupted = self.patch.corrupted.final if self.plan is not None else None
             return self._single_receiver(module, graph.logits_receiver, live, output, corrupted, graph.n_senders)
         return hook
