@@ -170,8 +170,9 @@ class Recording:
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     middle: dict[int, torch.Tensor] = field(default_factory=dict)
     final: torch.Tensor | None = None
-    # the (live − corrupted) rows of the passes patched against this recording, reused from pass
-    # to pass: zeros at first, then always finite, which is all a row multiplied by 0 needs
+    # the (live − corrupted) activations [points, senders, hidden] of the passes patched against
+    # this recording, reused from pass to pass: zeros at first, then always finite, which is all
+    # a sender multiplied by 0 needs
     differences: torch.Tensor | None = None
 
 
@@ -238,7 +239,7 @@ class Plan:
 class _GroupInputs:
     """What a group of receivers reading one point of the residual stream reads at the patched
     points: the receivers at offsets ``mixed_at`` (within the group) their own mixes ``mixed``
-    [len(mixed_at), points, hidden]; those at ``corrupted_at`` the corrupted residual
+    [points, len(mixed_at), hidden]; those at ``corrupted_at`` the corrupted residual
     ``corrupted`` [points, hidden] as it is; the others the live residual as it is."""
 
     mixed: torch.Tensor | None
@@ -275,7 +276,7 @@ class _ReceiverProjection(nn.Module):
         if own:
             heads = _contiguous([head for _, head in own])
             norm_weight, eps = self.state.input_norm(self.layer)
-            x = group.mixed[_contiguous([index for index, _ in own])]  # [own heads, points, d]
+            x = group.mixed[:, _contiguous([index for index, _ in own])].transpose(0, 1)  # [own heads, points, d]
             inverse = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=_at_least_float32(x)).pow(2)
                                   / x.shape[-1] + eps)
             # the pre-norm's weight folded into the projection: (x · r ∘ w) W_h^T = r · x (W_h ∘ w)^T
@@ -380,7 +381,7 @@ class _Installed:
         self.live_inputs: dict[int, torch.Tensor] = {}  # each layer's input, kept for receiver gradients
         self._input_norms: dict[int, tuple[torch.Tensor, float]] = {}
         self.hidden, self.device = model.config.get_text_config().hidden_size, model.device
-        self.deltas: torch.Tensor | None = None  # live − corrupted, per sender (patching only)
+        self.deltas: torch.Tensor | None = None  # live − corrupted [points, senders, hidden] (patching only)
         self.points = None if patch.plan is None else patch.corrupted.points
         if self.points is not None:
             self.points = self.points.to(model.device)
@@ -455,10 +456,13 @@ class _Installed:
         if self.deltas is None:  # a sender no receiver reads is never written: the matrix product
             # in _mixed multiplies its row by 0, so it must be finite (Recording.differences)
             corrupted = self.patch.corrupted
-            if corrupted.differences is None:
-                corrupted.differences = torch.zeros_like(corrupted.senders)
+            if corrupted.differences is None:  # point-major: one small matrix product per token mixes
+                # a receiver group's inputs (a product with few rows is slow on a CPU)
+                senders, points, hidden = corrupted.senders.shape
+                corrupted.differences = corrupted.senders.new_zeros(points, senders, hidden)
             self.deltas = corrupted.differences
-        torch.sub(current(), self.patch.corrupted.senders[index:index + count], out=self.deltas[index:index + count])
+        torch.sub(current(), self.patch.corrupted.senders[index:index + count],
+                  out=self.deltas[:, index:index + count].transpose(0, 1))
 
     def _heads(self, index: int, scale):
         n_heads = self.graph.n_heads
@@ -516,7 +520,7 @@ class _Installed:
         is and no gradient is asked for."""
         group = self._inputs(slice(receiver, receiver + 1), live, corrupted, upstream)
         if group is not None:  # forward: not this hook again
-            own = group.corrupted if group.mixed is None else group.mixed[0]
+            own = group.corrupted if group.mixed is None else group.mixed[:, 0]
             return self.at_points(output, module.forward(own), output.clone)
         gradients = self.patch.gradients
         if gradients is None or not live.requires_grad:
@@ -529,26 +533,28 @@ class _Installed:
 
     def _mixed(self, coef: torch.Tensor, on_live: torch.Tensor, live: torch.Tensor,
                corrupted: torch.Tensor) -> torch.Tensor:
-        """base + Σ_s coef[s, r] (live − corrupted)_s [receivers, points, hidden] for each
+        """base + Σ_s coef[s, r] (live − corrupted)_s [points, receivers, hidden] for each
         receiver r (a column of ``coef``, over the first senders; its base the live residual
-        where ``on_live``, else the corrupted one): one matrix product on top of the base most of
-        them read (the others corrected by the bases' difference)."""
+        where ``on_live``, else the corrupted one): one matrix product per point on top of the
+        base most of them read (the others corrected by the bases' difference)."""
         upstream = len(coef)
         used = coef.abs().sum(1).nonzero()[:, 0]
-        deltas = self.deltas[:upstream]
+        deltas = self.deltas[:, :upstream]  # [points, senders, hidden]
         if coef.shape[1] == 1:  # one receiver: add its senders one by one
             inputs = (live if bool(on_live[0]) else corrupted).clone()
             for sender in used.tolist():
-                inputs.add_(deltas[sender], alpha=float(coef[sender, 0]))
-            return inputs[None]
-        if 4 * len(used) < upstream:  # a few senders: gather them; else the whole prefix (a view)
-            coef, deltas = coef[used], deltas.index_select(0, used.to(deltas.device))
+                inputs.add_(deltas[:, sender], alpha=float(coef[sender, 0]))
+            return inputs[:, None]
+        if 4 * len(used) < upstream:  # a few senders: gather them (from the whole, contiguous
+            # tensor: gathering from the prefix view would copy it first); else the prefix, a view
+            coef, deltas = coef[used], self.deltas.index_select(1, used.to(deltas.device))
         majority, minority = (live, corrupted) if 2 * int(on_live.sum()) >= len(on_live) else (corrupted, live)
-        inputs = torch.addmm(majority.reshape(1, -1), coef.T.to(live.device, live.dtype), deltas.flatten(1))
+        mixing = coef.T.to(live.device, live.dtype).expand(len(live), -1, -1)  # [points, receivers, senders]
+        inputs = torch.baddbmm(majority[:, None, :].expand(-1, coef.shape[1], -1), mixing, deltas)
         others = (on_live != (majority is live)).nonzero()[:, 0]
         if len(others):
-            inputs[others.to(live.device)] += (minority - majority).reshape(1, -1)
-        return inputs.view(-1, *live.shape)
+            inputs[:, others.to(live.device)] += (minority - majority)[:, None, :]
+        return inputs
 
     def _layer_input(self, index: int):
         graph = self.graph
