@@ -25,7 +25,11 @@ A receiver's input is computed from whichever side it keeps less of: the live re
 (live − corrupted) of its dropped senders, or the corrupted residual plus (live − corrupted) of its
 kept ones. So all edges kept is the unpatched forward to the last bit (nothing is touched) and
 no edge kept is the corrupted forward to float rounding (each receiver reads the corrupted
-residual itself). Only the layer under way holds its receivers' inputs.
+residual itself). Only the layer under way holds its receivers' inputs, and only at the tokens
+the corrupted ``Recording`` keeps (from each prompt's first clean/corrupted difference on:
+elsewhere every receiver reads the live residual). Receivers that read a base as it is share
+one projection of it; a mixed query/key/value head's RMS pre-norm (its weight read from the
+module) is folded into its projection.
 
 Post-norms that rescale a block's output before it joins the residual (Gemma-3's
 post_attention_layernorm and post_feedforward_layernorm) are RMS norms: a head's contribution is
