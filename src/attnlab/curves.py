@@ -55,9 +55,14 @@ def refined_sweep(metric_at: Callable[[int], float], n_heads: int, ks: list[int]
 
 def renamed_unit(value, source: str = "heads", target: str = "edges"):
     """A sweep's frame (its columns) or summary (its keys, nested) with the components' name
-    changed: the counting here names them heads; edge circuits write "edges" (and read back)."""
+    changed, in the fragility reasons too: the counting here names them heads; edge circuits
+    write "edges" (and read back)."""
     if isinstance(value, pd.DataFrame):
-        return value.rename(columns=lambda column: column.replace(source, target))
+        renamed = value.rename(columns=lambda column: column.replace(source, target))
+        reasons = renamed.get("fragile_reasons")  # a table's, joined: "falls back to 0.85 at 12 heads"
+        if reasons is not None and reasons.dtype == object:
+            renamed["fragile_reasons"] = reasons.str.replace(f" {source}", f" {target}")
+        return renamed
     if isinstance(value, dict):
         return {key.replace(source, target).replace(f"the_{source[:-1]}", f"the_{target[:-1]}"):
                 renamed_unit(item, source, target) for key, item in value.items()}  # interval_to_the_head

@@ -202,10 +202,7 @@ def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
                          heads_fewer_low=[r and r["low"] for r in ratios],
                          heads_fewer_high=[r and r["high"] for r in ratios],
                          heads_fewer_paired=[r and r["paired"] for r in ratios])
-    written = renamed_unit(table, "heads", unit)
-    if "fragile_reasons" in written:  # "falls back to 0.85 at 12 heads"
-        written["fragile_reasons"] = written["fragile_reasons"].str.replace(" heads", f" {unit}")
-    io.write_csv(written, table_path)
+    io.write_csv(renamed_unit(table, "heads", unit), table_path)
     plot_heads_vs_density(table, "", figure_path, dpi, unit)
 
 
