@@ -239,6 +239,49 @@ class Plan:
         return cls(coef, live_base, n_kept < n_valid, coef.abs().sum(1) > 0)
 
 
+# Receivers of this many layers take the part of their inputs from the senders computed before
+# the first of them in one matrix product per token: on two CPU cores a product with two layers'
+# rows (about 32) runs at ~110 GFLOP/s, with one layer's (15) at ~70 (torch.bmm, float32).
+BLOCK_LAYERS = 2
+
+
+@dataclass(frozen=True, eq=False)
+class _Block:
+    """Mixing receivers (their own mix of senders) of up to BLOCK_LAYERS layers, whole groups (a
+    layer's attention receivers, an MLP, the logits): their sums over senders [:upto] come from one
+    product, row ``row[receiver]``."""
+
+    upto: int
+    receivers: list[int]
+    row: dict[int, int]
+
+
+def _blocks(graph: Graph, coef: torch.Tensor) -> dict[int, _Block]:
+    """Each mixing receiver's block (a receiver mixes where ``coef`` [senders, receivers] has a
+    nonzero in its column), in forward order: a block opens at the group of the first mixing
+    receiver after the last block and spans BLOCK_LAYERS layers' receivers."""
+    blocks: dict[int, _Block] = {}
+    members: list[int] = []
+    end = -1
+
+    def close():
+        if members:
+            block = _Block(graph.upstream(members[0]), list(members), {r: i for i, r in enumerate(members)})
+            blocks.update(dict.fromkeys(members, block))
+            members.clear()
+
+    for receiver in (coef != 0).any(0).nonzero()[:, 0].tolist():
+        if receiver >= end:
+            close()
+            layer, within = divmod(receiver, graph.per_layer)
+            start = receiver if within == graph.attention_receivers or receiver == graph.logits_receiver \
+                else layer * graph.per_layer  # a group's first receiver
+            end = start + BLOCK_LAYERS * graph.per_layer
+        members.append(receiver)
+    close()
+    return blocks
+
+
 @dataclass(eq=False)
 class _GroupInputs:
     """What a group of receivers reading one point of the residual stream reads at the patched
@@ -264,16 +307,13 @@ class _ReceiverProjection(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         group = self.state.attention_inputs.get(self.layer)
         weight = self.linear.weight.view(self.heads, -1, self.linear.in_features)
-        out = self.linear(hidden_states)  # every head on the live residual
         if group is None:
+            out = self.linear(hidden_states)  # every head on the live residual
             if self.state.patch.gradients is not None and out.requires_grad:
                 live = self.state.live_inputs[self.layer]
                 out.register_hook(lambda grad: self._input_gradient(live, weight, grad))
             return out
-        points = self.state.points
-        flat = out.view(-1, out.shape[-1])
-        at_points = flat if points is None else flat.index_select(0, points)
-        per_head = at_points.view(len(at_points), self.heads, -1)  # [points, heads, e], a view
+        out, per_head = self._live_elsewhere(hidden_states)
         bias = None if self.linear.bias is None else self.linear.bias.view(self.heads, -1)
         own = [(index, offset - self.rows.start) for index, offset in enumerate(group.mixed_at)
                if self.rows.start <= offset < self.rows.stop]
@@ -287,16 +327,37 @@ class _ReceiverProjection(nn.Module):
             projected = torch.bmm(x, (weight[heads] * norm_weight.to(weight.dtype)).transpose(1, 2))
             projected = projected * inverse.to(projected.dtype)
             per_head[:, heads] = (projected if bias is None else projected + bias[heads][:, None]).transpose(0, 1)
-        corrupted = _contiguous([offset - self.rows.start for offset in group.corrupted_at
-                                 if self.rows.start <= offset < self.rows.stop])
+        corrupted = [offset - self.rows.start for offset in group.corrupted_at
+                     if self.rows.start <= offset < self.rows.stop]
         if corrupted:
             if group.corrupted_normed is None:
                 group.corrupted_normed = self.state.layers[self.layer].input_layernorm(group.corrupted)
-            projected = torch.einsum("pd,hed->phe", group.corrupted_normed, weight[corrupted])
-            per_head[:, corrupted] = projected if bias is None else projected + bias[corrupted]
-        if points is not None:
-            flat.index_copy_(0, points, at_points)
+            self._project(per_head, group.corrupted_normed, _contiguous(corrupted), weight, bias)
+        as_is = _contiguous(sorted(set(range(self.heads)) - {head for _, head in own} - set(corrupted)))
+        if as_is:
+            self._project(per_head, _at(hidden_states, self.state.points), as_is, weight, bias)
+        if self.state.points is not None:
+            out.view(-1, out.shape[-1]).index_copy_(0, self.state.points, per_head.flatten(1))
         return out
+
+    def _live_elsewhere(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projection's output [rows, tokens, heads · e], computed on ``hidden_states`` (the
+        live residual's pre-norm) at the tokens no receiver patches and left to fill at the patched
+        points, and where to fill it: [points, heads, e]."""
+        out = hidden_states.new_empty(*hidden_states.shape[:-1], self.linear.out_features)
+        flat = out.view(-1, out.shape[-1])
+        points, elsewhere = self.state.points, self.state.unpatched_points
+        if points is None:
+            return out, flat.view(len(flat), self.heads, -1)
+        if len(elsewhere):
+            flat.index_copy_(0, elsewhere, self.linear(_at(hidden_states, elsewhere)))
+        return out, flat.new_empty(len(points), self.heads, flat.shape[-1] // self.heads)
+
+    @staticmethod
+    def _project(per_head: torch.Tensor, normed: torch.Tensor, heads, weight: torch.Tensor, bias) -> None:
+        """per_head[:, heads] = each of ``heads``' slice of the projection of ``normed`` [points, d]."""
+        projected = torch.einsum("pd,hed->phe", normed, weight[heads])
+        per_head[:, heads] = projected if bias is None else projected + bias[heads]
 
     def _input_gradient(self, live: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
         """Each head's input gradient from the projection's output gradient [b, t, heads · e]:
@@ -386,9 +447,15 @@ class _Installed:
         self._input_norms: dict[int, tuple[torch.Tensor, float]] = {}
         self.hidden, self.device = model.config.get_text_config().hidden_size, model.device
         self.deltas: torch.Tensor | None = None  # live − corrupted [points, senders, hidden] (patching only)
+        self.blocks = {} if patch.plan is None else _blocks(self.graph, patch.plan.coef)
+        self.block_mix: tuple[_Block, torch.Tensor] | None = None  # the block under way, its product
         self.points = None if patch.plan is None else patch.corrupted.points
+        self.unpatched_points = None  # the other tokens of the pass
         if self.points is not None:
             self.points = self.points.to(model.device)
+            unpatched = torch.ones(int(np.prod(patch.corrupted.shape)), dtype=torch.bool, device=model.device)
+            unpatched[self.points] = False
+            self.unpatched_points = unpatched.nonzero()[:, 0]
         self.handles, self.swapped = [], []
         for index, layer in enumerate(self.layers):
             missing = [name for name in REQUIRED if not hasattr(layer, name)]
@@ -433,7 +500,7 @@ class _Installed:
             setattr(module, name, original)
         self.attention_inputs.clear()
         self.live_inputs.clear()
-        self.deltas = None
+        self.deltas = self.block_mix = None
 
     def input_norm(self, layer: int) -> tuple[torch.Tensor, float]:
         """(w, eps) of a layer's input_layernorm, read once per installation."""
@@ -514,7 +581,8 @@ class _Installed:
         coef, on_live = plan.coef[:upstream, receivers], plan.live_base[receivers]
         mixing = coef.abs().sum(0) > 0
         mixed_at = mixing.nonzero()[:, 0].tolist()
-        mixed = self._mixed(coef[:, mixing], on_live[mixing], _at(live, self.points), corrupted) if mixed_at else None
+        mixed = (self._mixed([receivers.start + at for at in mixed_at], on_live[mixing], _at(live, self.points),
+                             corrupted, upstream) if mixed_at else None)
         return _GroupInputs(mixed, mixed_at, corrupted, (~mixing & ~on_live).nonzero()[:, 0].tolist())
 
     def _single_receiver(self, module: nn.Module, receiver: int, live: torch.Tensor, output: torch.Tensor,
@@ -535,30 +603,48 @@ class _Installed:
         own.register_hook(lambda grad: gradients.add(layer.start, layer.stop - layer.start, within, grad[None]))
         return module.forward(own)
 
-    def _mixed(self, coef: torch.Tensor, on_live: torch.Tensor, live: torch.Tensor,
-               corrupted: torch.Tensor) -> torch.Tensor:
-        """base + Σ_s coef[s, r] (live − corrupted)_s [points, receivers, hidden] for each
-        receiver r (a column of ``coef``, over the first senders; its base the live residual
-        where ``on_live``, else the corrupted one): one matrix product per point on top of the
-        base most of them read (the others corrected by the bases' difference)."""
-        upstream = len(coef)
-        used = coef.abs().sum(1).nonzero()[:, 0]
-        deltas = self.deltas[:, :upstream]  # [points, senders, hidden]
-        if coef.shape[1] == 1:  # one receiver: add its senders one by one
-            inputs = (live if bool(on_live[0]) else corrupted).clone()
-            for sender in used.tolist():
-                inputs.add_(deltas[:, sender], alpha=float(coef[sender, 0]))
-            return inputs[:, None]
-        if 4 * len(used) < upstream:  # a few senders: gather them (from the whole, contiguous
-            # tensor: gathering from the prefix view would copy it first); else the prefix, a view
-            coef, deltas = coef[used], self.deltas.index_select(1, used.to(deltas.device))
-        majority, minority = (live, corrupted) if 2 * int(on_live.sum()) >= len(on_live) else (corrupted, live)
-        mixing = coef.T.to(live.device, live.dtype).expand(len(live), -1, -1)  # [points, receivers, senders]
-        inputs = torch.baddbmm(majority[:, None, :].expand(-1, coef.shape[1], -1), mixing, deltas)
-        others = (on_live != (majority is live)).nonzero()[:, 0]
-        if len(others):
-            inputs[:, others.to(live.device)] += (minority - majority)[:, None, :]
+    def _mixed(self, receivers: list[int], on_live: torch.Tensor, live: torch.Tensor,
+               corrupted: torch.Tensor, upstream: int) -> torch.Tensor:
+        """base + Σ_s coef[s, r] (live − corrupted)_s [points, receivers, hidden] for each of
+        ``receivers`` (one group, fed by the first ``upstream`` senders; its base the live
+        residual where ``on_live``, else the corrupted one): the senders before its block from
+        the block's product (``_block_mix``), the few after them added here."""
+        block = self.blocks[receivers[0]]
+        inputs = self._block_mix(block, live)[:, _contiguous([block.row[r] for r in receivers])]
+        rest = self.plan.coef[block.upto:upstream, receivers]
+        senders = rest.abs().sum(1).nonzero()[:, 0]
+        if len(senders) and len(receivers) == 1:  # a lone receiver: add its senders one by one
+            for sender in senders.tolist():
+                inputs[:, 0].add_(self.deltas[:, block.upto + sender], alpha=float(rest[sender, 0]))
+        elif len(senders):
+            mixing = rest.T.to(live.device, live.dtype).expand(len(live), -1, -1)
+            inputs = torch.baddbmm(inputs, mixing, self.deltas[:, block.upto:upstream])
+        most_on_live = 2 * int(on_live.sum()) >= len(on_live)
+        majority, minority = (live, corrupted) if most_on_live else (corrupted, live)
+        inputs += majority[:, None]  # every row, in place; then the others' bases corrected
+        others = _contiguous((on_live != most_on_live).nonzero()[:, 0].tolist())
+        if others:
+            inputs[:, others] += (minority - majority)[:, None]
         return inputs
+
+    def _block_mix(self, block: "_Block", like: torch.Tensor) -> torch.Tensor:
+        """Σ_s coef[s, r] (live − corrupted)_s over the senders before ``block`` [points,
+        receivers of the block, hidden], once per pass: one product per token (few rows run
+        slowly on a CPU: hence blocks of several layers' receivers)."""
+        if self.block_mix is not None and self.block_mix[0] is block:
+            return self.block_mix[1]
+        coef = self.plan.coef[:block.upto, block.receivers]
+        used = coef.abs().sum(1).nonzero()[:, 0]
+        if not len(used):
+            mix = like.new_zeros(len(like), len(block.receivers), like.shape[-1])
+        else:
+            deltas = self.deltas[:, :block.upto]
+            if 4 * len(used) < block.upto:  # a few senders: gather them (from the whole, contiguous
+                # tensor: gathering from the prefix view would copy it first); else the prefix, a view
+                coef, deltas = coef[used], self.deltas.index_select(1, used.to(like.device))
+            mix = torch.bmm(coef.T.to(like.device, like.dtype).expand(len(like), -1, -1), deltas)
+        self.block_mix = (block, mix)  # the blocks come in order: the previous one is done
+        return mix
 
     def _layer_input(self, index: int):
         graph = self.graph
@@ -569,6 +655,7 @@ class _Installed:
             if index == 0:
                 self.attention_inputs.clear()
                 self.live_inputs.clear()
+                self.block_mix = None
                 if self.patch.gradients is not None and torch.is_grad_enabled() and not live.requires_grad:
                     live = replaced = live.detach().requires_grad_(True)  # a graph to take gradients on
                 self._sender(0, live)
