@@ -13,8 +13,8 @@ the first: each the median of several ratios (``--scoring-repeats`` for scoring,
 evaluation) to its unit timed just before it, so that a drifting clock (a shared machine)
 moves both sides of a ratio. Memory: the peak
 resident size above the loaded model's, after each stage (ru_maxrss, which only grows), beside
-the bytes of the per-sender activations a batch holds. ``mixing_gflop``: the matrix products
-that mix each receiver's input from the senders (``EdgePatch``), beside a forward's.
+the bytes of the per-sender activations a batch holds. ``mixing_gflop``: the sums that mix each
+receiver's input from its senders (``EdgePatch``), beside a forward's.
 """
 
 from __future__ import annotations
@@ -54,20 +54,10 @@ def ratio_to_forward(run, forward, repeats: int = 5) -> float:
 
 
 def mixing_flop(graph: Graph, kept: torch.Tensor, points: int, hidden: int) -> float:
-    """The multiply-adds (×2) of the matrix products that mix the receivers' inputs: for each
-    group of receivers with their own mix, the senders some of them read × those receivers ×
-    the patched points × hidden units (``EdgePatch``; lone receivers add sender by sender)."""
-    plan = Plan.of(graph, kept)
-    groups = [(graph.attention_slice(layer), graph.upstream(graph.attention_slice(layer).start))
-              for layer in range(graph.n_layers)]
-    groups += [(slice(r, r + 1), graph.upstream(r)) for r in [*map(graph.mlp_receiver, range(graph.n_layers)),
-                                                              graph.logits_receiver]]
-    total = 0
-    for receivers, upstream in groups:
-        coef = plan.coef[:upstream, receivers]
-        mixing = coef.abs().sum(0) > 0
-        total += int((coef[:, mixing].abs().sum(1) > 0).sum()) * int(mixing.sum()) * points * hidden * 2
-    return total
+    """The multiply-adds (×2) that sum each receiver's senders into its input: every nonzero
+    coefficient of the plan (a sender a receiver mixes, from whichever base it keeps less of)
+    at every patched point (``EdgePatch``: an embedding bag per receiver and token)."""
+    return int(Plan.of(graph, kept).coef.ne(0).sum()) * points * hidden * 2
 
 
 def peak_mib() -> float:

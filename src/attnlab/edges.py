@@ -39,6 +39,7 @@ still add up to what the layer adds. Architectures whose layers lack these parts
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -371,9 +372,18 @@ def _at(x: torch.Tensor, points: torch.Tensor | None) -> torch.Tensor:
     return flat if points is None else flat.index_select(-2, points.to(x.device))
 
 
+# (w, eps) of each norm read so far, with the state of its parameters it was read from
+_NORM_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
 def _norm_weight(norm: nn.Module, hidden: int, device) -> tuple[torch.Tensor, float]:
     """(w, eps) of an RMS norm y = x · rsqrt(mean(x²) + eps) · w, read from the module itself:
-    its output on a row of ones is w · rsqrt(1 + eps)."""
+    its output on a row of ones is w · rsqrt(1 + eps). Read again only after its parameters
+    change (every patched pass installs the patch anew)."""
+    state = (str(device), hidden, tuple((p.data_ptr(), p._version) for p in norm.parameters()))
+    cached = _NORM_WEIGHTS.get(norm)
+    if cached is not None and cached[0] == state:
+        return cached[1]
     eps = getattr(norm, "eps", None)
     eps = getattr(norm, "variance_epsilon", None) if eps is None else eps
     if eps is None:
@@ -387,6 +397,7 @@ def _norm_weight(norm: nn.Module, hidden: int, device) -> tuple[torch.Tensor, fl
         if not torch.allclose(norm(probe).float(), expected, rtol=1e-4, atol=1e-5):
             raise NotImplementedError(f"{type(norm).__name__} is not an RMS norm: edge patching cannot "
                                       "split the block output it rescales between heads")
+    _NORM_WEIGHTS[norm] = (state, (weight, eps))
     return weight, eps
 
 
