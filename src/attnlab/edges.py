@@ -581,7 +581,8 @@ class _Installed:
         rows, senders = coef.nonzero(as_tuple=True)  # receiver-major
         deltas, device = self.deltas, live.device
         points, width, hidden = deltas.shape
-        starts = torch.cumsum(torch.bincount(rows, minlength=len(receivers)), 0) - torch.bincount(rows, minlength=len(receivers))
+        counts = torch.bincount(rows, minlength=len(receivers))
+        starts = torch.cumsum(counts, 0) - counts  # each receiver's first sender in ``senders``
         token = torch.arange(points, device=device)[:, None]
         indices = (token * width + senders.to(device)[None]).flatten()  # rows of deltas [points · senders, hidden]
         offsets = (token * len(senders) + starts.to(device)[None]).flatten()  # a bag per token and receiver
