@@ -23,7 +23,8 @@ carries:
 
 A receiver's input is computed from whichever side it keeps less of: the live residual minus
 (live − corrupted) of its dropped senders, or the corrupted residual plus (live − corrupted) of its
-kept ones. So all edges kept is the unpatched forward to the last bit (nothing is touched) and
+kept ones (summed by an embedding bag per receiver and token that reads only those senders'
+differences). So all edges kept is the unpatched forward to the last bit (nothing is touched) and
 no edge kept is the corrupted forward to float rounding (each receiver reads the corrupted
 residual itself). Only the layer under way holds its receivers' inputs, and only at the tokens
 the corrupted ``Recording`` keeps (from each prompt's first clean/corrupted difference on:
