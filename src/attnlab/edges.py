@@ -413,7 +413,6 @@ class _Installed:
             raise ValueError(f"the edge patch was made for {self.graph}, the model is {Graph.of(model)}")
         self.attention_inputs: dict[int, torch.Tensor] = {}
         self.live_inputs: dict[int, torch.Tensor] = {}  # each layer's input, kept for receiver gradients
-        self._input_norms: dict[int, tuple[torch.Tensor, float]] = {}
         self.hidden, self.device = model.config.get_text_config().hidden_size, model.device
         self.deltas: torch.Tensor | None = None  # live − corrupted [points, senders, hidden] (patching only)
         self.points = None if patch.plan is None else patch.corrupted.points
@@ -470,10 +469,9 @@ class _Installed:
         self.deltas = None
 
     def input_norm(self, layer: int) -> tuple[torch.Tensor, float]:
-        """(w, eps) of a layer's input_layernorm, read once per installation."""
-        if layer not in self._input_norms:
-            self._input_norms[layer] = _norm_weight(self.layers[layer].input_layernorm, self.hidden, self.device)
-        return self._input_norms[layer]
+        """(w, eps) of a layer's input_layernorm (``_norm_weight`` keeps it while the norm's
+        parameters stay as they are)."""
+        return _norm_weight(self.layers[layer].input_layernorm, self.hidden, self.device)
 
     # ---- senders ----
     def _sender(self, index: int, value: torch.Tensor) -> None:
