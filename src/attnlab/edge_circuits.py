@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from attnlab.curves import refined_sweep
-from attnlab.edges import EdgePatch, Graph, ReceiverGradients, Recording
+from attnlab.edges import EdgePatch, Graph, Plan, ReceiverGradients, Recording
 from attnlab.interventions import intervened
 from attnlab.pruning import LOGITS_KEPT, TaskBatch
 from attnlab.readout import Readout
@@ -113,9 +113,11 @@ class EdgeCircuits:
         """The mean metric and each prompt's with only the ``kept`` edges carrying the clean
         activations (None: the clean forward, unpatched)."""
         values = []
+        plan = None if kept is None else Plan.of(self.graph, kept)  # one for every batch
         with torch.no_grad():
             for rows, corrupted in zip(self._chunks(), self.corrupted):
-                patch = EdgePatch(self.graph) if kept is None else EdgePatch(self.graph, kept=kept, corrupted=corrupted)
+                patch = (EdgePatch(self.graph) if kept is None
+                         else EdgePatch(self.graph, kept=kept, corrupted=corrupted, plan=plan))
                 values.append(self.batch.metric(self._logits(rows, patch, ids=self.batch.clean),
                                                 self.batch.prompts_of(rows)))
         return sum(float(v.sum()) for v in values) / self.batch.n_prompts, torch.cat(values).double().cpu().numpy()

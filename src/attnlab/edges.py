@@ -40,6 +40,7 @@ still add up to what the layer adds. Architectures whose layers lack these parts
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -119,6 +120,15 @@ class Graph:
         before = 1 + layer * (self.n_heads + 1)
         return before + self.n_heads if within == self.attention_receivers else before
 
+    def reading_points(self) -> list[slice]:
+        """The receivers reading each point of the residual stream, in the model's order: each
+        layer's query/key/value heads (its input), its MLP (its middle), then the logits."""
+        points = []
+        for layer in range(self.n_layers):
+            mlp = self.mlp_receiver(layer)
+            points += [self.attention_slice(layer), slice(mlp, mlp + 1)]
+        return points + [slice(self.logits_receiver, self.logits_receiver + 1)]
+
     def valid(self) -> torch.Tensor:
         """[senders, receivers] bool: which pairs are edges."""
         upstream = torch.tensor([self.upstream(r) for r in range(self.n_receivers)])
@@ -177,9 +187,21 @@ class Recording:
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     middle: dict[int, torch.Tensor] = field(default_factory=dict)
     final: torch.Tensor | None = None
-    # the (live − corrupted) activations [points, senders, hidden] of the passes patched against
-    # this recording, one buffer reused from pass to pass (a pass writes the senders it reads)
-    differences: torch.Tensor | None = None
+    head_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # o_proj's input [points, heads · e]
+    # the outputs of each layer's q/k/v/o projections and MLP at the tokens not in ``points``
+    # [tokens, features], where every pass patched against this recording computes the same
+    elsewhere: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    # what the passes patched against this recording sum receivers' inputs from, [rows, points,
+    # hidden] (``Plan``): each sender's (live − corrupted), the live and the corrupted residual at
+    # the reading point under way, then the slots of shared sums. One buffer reused from pass to
+    # pass: a pass writes every row it reads before reading it
+    table: torch.Tensor | None = None
+
+    def unpatched(self, device) -> torch.Tensor:
+        """The flat indices of the tokens not in ``points`` (``points`` and ``shape`` set)."""
+        other = torch.ones(int(np.prod(self.shape)), dtype=torch.bool, device=device)
+        other[self.points.to(device)] = False
+        return other.nonzero()[:, 0]
 
 
 @dataclass(eq=False)
@@ -219,33 +241,176 @@ def rms_input_gradient(x: torch.Tensor, eps: float, weighted: torch.Tensor) -> t
     return (weighted * inverse).addcmul_(x * inverse.pow(3), projection, value=-1)
 
 
+@dataclass(eq=False)
+class Mix:
+    """The inputs of the receivers of one reading point that mix, at the patched points: receiver
+    i's input is Σ coefs[j] · table[rows[j]] over its ``counts[i]`` entries (``_Installed``'s
+    table: the senders' differences, then the live and the corrupted base, then the slots). Its
+    entries: its base (coefficient 1), a shared sum's slot (1) where it builds on an earlier
+    receiver's, and senders' (live − corrupted) (±1). ``stores`` (i, slot): receiver i's input
+    minus its base goes into ``slot`` for later receivers."""
+
+    receivers: list[int]
+    rows: torch.Tensor  # long, receiver-major
+    coefs: torch.Tensor
+    counts: torch.Tensor  # long, per receiver
+    stores: list[tuple[int, int]]
+
+    def bags(self, points: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(indices, offsets, weights) of an embedding bag per point and receiver (point-major:
+        the receivers of a point read their rows while they are in cache) over the table viewed
+        as [rows · points, hidden]."""
+        point = torch.arange(points)[:, None]
+        indices = (self.rows[None] * points + point).flatten()
+        offsets = (point * len(self.rows) + (torch.cumsum(self.counts, 0) - self.counts)[None]).flatten()
+        return indices.to(device), offsets.to(device), self.coefs.to(device, dtype).repeat(points)
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """What each receiver reads, from a kept-edges mask: its base (live residual, or corrupted)
-    and the coefficient of each upstream sender's (live − corrupted) difference."""
+    """What each receiver reads, from a kept-edges mask. A receiver sums over whichever side it
+    keeps less of: the live residual minus (live − corrupted) of its dropped senders, or the
+    corrupted residual plus (live − corrupted) of its kept ones (``base``: force one). With
+    ``share``, a receiver may instead start from an earlier receiver's sum (same base) and
+    correct it by the senders where the two differ, when that reads fewer rows: neighbouring
+    receivers keep much the same senders, so at a circuit's crossing this reads ~35% fewer."""
 
-    coef: torch.Tensor  # [senders, receivers]: -1 dropped (live base), 1 kept (corrupted base), else 0
     live_base: torch.Tensor  # [receivers] bool
     patched: torch.Tensor  # [receivers] bool: the receiver does not read the live residual as it is
+    mixing: torch.Tensor  # [receivers] bool: it reads a sum of its own (else a base as it is)
     used: torch.Tensor  # [senders] bool: some receiver reads the sender's (live − corrupted)
+    mixes: dict[int, Mix]  # by the first receiver of each reading point
+    n_slots: int
+    n_senders: int
+
+    @property
+    def terms(self) -> int:
+        """Rows summed per patched point, over every receiver."""
+        return sum(len(mix.rows) for mix in self.mixes.values())
 
     @classmethod
-    def of(cls, graph: Graph, kept: torch.Tensor) -> "Plan":
-        valid = graph.valid()
-        if kept.shape != valid.shape:
-            raise ValueError(f"kept edges: a [senders, receivers] = {tuple(valid.shape)} mask, not {tuple(kept.shape)}")
-        kept = kept.bool().cpu() & valid
-        n_valid, n_kept = valid.sum(0), kept.sum(0)
-        live_base = 2 * n_kept >= n_valid
-        coef = torch.where(live_base[None, :], kept.float() - 1, kept.float()) * valid
-        return cls(coef, live_base, n_kept < n_valid, coef.abs().sum(1) > 0)
+    def of(cls, graph: Graph, kept: torch.Tensor, base: str | None = None, share: bool = True) -> "Plan":
+        valid = _valid(graph)
+        if tuple(kept.shape) != valid.shape:
+            raise ValueError(f"kept edges: a [senders, receivers] = {valid.shape} mask, not {tuple(kept.shape)}")
+        if base not in (None, "live", "corrupted"):
+            raise ValueError(f"base: 'live', 'corrupted' or None (whichever is shorter), not {base!r}")
+        kept = kept.bool().cpu().numpy() & valid
+        summed = {True: valid & ~kept, False: kept}  # the senders summed from the live / corrupted base
+        on_live, parent, rows = _sources(graph, summed, (True, False) if base is None else (base == "live",), share)
+        slots, n_slots = _slots(graph, parent)
+        mixes, used = {}, np.zeros(graph.n_senders, dtype=bool)
+        for point in graph.reading_points():
+            receivers = np.arange(point.start, point.stop)[rows[point] > 0]
+            if len(receivers):
+                mixes[point.start] = _mix(graph, receivers, on_live, parent, summed, slots, used)
+        patched = ~on_live | (rows > 0)  # a live base with nothing dropped reads the live residual as it is
+        return cls(torch.from_numpy(on_live), torch.from_numpy(patched), torch.from_numpy(rows > 0),
+                   torch.from_numpy(used), mixes, n_slots, graph.n_senders)
+
+
+@functools.lru_cache(maxsize=8)
+def _valid(graph: Graph) -> np.ndarray:
+    valid = graph.valid().numpy()
+    valid.flags.writeable = False
+    return valid
+
+
+def _sources(graph: Graph, summed: dict, bases: tuple, share: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per receiver: whether its base is the live residual, the earlier receiver whose sum it
+    builds on (-1: none) and the rows it sums (0: it reads its base as it is). Reading point by
+    point, each receiver takes the option with the fewest rows among ``bases`` (the live one
+    first: on a tie, and where nothing is dropped, it reads the live residual as it is)."""
+    n = graph.n_receivers
+    on_live, parent, rows = np.zeros(n, dtype=bool), np.full(n, -1), np.zeros(n, dtype=np.int64)
+    # per base, the senders each earlier sum on it runs over (a column each), their sizes and receivers
+    sums = {live: np.zeros((graph.n_senders, n), dtype=np.float32) for live in bases}
+    sizes = {live: np.zeros(n, dtype=np.float32) for live in bases}
+    owners, counts = {live: np.zeros(n, dtype=np.int64) for live in bases}, dict.fromkeys(bases, 0)
+    for point in graph.reading_points():
+        ids = np.arange(point.start, point.stop)
+        best = None
+        for live in bases:
+            own = summed[live][:, ids]
+            cost, at = own.sum(0), np.full(len(ids), -1)
+            count = counts[live] if share else 0
+            if count:  # the earlier sum (1 row) corrected where the two sets differ
+                shared = (1 + cost[:, None] + sizes[live][None, :count]
+                          - 2 * (own.T.astype(np.float32) @ sums[live][:, :count]))
+                column = shared.argmin(1)
+                low = shared[np.arange(len(ids)), column]
+                cost, at = np.where(low < cost, low, cost).astype(np.int64), np.where(low < cost, owners[live][column], at)
+            if best is None:
+                best = (np.full(len(ids), live), cost, at)
+            else:
+                better = cost < best[1]
+                best = tuple(np.where(better, new, old) for new, old in zip((np.full(len(ids), live), cost, at), best))
+        on_live[ids], rows[ids], parent[ids] = best
+        for live in bases:
+            these = ids[(rows[ids] > 0) & (on_live[ids] == live)]
+            count = counts[live]
+            sums[live][:, count:count + len(these)] = summed[live][:, these]
+            sizes[live][count:count + len(these)] = summed[live][:, these].sum(0)
+            owners[live][count:count + len(these)] = these
+            counts[live] += len(these)
+    return on_live, parent, rows
+
+
+def _slots(graph: Graph, parent: np.ndarray) -> tuple[dict[int, int], int]:
+    """A slot of the table for each receiver whose sum a later one builds on, held from its own
+    reading point to its last reader's: slot by receiver, and how many there are."""
+    point_of = np.zeros(graph.n_receivers, dtype=np.int64)
+    for i, point in enumerate(graph.reading_points()):
+        point_of[point] = i
+    last: dict[int, int] = {}
+    for child in np.flatnonzero(parent >= 0):
+        last[int(parent[child])] = max(last.get(int(parent[child]), -1), int(point_of[child]))
+    slots, free, held, n_slots = {}, [], [], 0
+    for i, point in enumerate(graph.reading_points()):
+        free += [slot for receiver, slot in held if last[receiver] < i]
+        held = [(receiver, slot) for receiver, slot in held if last[receiver] >= i]
+        for receiver in range(point.start, point.stop):
+            if receiver in last:
+                slots[receiver] = slot = free.pop() if free else n_slots
+                n_slots = max(n_slots, slot + 1)
+                held.append((receiver, slot))
+    return slots, n_slots
+
+
+def _mix(graph: Graph, receivers: np.ndarray, on_live: np.ndarray, parent: np.ndarray, summed: dict,
+         slots: dict, used: np.ndarray) -> Mix:
+    """The entries of ``receivers``' sums (one reading point): base, slot of the sum it builds
+    on, then its senders' differences; marks the senders read in ``used``."""
+    n = graph.n_senders
+    live = on_live[receivers]
+    sign = np.where(live, -1, 1)  # live − Σ dropped, corrupted + Σ kept
+    own = np.where(live[None], summed[True][:, receivers], summed[False][:, receivers]).astype(np.int8)
+    builds = parent[receivers] >= 0
+    theirs = np.zeros_like(own)
+    theirs[:, builds] = np.where(live[builds][None], summed[True][:, parent[receivers[builds]]],
+                                 summed[False][:, parent[receivers[builds]]])
+    which, sender = np.nonzero(((own - theirs) * sign[None]).T)  # receiver-major
+    coef = ((own - theirs) * sign[None]).T[which, sender]
+    used[sender] = True
+    index = np.arange(len(receivers))
+    slot_rows = np.array([n + 2 + slots[int(parent[r])] if parent[r] >= 0 else -1 for r in receivers])
+    # entries sorted by receiver, then base (key 0), slot (1), senders (2 + sender)
+    owner = np.concatenate([index, index[builds], which])
+    key = np.concatenate([np.zeros(len(index)), np.ones(int(builds.sum())), 2 + sender])
+    entry_rows = np.concatenate([np.where(live, n, n + 1), slot_rows[builds], sender])
+    entry_coefs = np.concatenate([np.ones(len(index) + int(builds.sum())), coef])
+    order = np.lexsort((key, owner))
+    counts = np.bincount(owner, minlength=len(receivers))
+    stores = [(i, slots[int(r)]) for i, r in enumerate(receivers) if int(r) in slots]
+    return Mix(receivers.tolist(), torch.from_numpy(entry_rows[order]).long(),
+               torch.from_numpy(entry_coefs[order]).float(), torch.from_numpy(counts).long(), stores)
 
 
 @dataclass(eq=False)
 class _GroupInputs:
     """What a group of receivers reading one point of the residual stream reads at the patched
     points: the receivers at offsets ``mixed_at`` (within the group) their own mixes ``mixed``
-    [points, len(mixed_at), hidden]; those at ``corrupted_at`` the corrupted residual
+    [len(mixed_at), points, hidden]; those at ``corrupted_at`` the corrupted residual
     ``corrupted`` [points, hidden] as it is; the others the live residual as it is."""
 
     mixed: torch.Tensor | None
@@ -255,6 +420,25 @@ class _GroupInputs:
     corrupted_normed: torch.Tensor | None = None  # the pre-norm of ``corrupted``, once per group
 
 
+class _AtPatchedPoints(nn.Module):
+    """Stands in for a layer's o_proj or MLP. On a patched pass it runs only at the patched
+    points: before a prompt's first clean/corrupted difference every pass computes the same, so
+    there it returns what the corrupted recording kept. On a recording pass it keeps its output at
+    those tokens."""
+
+    def __init__(self, module: nn.Module, state: "_Installed", key: tuple):
+        super().__init__()
+        self.module, self.state, self.key = module, state, key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self.state
+        if state.restricted:
+            return state.at_patched_points(x, self.key, self.module)
+        out = self.module(x)
+        state.keep_elsewhere(self.key, out)
+        return out
+
+
 class _ReceiverProjection(nn.Module):
     """Stands in for q_proj, k_proj or v_proj of a layer whose receivers get their own inputs:
     each head's slice of the projection applied to the layer's pre-norm of that head's input."""
@@ -262,12 +446,16 @@ class _ReceiverProjection(nn.Module):
     def __init__(self, linear: nn.Linear, state: "_Installed", layer: int, rows: slice, heads: int):
         super().__init__()
         self.linear, self.state, self.layer, self.rows, self.heads = linear, state, layer, rows, heads
+        self.key = ("qkv", layer, rows.start)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         group = self.state.attention_inputs.get(self.layer)
         weight = self.linear.weight.view(self.heads, -1, self.linear.in_features)
-        if group is None:
-            out = self.linear(hidden_states)  # every head on the live residual
+        if group is None:  # every head on the live residual
+            if self.state.restricted:
+                return self.state.at_patched_points(hidden_states, self.key, self.linear)
+            out = self.linear(hidden_states)
+            self.state.keep_elsewhere(self.key, out)
             if self.state.patch.gradients is not None and out.requires_grad:
                 live = self.state.live_inputs[self.layer]
                 out.register_hook(lambda grad: self._input_gradient(live, weight, grad))
@@ -279,7 +467,7 @@ class _ReceiverProjection(nn.Module):
         if own:
             heads = _contiguous([head for _, head in own])
             norm_weight, eps = self.state.input_norm(self.layer)
-            x = group.mixed[:, _contiguous([index for index, _ in own])].transpose(0, 1)  # [own heads, points, d]
+            x = group.mixed[_contiguous([index for index, _ in own])]  # [own heads, points, d]
             inverse = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=_at_least_float32(x)).pow(2)
                                   / x.shape[-1] + eps)
             # the pre-norm's weight folded into the projection: (x · r ∘ w) W_h^T = r · x (W_h ∘ w)^T
@@ -300,16 +488,16 @@ class _ReceiverProjection(nn.Module):
         return out
 
     def _live_elsewhere(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The projection's output [rows, tokens, heads · e], computed on ``hidden_states`` (the
-        live residual's pre-norm) at the tokens no receiver patches and left to fill at the patched
-        points, and where to fill it: [points, heads, e]."""
+        """The projection's output [rows, tokens, heads · e], left to fill at the patched points
+        (elsewhere every pass computes what the corrupted recording kept), and where to fill it:
+        [points, heads, e]. ``hidden_states``: the live residual's pre-norm."""
         out = hidden_states.new_empty(*hidden_states.shape[:-1], self.linear.out_features)
         flat = out.view(-1, out.shape[-1])
         points, elsewhere = self.state.points, self.state.unpatched_points
         if points is None:
             return out, flat.view(len(flat), self.heads, -1)
-        if len(elsewhere):
-            flat.index_copy_(0, elsewhere, self.linear(_at(hidden_states, elsewhere)))
+        if len(elsewhere):  # there every pass computes the same
+            flat.index_copy_(0, elsewhere, self.state.patch.corrupted.elsewhere[self.key])
         return out, flat.new_empty(len(points), self.heads, flat.shape[-1] // self.heads)
 
     @staticmethod
@@ -341,6 +529,7 @@ class EdgePatch:
     corrupted: Recording | None = None
     record: Recording | None = None
     gradients: ReceiverGradients | None = None
+    plan: "Plan | None" = None  # of ``kept`` (made from it when not given)
 
     def __post_init__(self):
         if self.kept is not None and self.corrupted is None:
@@ -348,7 +537,10 @@ class EdgePatch:
         if self.kept is not None and self.gradients is not None:
             raise ValueError("receiver gradients (gradients=) are taken on unpatched passes: drop kept= "
                              "(EAP-IG moves the inputs from the corrupted to the clean prompt, not the edges)")
-        self.plan = None if self.kept is None else Plan.of(self.graph, self.kept)
+        if self.plan is not None and self.kept is None:
+            raise ValueError("plan= is the plan of the kept edges: give kept= with it")
+        if self.plan is None and self.kept is not None:
+            self.plan = Plan.of(self.graph, self.kept)
 
     def install(self, model) -> "_Installed":
         return _Installed(self, model)
@@ -414,7 +606,6 @@ class _Installed:
         self.attention_inputs: dict[int, torch.Tensor] = {}
         self.live_inputs: dict[int, torch.Tensor] = {}  # each layer's input, kept for receiver gradients
         self.hidden, self.device = model.config.get_text_config().hidden_size, model.device
-        self.deltas: torch.Tensor | None = None  # live − corrupted [points, senders, hidden] (patching only)
         self.points = None if patch.plan is None else patch.corrupted.points
         self.unpatched_points = None  # the other tokens of the pass
         if self.points is not None:
@@ -422,11 +613,17 @@ class _Installed:
             unpatched = torch.ones(int(np.prod(patch.corrupted.shape)), dtype=torch.bool, device=model.device)
             unpatched[self.points] = False
             self.unpatched_points = unpatched.nonzero()[:, 0]
+        # tokens before every prompt's first difference are not recomputed (all edges kept: the
+        # unpatched forward, untouched)
+        self.restricted = (self.points is not None and len(self.unpatched_points) > 0
+                           and bool(self.plan.patched.any()))
         self.handles, self.swapped = [], []
         for index, layer in enumerate(self.layers):
             missing = [name for name in REQUIRED if not hasattr(layer, name)]
             if missing:
                 raise NotImplementedError(f"edge patching: decoder layer {type(layer).__name__} has no {missing}")
+            self._swap(layer.self_attn, "o_proj", _AtPatchedPoints(layer.self_attn.o_proj, self, ("o", index)))
+            self._swap(layer, "mlp", _AtPatchedPoints(layer.mlp, self, ("mlp", index)))
             sandwich = hasattr(layer, "pre_feedforward_layernorm")
             mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
             attention_scale = _norm_weight(layer.post_attention_layernorm, self.hidden, self.device) if sandwich else None
@@ -445,9 +642,28 @@ class _Installed:
         h, g = graph.n_heads, graph.n_kv_heads
         for name, rows, heads in (("q_proj", slice(0, h), h), ("k_proj", slice(h, h + g), g),
                                   ("v_proj", slice(h + g, h + 2 * g), g)):
-            linear = getattr(attention, name)
-            setattr(attention, name, _ReceiverProjection(linear, self, index, rows, heads))
-            self.swapped.append((attention, name, linear))
+            self._swap(attention, name, _ReceiverProjection(getattr(attention, name), self, index, rows, heads))
+
+    def _swap(self, parent: nn.Module, name: str, stand_in: nn.Module) -> None:
+        self.swapped.append((parent, name, getattr(parent, name)))
+        setattr(parent, name, stand_in)
+
+    def keep_elsewhere(self, key: tuple, out: torch.Tensor) -> None:
+        """On a recording pass that keeps only some points, keep ``out`` [rows, tokens, features]
+        at the others."""
+        record = self.patch.record
+        if record is not None and record.points is not None:
+            record.elsewhere[key] = _at(out.detach(), record.unpatched(out.device))
+
+    def at_patched_points(self, x: torch.Tensor, key: tuple, module) -> torch.Tensor:
+        """``module`` (token by token) of ``x`` [rows, tokens, features] computed at the patched
+        points; elsewhere the corrupted recording's output."""
+        own = module(_at(x, self.points))
+        out = own.new_empty(*x.shape[:-1], own.shape[-1])
+        flat = out.view(-1, own.shape[-1])
+        flat.index_copy_(0, self.points, own)
+        flat.index_copy_(0, self.unpatched_points, self.patch.corrupted.elsewhere[key])
+        return out
 
     def at_points(self, like: torch.Tensor, own: torch.Tensor, elsewhere) -> torch.Tensor:
         """A tensor shaped like ``like`` [rows, tokens, features] holding ``own`` [points,
@@ -462,11 +678,10 @@ class _Installed:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
-        for module, name, original in self.swapped:
+        for module, name, original in reversed(self.swapped):
             setattr(module, name, original)
         self.attention_inputs.clear()
         self.live_inputs.clear()
-        self.deltas = None
 
     def input_norm(self, layer: int) -> tuple[torch.Tensor, float]:
         """(w, eps) of a layer's input_layernorm (``_norm_weight`` keeps it while the norm's
@@ -484,21 +699,33 @@ class _Installed:
             record.senders[index:index + len(values)] = _at(values.detach(), record.points)
         self._patched_sender(index, len(values), lambda: _at(values, self.points))
 
+    def _table(self) -> torch.Tensor:
+        """The corrupted recording's table (``Recording.table``), grown to this plan's rows at
+        the first sender of a pass; NaN until written, so a sum reading a row the pass did not
+        write shows in the metrics."""
+        corrupted = self.patch.corrupted
+        rows = self.graph.n_senders + 2 + self.plan.n_slots
+        if corrupted.table is None or len(corrupted.table) < rows:
+            _, points, hidden = corrupted.senders.shape
+            corrupted.table = corrupted.senders.new_full((rows, points, hidden), float("nan"))
+        return corrupted.table
+
     def _patched_sender(self, index: int, count: int, current) -> None:
         """Senders ``index`` to ``index + count`` wrote ``current()`` [count, points, hidden] at the
         patched points: keep their (live − corrupted) where some receiver reads it."""
         if self.plan is None or not bool(self.plan.used[index:index + count].any()):  # never read
             return
-        if self.deltas is None:
-            corrupted = self.patch.corrupted
-            if corrupted.differences is None:  # token-major: a receiver's sums at one token read
-                # one block of the buffer (its senders' rows), which stays in cache
-                senders, points, hidden = corrupted.senders.shape
-                # NaN until written: a sum reading a sender this pass did not write shows
-                corrupted.differences = corrupted.senders.new_full((points, senders, hidden), float("nan"))
-            self.deltas = corrupted.differences
         torch.sub(current(), self.patch.corrupted.senders[index:index + count],
-                  out=self.deltas[:, index:index + count].transpose(0, 1))
+                  out=self._table()[index:index + count])
+
+    def _head_differences(self, o_proj: nn.Module, first: int, z: torch.Tensor, corrupted_z: torch.Tensor) -> None:
+        """The heads' (live − corrupted) from o_proj's inputs at the patched points, ``z`` and
+        ``corrupted_z`` [points, heads · e]: W_O,h (z_h − corrupted z_h), written straight into
+        the table (one product instead of a product and a difference)."""
+        n_heads = self.graph.n_heads
+        difference = (z - corrupted_z).view(len(z), n_heads, -1).transpose(0, 1)  # [heads, points, e]
+        weight = o_proj.weight.view(o_proj.out_features, n_heads, -1).permute(1, 2, 0)  # [heads, e, hidden]
+        torch.bmm(difference, weight.to(difference.dtype), out=self._table()[first:first + n_heads])
 
     def _heads(self, index: int, scale):
         n_heads = self.graph.n_heads
@@ -510,11 +737,17 @@ class _Installed:
             if self.patch.record is None and unread:
                 return
             z = args[0]  # o_proj's input, the heads' outputs side by side; a bias is no sender's
-            if self.patch.record is None:  # only the patched points are read
+            module = module.module  # the o_proj the stand-in runs
+            record = self.patch.record
+            if record is not None:  # recorded: no graph (a recording pass may be taking gradients)
+                if scale is None:  # the heads' differences are linear in o_proj's input
+                    record.head_inputs[index] = _at(z.detach(), record.points)
+                self._sender(first, self._head_outputs(module, z.detach(), output.detach(), scale))
+            elif scale is None and index in self.patch.corrupted.head_inputs:  # only patched points are read
+                self._head_differences(module, first, _at(z, self.points), self.patch.corrupted.head_inputs[index])
+            else:
                 self._patched_sender(first, n_heads, lambda: self._head_outputs(
                     module, _at(z, self.points), _at(output, self.points), scale))
-            else:  # recorded: no graph (a recording pass may be taking gradients)
-                self._sender(first, self._head_outputs(module, z.detach(), output.detach(), scale))
         return record
 
     def _head_outputs(self, o_proj: nn.Module, z: torch.Tensor, output: torch.Tensor, scale) -> torch.Tensor:
@@ -534,30 +767,27 @@ class _Installed:
         return record
 
     # ---- receivers ----
-    def _inputs(self, receivers: slice, live: torch.Tensor, corrupted: torch.Tensor | None,
-                upstream: int) -> "_GroupInputs | None":
-        """What ``receivers``, all fed by the first ``upstream`` senders, read at the patched
-        points, where the live residual stream is ``live`` [rows, tokens, hidden] and the
-        corrupted run's ``corrupted`` [points, hidden]; None where every one reads ``live`` as
-        it is."""
+    def _inputs(self, receivers: slice, live: torch.Tensor, corrupted: torch.Tensor | None) -> "_GroupInputs | None":
+        """What ``receivers``, one reading point's, read at the patched points, where the live
+        residual stream is ``live`` [rows, tokens, hidden] and the corrupted run's ``corrupted``
+        [points, hidden]; None where every one reads ``live`` as it is."""
         plan = self.plan
         if plan is None or not bool(plan.patched[receivers].any()):
             return None
-        coef, on_live = plan.coef[:upstream, receivers], plan.live_base[receivers]
-        mixing = coef.abs().sum(0) > 0
-        mixed_at = mixing.nonzero()[:, 0].tolist()
-        mixed = (self._mixed([receivers.start + at for at in mixed_at], on_live[mixing], _at(live, self.points),
-                             corrupted, upstream) if mixed_at else None)
-        return _GroupInputs(mixed, mixed_at, corrupted, (~mixing & ~on_live).nonzero()[:, 0].tolist())
+        mix = plan.mixes.get(receivers.start)
+        mixed = None if mix is None else self._mixed(mix, live, corrupted)
+        mixed_at = [] if mix is None else [receiver - receivers.start for receiver in mix.receivers]
+        as_corrupted = plan.patched[receivers] & ~plan.mixing[receivers]  # nothing kept
+        return _GroupInputs(mixed, mixed_at, corrupted, as_corrupted.nonzero()[:, 0].tolist())
 
     def _single_receiver(self, module: nn.Module, receiver: int, live: torch.Tensor, output: torch.Tensor,
-                         corrupted: torch.Tensor | None, upstream: int) -> torch.Tensor | None:
+                         corrupted: torch.Tensor | None) -> torch.Tensor | None:
         """The output of the pre-norm ``module`` of a lone receiver (an MLP, the logits) on its own
         input, given its ``output`` on the ``live`` residual; None where it reads ``live`` as it
         is and no gradient is asked for."""
-        group = self._inputs(slice(receiver, receiver + 1), live, corrupted, upstream)
+        group = self._inputs(slice(receiver, receiver + 1), live, corrupted)
         if group is not None:  # forward: not this hook again
-            own = group.corrupted if group.mixed is None else group.mixed[:, 0]
+            own = group.corrupted if group.mixed is None else group.mixed[0]
             return self.at_points(output, module.forward(own), output.clone)
         gradients = self.patch.gradients
         if gradients is None or not live.requires_grad:
@@ -568,32 +798,22 @@ class _Installed:
         own.register_hook(lambda grad: gradients.add(layer.start, layer.stop - layer.start, within, grad[None]))
         return module.forward(own)
 
-    def _mixed(self, receivers: list[int], on_live: torch.Tensor, live: torch.Tensor,
-               corrupted: torch.Tensor, upstream: int) -> torch.Tensor:
-        """base + Σ_s coef[s, r] (live − corrupted)_s [points, receivers, hidden] for each of
-        ``receivers`` (fed by the first ``upstream`` senders; its base the live residual where
-        ``on_live``, else the corrupted one). The sums read only the senders each receiver mixes
-        (an embedding bag per receiver and token over the differences): a dense product over
-        every sender some receiver of the group mixes costs ~4x the flops at a circuit's
-        crossing, and runs only ~2x faster per flop on a CPU."""
-        coef = self.plan.coef[:upstream, receivers].T  # [receivers, senders]
-        rows, senders = coef.nonzero(as_tuple=True)  # receiver-major
-        deltas, device = self.deltas, live.device
-        points, width, hidden = deltas.shape
-        counts = torch.bincount(rows, minlength=len(receivers))
-        starts = torch.cumsum(counts, 0) - counts  # each receiver's first sender in ``senders``
-        token = torch.arange(points, device=device)[:, None]
-        indices = (token * width + senders.to(device)[None]).flatten()  # rows of deltas [points · senders, hidden]
-        offsets = (token * len(senders) + starts.to(device)[None]).flatten()  # a bag per token and receiver
-        weights = coef[rows, senders].to(device, deltas.dtype).repeat(points)
-        inputs = F.embedding_bag(indices, deltas.view(-1, hidden), offsets, mode="sum",
-                                 per_sample_weights=weights).view(points, len(receivers), hidden)
-        most_on_live = 2 * int(on_live.sum()) >= len(on_live)
-        majority, minority = (live, corrupted) if most_on_live else (corrupted, live)
-        inputs += majority[:, None]  # every row, in place; then the others' bases corrected
-        others = _contiguous((on_live != most_on_live).nonzero()[:, 0].tolist())
-        if others:
-            inputs[:, others] += (minority - majority)[:, None]
+    def _mixed(self, mix: Mix, live: torch.Tensor, corrupted: torch.Tensor) -> torch.Tensor:
+        """The inputs [receivers, points, hidden] of ``mix``'s receivers: an embedding bag per
+        receiver and point over the table, reading only the rows each one sums (a dense product
+        over every sender some receiver of the point sums costs ~4x the flops at a circuit's
+        crossing and runs only ~2x faster per flop on a CPU). Keeps the sums later receivers
+        build on."""
+        table, base = self._table(), self.graph.n_senders
+        table[base].copy_(_at(live, self.points))
+        table[base + 1].copy_(corrupted)
+        points, hidden = table.shape[1:]
+        indices, offsets, weights = mix.bags(points, table.dtype, table.device)
+        inputs = F.embedding_bag(indices, table.view(-1, hidden), offsets, mode="sum",
+                                 per_sample_weights=weights).view(points, len(mix.receivers), hidden).transpose(0, 1)
+        for index, slot in mix.stores:  # its input minus its base
+            own_base = base if bool(self.plan.live_base[mix.receivers[index]]) else base + 1
+            torch.sub(inputs[index], table[own_base], out=table[base + 2 + slot])
         return inputs
 
     def _layer_input(self, index: int):
@@ -620,8 +840,7 @@ class _Installed:
                                  f"corrupted recording {self.patch.corrupted.shape}: record the corrupted run "
                                  "of the same batch of prompts")
             corrupted = self.patch.corrupted.layer_inputs[index] if self.plan is not None else None
-            inputs = self._inputs(graph.attention_slice(index), live, corrupted,
-                                  graph.upstream(graph.attention_slice(index).start))
+            inputs = self._inputs(graph.attention_slice(index), live, corrupted)
             if inputs is not None:
                 self.attention_inputs[index] = inputs
             if replaced is None:
@@ -641,7 +860,7 @@ class _Installed:
             self.attention_inputs.pop(index, None)
             receiver = graph.mlp_receiver(index)
             corrupted = self.patch.corrupted.middle[index] if self.plan is not None else None
-            return self._single_receiver(module, receiver, live, output, corrupted, graph.upstream(receiver))
+            return self._single_receiver(module, receiver, live, output, corrupted)
         return hook
 
     def _final(self):
@@ -652,5 +871,5 @@ class _Installed:
             if self.patch.record is not None:
                 self.patch.record.final = _at(live.detach(), self.patch.record.points)
             corrupted = self.patch.corrupted.final if self.plan is not None else None
-            return self._single_receiver(module, graph.logits_receiver, live, output, corrupted, graph.n_senders)
+            return self._single_receiver(module, graph.logits_receiver, live, output, corrupted)
         return hook
