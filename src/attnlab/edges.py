@@ -191,10 +191,10 @@ class Recording:
     # the outputs of each layer's q/k/v/o projections and MLP at the tokens not in ``points``
     # [tokens, features], where every pass patched against this recording computes the same
     elsewhere: dict[tuple, torch.Tensor] = field(default_factory=dict)
-    # what the passes patched against this recording sum receivers' inputs from, [rows, points,
-    # hidden] (``Plan``): each sender's (live − corrupted), the live and the corrupted residual at
-    # the reading point under way, then the slots of shared sums. One buffer reused from pass to
-    # pass: a pass writes every row it reads before reading it
+    # what the passes patched against this recording sum receivers' inputs from, [senders + 2,
+    # points, hidden] (``Mix``): each sender's (live − corrupted), then the live and the corrupted
+    # residual at the reading point under way. One buffer reused from pass to pass: a pass writes
+    # every row it reads before reading it
     table: torch.Tensor | None = None
 
     def unpatched(self, device) -> torch.Tensor:
@@ -243,18 +243,16 @@ def rms_input_gradient(x: torch.Tensor, eps: float, weighted: torch.Tensor) -> t
 
 @dataclass(eq=False)
 class Mix:
-    """The inputs of the receivers of one reading point that mix, at the patched points: receiver
-    i's input is Σ coefs[j] · table[rows[j]] over its ``counts[i]`` entries (``_Installed``'s
-    table: the senders' differences, then the live and the corrupted base, then the slots). Its
-    entries: its base (coefficient 1), a shared sum's slot (1) where it builds on an earlier
-    receiver's, and senders' (live − corrupted) (±1). ``stores`` (i, slot): receiver i's input
-    minus its base goes into ``slot`` for later receivers."""
+    """The inputs of the receivers of one reading point that sum senders, at the patched points:
+    receiver i's input is Σ coefs[j] · table[rows[j]] over its ``counts[i]`` entries (the table
+    of ``Recording.table``: the senders' (live − corrupted), then the live and the corrupted
+    residual): its base with coefficient 1, then its senders' differences, −1 each from the live
+    base (the senders it drops) or +1 from the corrupted one (those it keeps)."""
 
     receivers: list[int]
     rows: torch.Tensor  # long, receiver-major
     coefs: torch.Tensor
     counts: torch.Tensor  # long, per receiver
-    stores: list[tuple[int, int]]
 
     def bags(self, points: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(indices, offsets, weights) of an embedding bag per point and receiver (point-major:
@@ -268,45 +266,44 @@ class Mix:
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """What each receiver reads, from a kept-edges mask. A receiver sums over whichever side it
-    keeps less of: the live residual minus (live − corrupted) of its dropped senders, or the
-    corrupted residual plus (live − corrupted) of its kept ones (``base``: force one). With
-    ``share``, a receiver may instead start from an earlier receiver's sum (same base) and
-    correct it by the senders where the two differ, when that reads fewer rows: neighbouring
-    receivers keep much the same senders, so at a circuit's crossing this reads ~35% fewer."""
+    """What each receiver reads, from a kept-edges mask: the live residual minus (live −
+    corrupted) of its dropped senders, or the corrupted residual plus (live − corrupted) of its
+    kept ones, whichever sums fewer (``base``: force one). Receivers that build on an earlier
+    receiver's sum were tried: ~1/3 fewer rows at a circuit's crossing, but slower on a CPU."""
 
     live_base: torch.Tensor  # [receivers] bool
     patched: torch.Tensor  # [receivers] bool: the receiver does not read the live residual as it is
     mixing: torch.Tensor  # [receivers] bool: it reads a sum of its own (else a base as it is)
     used: torch.Tensor  # [senders] bool: some receiver reads the sender's (live − corrupted)
     mixes: dict[int, Mix]  # by the first receiver of each reading point
-    n_slots: int
-    n_senders: int
 
     @property
     def terms(self) -> int:
-        """Rows summed per patched point, over every receiver."""
+        """Rows summed per patched point, over every receiver (its base included)."""
         return sum(len(mix.rows) for mix in self.mixes.values())
 
     @classmethod
-    def of(cls, graph: Graph, kept: torch.Tensor, base: str | None = None, share: bool = True) -> "Plan":
+    def of(cls, graph: Graph, kept: torch.Tensor, base: str | None = None) -> "Plan":
         valid = _valid(graph)
         if tuple(kept.shape) != valid.shape:
             raise ValueError(f"kept edges: a [senders, receivers] = {valid.shape} mask, not {tuple(kept.shape)}")
         if base not in (None, "live", "corrupted"):
-            raise ValueError(f"base: 'live', 'corrupted' or None (whichever is shorter), not {base!r}")
+            raise ValueError(f"base: 'live', 'corrupted' or None (whichever sums fewer), not {base!r}")
         kept = kept.bool().cpu().numpy() & valid
-        summed = {True: valid & ~kept, False: kept}  # the senders summed from the live / corrupted base
-        on_live, parent, rows = _sources(graph, summed, (True, False) if base is None else (base == "live",), share)
-        slots, n_slots = _slots(graph, parent)
-        mixes, used = {}, np.zeros(graph.n_senders, dtype=bool)
+        dropped = valid & ~kept
+        if base is None:  # on a tie, and where nothing is dropped, the live one
+            on_live = dropped.sum(0) <= kept.sum(0)
+        else:
+            on_live = np.full(graph.n_receivers, base == "live")
+        summed = np.where(on_live[None], dropped, kept)  # [senders, receivers]
+        mixing = summed.any(0)
+        mixes = {}
         for point in graph.reading_points():
-            receivers = np.arange(point.start, point.stop)[rows[point] > 0]
+            receivers = np.arange(point.start, point.stop)[mixing[point]]
             if len(receivers):
-                mixes[point.start] = _mix(graph, receivers, on_live, parent, summed, slots, used)
-        patched = ~on_live | (rows > 0)  # a live base with nothing dropped reads the live residual as it is
-        return cls(torch.from_numpy(on_live), torch.from_numpy(patched), torch.from_numpy(rows > 0),
-                   torch.from_numpy(used), mixes, n_slots, graph.n_senders)
+                mixes[point.start] = _mix(graph.n_senders, receivers, on_live, summed)
+        patched = ~on_live | mixing  # a live base with nothing dropped reads the live residual as it is
+        return cls(*(torch.from_numpy(a) for a in (on_live, patched, mixing, summed.any(1))), mixes)
 
 
 @functools.lru_cache(maxsize=8)
@@ -316,94 +313,16 @@ def _valid(graph: Graph) -> np.ndarray:
     return valid
 
 
-def _sources(graph: Graph, summed: dict, bases: tuple, share: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per receiver: whether its base is the live residual, the earlier receiver whose sum it
-    builds on (-1: none) and the rows it sums (0: it reads its base as it is). Reading point by
-    point, each receiver takes the option with the fewest rows among ``bases`` (the live one
-    first: on a tie, and where nothing is dropped, it reads the live residual as it is)."""
-    n = graph.n_receivers
-    on_live, parent, rows = np.zeros(n, dtype=bool), np.full(n, -1), np.zeros(n, dtype=np.int64)
-    # per base, the senders each earlier sum on it runs over (a column each), their sizes and receivers
-    sums = {live: np.zeros((graph.n_senders, n), dtype=np.float32) for live in bases}
-    sizes = {live: np.zeros(n, dtype=np.float32) for live in bases}
-    owners, counts = {live: np.zeros(n, dtype=np.int64) for live in bases}, dict.fromkeys(bases, 0)
-    for point in graph.reading_points():
-        ids = np.arange(point.start, point.stop)
-        best = None
-        for live in bases:
-            own = summed[live][:, ids]
-            cost, at = own.sum(0), np.full(len(ids), -1)
-            count = counts[live] if share else 0
-            if count:  # the earlier sum (1 row) corrected where the two sets differ
-                shared = (1 + cost[:, None] + sizes[live][None, :count]
-                          - 2 * (own.T.astype(np.float32) @ sums[live][:, :count]))
-                column = shared.argmin(1)
-                low = shared[np.arange(len(ids)), column]
-                cost, at = np.where(low < cost, low, cost).astype(np.int64), np.where(low < cost, owners[live][column], at)
-            if best is None:
-                best = (np.full(len(ids), live), cost, at)
-            else:
-                better = cost < best[1]
-                best = tuple(np.where(better, new, old) for new, old in zip((np.full(len(ids), live), cost, at), best))
-        on_live[ids], rows[ids], parent[ids] = best
-        for live in bases:
-            these = ids[(rows[ids] > 0) & (on_live[ids] == live)]
-            count = counts[live]
-            sums[live][:, count:count + len(these)] = summed[live][:, these]
-            sizes[live][count:count + len(these)] = summed[live][:, these].sum(0)
-            owners[live][count:count + len(these)] = these
-            counts[live] += len(these)
-    return on_live, parent, rows
-
-
-def _slots(graph: Graph, parent: np.ndarray) -> tuple[dict[int, int], int]:
-    """A slot of the table for each receiver whose sum a later one builds on, held from its own
-    reading point to its last reader's: slot by receiver, and how many there are."""
-    point_of = np.zeros(graph.n_receivers, dtype=np.int64)
-    for i, point in enumerate(graph.reading_points()):
-        point_of[point] = i
-    last: dict[int, int] = {}
-    for child in np.flatnonzero(parent >= 0):
-        last[int(parent[child])] = max(last.get(int(parent[child]), -1), int(point_of[child]))
-    slots, free, held, n_slots = {}, [], [], 0
-    for i, point in enumerate(graph.reading_points()):
-        free += [slot for receiver, slot in held if last[receiver] < i]
-        held = [(receiver, slot) for receiver, slot in held if last[receiver] >= i]
-        for receiver in range(point.start, point.stop):
-            if receiver in last:
-                slots[receiver] = slot = free.pop() if free else n_slots
-                n_slots = max(n_slots, slot + 1)
-                held.append((receiver, slot))
-    return slots, n_slots
-
-
-def _mix(graph: Graph, receivers: np.ndarray, on_live: np.ndarray, parent: np.ndarray, summed: dict,
-         slots: dict, used: np.ndarray) -> Mix:
-    """The entries of ``receivers``' sums (one reading point): base, slot of the sum it builds
-    on, then its senders' differences; marks the senders read in ``used``."""
-    n = graph.n_senders
+def _mix(n_senders: int, receivers: np.ndarray, on_live: np.ndarray, summed: np.ndarray) -> Mix:
+    """The entries of ``receivers``' sums (one reading point): base, then senders."""
+    which, sender = np.nonzero(summed[:, receivers].T)  # receiver-major
     live = on_live[receivers]
-    sign = np.where(live, -1, 1)  # live − Σ dropped, corrupted + Σ kept
-    own = np.where(live[None], summed[True][:, receivers], summed[False][:, receivers]).astype(np.int8)
-    builds = parent[receivers] >= 0
-    theirs = np.zeros_like(own)
-    theirs[:, builds] = np.where(live[builds][None], summed[True][:, parent[receivers[builds]]],
-                                 summed[False][:, parent[receivers[builds]]])
-    which, sender = np.nonzero(((own - theirs) * sign[None]).T)  # receiver-major
-    coef = ((own - theirs) * sign[None]).T[which, sender]
-    used[sender] = True
-    index = np.arange(len(receivers))
-    slot_rows = np.array([n + 2 + slots[int(parent[r])] if parent[r] >= 0 else -1 for r in receivers])
-    # entries sorted by receiver, then base (key 0), slot (1), senders (2 + sender)
-    owner = np.concatenate([index, index[builds], which])
-    key = np.concatenate([np.zeros(len(index)), np.ones(int(builds.sum())), 2 + sender])
-    entry_rows = np.concatenate([np.where(live, n, n + 1), slot_rows[builds], sender])
-    entry_coefs = np.concatenate([np.ones(len(index) + int(builds.sum())), coef])
-    order = np.lexsort((key, owner))
-    counts = np.bincount(owner, minlength=len(receivers))
-    stores = [(i, slots[int(r)]) for i, r in enumerate(receivers) if int(r) in slots]
-    return Mix(receivers.tolist(), torch.from_numpy(entry_rows[order]).long(),
-               torch.from_numpy(entry_coefs[order]).float(), torch.from_numpy(counts).long(), stores)
+    owner = np.concatenate([np.arange(len(receivers)), which])
+    rows = np.concatenate([np.where(live, n_senders, n_senders + 1), sender])
+    coefs = np.concatenate([np.ones(len(receivers)), np.where(live[which], -1.0, 1.0)])
+    order = np.argsort(owner, kind="stable")  # each receiver's base, then its senders
+    return Mix(receivers.tolist(), torch.from_numpy(rows[order]).long(), torch.from_numpy(coefs[order]).float(),
+               torch.from_numpy(np.bincount(owner, minlength=len(receivers))).long())
 
 
 @dataclass(eq=False)
@@ -704,7 +623,7 @@ class _Installed:
         the first sender of a pass; NaN until written, so a sum reading a row the pass did not
         write shows in the metrics."""
         corrupted = self.patch.corrupted
-        rows = self.graph.n_senders + 2 + self.plan.n_slots
+        rows = self.graph.n_senders + 2
         if corrupted.table is None or len(corrupted.table) < rows:
             _, points, hidden = corrupted.senders.shape
             corrupted.table = corrupted.senders.new_full((rows, points, hidden), float("nan"))
@@ -800,21 +719,16 @@ class _Installed:
 
     def _mixed(self, mix: Mix, live: torch.Tensor, corrupted: torch.Tensor) -> torch.Tensor:
         """The inputs [receivers, points, hidden] of ``mix``'s receivers: an embedding bag per
-        receiver and point over the table, reading only the rows each one sums (a dense product
+        point and receiver over the table, reading only the rows each one sums (a dense product
         over every sender some receiver of the point sums costs ~4x the flops at a circuit's
-        crossing and runs only ~2x faster per flop on a CPU). Keeps the sums later receivers
-        build on."""
+        crossing and runs only ~2x faster per flop on a CPU)."""
         table, base = self._table(), self.graph.n_senders
         table[base].copy_(_at(live, self.points))
         table[base + 1].copy_(corrupted)
         points, hidden = table.shape[1:]
         indices, offsets, weights = mix.bags(points, table.dtype, table.device)
-        inputs = F.embedding_bag(indices, table.view(-1, hidden), offsets, mode="sum",
-                                 per_sample_weights=weights).view(points, len(mix.receivers), hidden).transpose(0, 1)
-        for index, slot in mix.stores:  # its input minus its base
-            own_base = base if bool(self.plan.live_base[mix.receivers[index]]) else base + 1
-            torch.sub(inputs[index], table[own_base], out=table[base + 2 + slot])
-        return inputs
+        inputs = F.embedding_bag(indices, table.view(-1, hidden), offsets, mode="sum", per_sample_weights=weights)
+        return inputs.view(points, len(mix.receivers), hidden).transpose(0, 1)
 
     def _layer_input(self, index: int):
         graph = self.graph
