@@ -9,9 +9,12 @@ patched: the same readout as every pass here) and one forward-and-backward (the 
 metric with respect to the input embeddings). EAP-IG scoring (a recording forward and
 ``--steps`` forward-and-backward passes) is divided by the second, the exact evaluation of a
 circuit keeping the top n edges (the corrupted run recorded beforehand, once for every n) by
-the first: each the median of several ratios (``--scoring-repeats`` for scoring, five for an
-evaluation) to its unit timed just before it, so that a drifting clock (a shared machine)
-moves both sides of a ratio. Memory: the peak
+the first: each the median of several ratios (``--scoring-repeats`` for scoring,
+``--evaluation-repeats`` for an evaluation) to its unit timed just before it, so that a drifting
+clock (a shared machine) moves both sides of a ratio. A patched pass runs the layers'
+projections and MLPs only at the ``patched_points`` (from each prompt's first clean/corrupted
+difference on) of the batch's ``points_in_the_batch``, so a small circuit can cost less than a
+forward. Memory: the peak
 resident size above the loaded model's, after each stage (ru_maxrss, which only grows), beside
 the bytes of the per-sender activations a batch holds. ``mixing_gflop``: the sums that mix each
 receiver's input from its senders (``EdgePatch``), beside a forward's.
@@ -54,10 +57,10 @@ def ratio_to_forward(run, forward, repeats: int = 5) -> float:
 
 
 def mixing_flop(graph: Graph, kept: torch.Tensor, points: int, hidden: int) -> float:
-    """The multiply-adds (×2) that sum each receiver's senders into its input: every nonzero
-    coefficient of the plan (a sender a receiver mixes, from whichever base it keeps less of)
-    at every patched point (``EdgePatch``: an embedding bag per receiver and token)."""
-    return int(Plan.of(graph, kept).coef.ne(0).sum()) * points * hidden * 2
+    """The multiply-adds (×2) that sum each receiver's senders into its input: every row of the
+    plan (each summing receiver's base and the senders it sums, from whichever base sums fewer)
+    at every patched point (``EdgePatch``: an embedding bag per point and receiver)."""
+    return Plan.of(graph, kept).terms * points * hidden * 2
 
 
 def peak_mib() -> float:
@@ -82,6 +85,7 @@ def main() -> None:
     parser.add_argument("--keep", type=int, nargs="+", default=[100, 1000, 10000, 60000])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--scoring-repeats", type=int, default=3)
+    parser.add_argument("--evaluation-repeats", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -105,7 +109,8 @@ def main() -> None:
     order = ranked_edges(circuits.graph, scores).sort_values("rank").index.to_numpy()
     circuits.corrupted  # recorded once, before the timed evaluations
     masks = {n: circuits.kept(order, n) for n in args.keep}
-    evaluations = {n: ratio_to_forward(lambda n=n: circuits.metric(masks[n]), circuits.metric) for n in args.keep}
+    evaluations = {n: ratio_to_forward(lambda n=n: circuits.metric(masks[n]), circuits.metric, args.evaluation_repeats)
+                   for n in args.keep}
     graph, shape = circuits.graph, batch.clean.shape
     points = len(batch.differing_points(slice(0, len(batch.clean))))
     senders_mib = graph.n_senders * shape[0] * shape[1] * model.config.hidden_size * 4 / 2**20
@@ -118,6 +123,7 @@ def main() -> None:
         "scoring_in_forward_backwards_each_run": scoring_ratios,
         "scoring_target_forward_backwards": args.steps + 2,
         "evaluation_in_forwards": {str(n): ratio for n, ratio in evaluations.items()},
+        "evaluation_repeats": args.evaluation_repeats,
         "evaluation_target_forwards": 1.5,
         "patched_points": points, "points_in_the_batch": shape[0] * shape[1],
         "mixing_gflop": {str(n): mixing_flop(graph, masks[n], points, model.config.hidden_size) / 1e9

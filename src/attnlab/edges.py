@@ -188,6 +188,7 @@ class Recording:
     middle: dict[int, torch.Tensor] = field(default_factory=dict)
     final: torch.Tensor | None = None
     head_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # o_proj's input [points, heads · e]
+    attention_outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # o_proj's output [points, hidden]
     # the outputs of each layer's q/k/v/o projections and MLP at the tokens not in ``points``
     # [tokens, features], where every pass patched against this recording computes the same
     elsewhere: dict[tuple, torch.Tensor] = field(default_factory=dict)
@@ -345,14 +346,15 @@ class _AtPatchedPoints(nn.Module):
     there it returns what the corrupted recording kept. On a recording pass it keeps its output at
     those tokens."""
 
-    def __init__(self, module: nn.Module, state: "_Installed", key: tuple):
+    def __init__(self, module: nn.Module, state: "_Installed", key: tuple, at_points=None):
         super().__init__()
         self.module, self.state, self.key = module, state, key
+        self.at_points = module if at_points is None else at_points  # what it computes at the points
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = self.state
         if state.restricted:
-            return state.at_patched_points(x, self.key, self.module)
+            return state.at_patched_points(x, self.key, self.at_points)
         out = self.module(x)
         state.keep_elsewhere(self.key, out)
         return out
@@ -524,6 +526,7 @@ class _Installed:
             raise ValueError(f"the edge patch was made for {self.graph}, the model is {Graph.of(model)}")
         self.attention_inputs: dict[int, torch.Tensor] = {}
         self.live_inputs: dict[int, torch.Tensor] = {}  # each layer's input, kept for receiver gradients
+        self.heads_written: set[int] = set()  # layers whose heads' differences this pass has written
         self.hidden, self.device = model.config.get_text_config().hidden_size, model.device
         self.points = None if patch.plan is None else patch.corrupted.points
         self.unpatched_points = None  # the other tokens of the pass
@@ -541,9 +544,11 @@ class _Installed:
             missing = [name for name in REQUIRED if not hasattr(layer, name)]
             if missing:
                 raise NotImplementedError(f"edge patching: decoder layer {type(layer).__name__} has no {missing}")
-            self._swap(layer.self_attn, "o_proj", _AtPatchedPoints(layer.self_attn.o_proj, self, ("o", index)))
-            self._swap(layer, "mlp", _AtPatchedPoints(layer.mlp, self, ("mlp", index)))
             sandwich = hasattr(layer, "pre_feedforward_layernorm")
+            o_proj = layer.self_attn.o_proj
+            self._swap(layer.self_attn, "o_proj", _AtPatchedPoints(
+                o_proj, self, ("o", index), None if sandwich else lambda z, i=index, o=o_proj: self._attention_output(i, o, z)))
+            self._swap(layer, "mlp", _AtPatchedPoints(layer.mlp, self, ("mlp", index)))
             mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
             attention_scale = _norm_weight(layer.post_attention_layernorm, self.hidden, self.device) if sandwich else None
             mlp_out = layer.post_feedforward_layernorm if sandwich else layer.mlp
@@ -661,13 +666,27 @@ class _Installed:
             if record is not None:  # recorded: no graph (a recording pass may be taking gradients)
                 if scale is None:  # the heads' differences are linear in o_proj's input
                     record.head_inputs[index] = _at(z.detach(), record.points)
+                    record.attention_outputs[index] = _at(output.detach(), record.points)
                 self._sender(first, self._head_outputs(module, z.detach(), output.detach(), scale))
+            elif index in self.heads_written:
+                return
             elif scale is None and index in self.patch.corrupted.head_inputs:  # only patched points are read
                 self._head_differences(module, first, _at(z, self.points), self.patch.corrupted.head_inputs[index])
             else:
                 self._patched_sender(first, n_heads, lambda: self._head_outputs(
                     module, _at(z, self.points), _at(output, self.points), scale))
         return record
+
+    def _attention_output(self, index: int, o_proj: nn.Module, z: torch.Tensor) -> torch.Tensor:
+        """o_proj's output at the patched points from its input there, ``z`` [points, heads · e].
+        Where some receiver reads the heads' differences, they are computed first (into the
+        table) and the output is the corrupted run's plus their sum: o_proj's product, once."""
+        first, n_heads, corrupted = self.graph.head_sender(index, 0), self.graph.n_heads, self.patch.corrupted
+        if not bool(self.plan.used[first:first + n_heads].any()) or index not in corrupted.attention_outputs:
+            return o_proj(z)
+        self._head_differences(o_proj, first, z, corrupted.head_inputs[index])
+        self.heads_written.add(index)
+        return torch.sum(self._table()[first:first + n_heads], 0).add_(corrupted.attention_outputs[index])
 
     def _head_outputs(self, o_proj: nn.Module, z: torch.Tensor, output: torch.Tensor, scale) -> torch.Tensor:
         """Each head's contribution [heads, ..., hidden] from o_proj's input ``z`` [..., heads · e]
@@ -739,6 +758,7 @@ class _Installed:
             if index == 0:
                 self.attention_inputs.clear()
                 self.live_inputs.clear()
+                self.heads_written.clear()
                 if self.patch.gradients is not None and torch.is_grad_enabled() and not live.requires_grad:
                     live = replaced = live.detach().requires_grad_(True)  # a graph to take gradients on
                 self._sender(0, live)
