@@ -21,16 +21,21 @@ carries:
   output gradient taken back through the layer's RMS pre-norm (one vector-Jacobian product for
   all heads), an MLP's or the logits' the gradient that reaches its pre-norm's input.
 
-A receiver's input is computed from whichever side it keeps less of: the live residual minus
-(live − corrupted) of its dropped senders, or the corrupted residual plus (live − corrupted) of its
-kept ones (summed by an embedding bag per receiver and token that reads only those senders'
-differences). So all edges kept is the unpatched forward to the last bit (nothing is touched) and
-no edge kept is the corrupted forward to float rounding (each receiver reads the corrupted
-residual itself). Only the layer under way holds its receivers' inputs, and only at the tokens
-the corrupted ``Recording`` keeps (from each prompt's first clean/corrupted difference on:
-elsewhere every receiver reads the live residual). Receivers that read a base as it is share
-one projection of it; a mixed query/key/value head's RMS pre-norm (its weight read from the
-module) is folded into its projection.
+A receiver's input is computed from whichever side it keeps less of (``Plan``): the live
+residual minus (live − corrupted) of its dropped senders, or the corrupted residual plus
+(live − corrupted) of its kept ones, summed by an embedding bag per token and receiver that
+reads only those rows of a table holding the senders' differences and the two bases (``Mix``).
+So all edges kept is the unpatched forward to the last bit (nothing is touched) and no edge kept
+is the corrupted forward to float rounding (each receiver reads the corrupted residual itself).
+Only the layer under way holds its receivers' inputs, and only at the tokens the corrupted
+``Recording`` keeps: from each prompt's first clean/corrupted difference on. Before it every
+pass computes what the corrupted run computed, so a patching pass runs the layers' q/k/v/o
+projections and MLPs only at the patched tokens and takes their outputs elsewhere from the
+recording. Receivers that read a base as it is share one projection of it; a mixed
+query/key/value head's RMS pre-norm (its weight read from the module) is folded into its
+projection. The heads' differences are W_O,h (z_h − corrupted z_h) from o_proj's inputs, and
+o_proj's output at the patched tokens the corrupted run's plus their sum (without a post-norm
+of the attention block: with one, each head's output is scaled by it and subtracted).
 
 Post-norms that rescale a block's output before it joins the residual (Gemma-3's
 post_attention_layernorm and post_feedforward_layernorm) are RMS norms: a head's contribution is
@@ -532,9 +537,7 @@ class _Installed:
         self.unpatched_points = None  # the other tokens of the pass
         if self.points is not None:
             self.points = self.points.to(model.device)
-            unpatched = torch.ones(int(np.prod(patch.corrupted.shape)), dtype=torch.bool, device=model.device)
-            unpatched[self.points] = False
-            self.unpatched_points = unpatched.nonzero()[:, 0]
+            self.unpatched_points = patch.corrupted.unpatched(model.device)
         # tokens before every prompt's first difference are not recomputed (all edges kept: the
         # unpatched forward, untouched)
         self.restricted = (self.points is not None and len(self.unpatched_points) > 0
@@ -546,8 +549,8 @@ class _Installed:
                 raise NotImplementedError(f"edge patching: decoder layer {type(layer).__name__} has no {missing}")
             sandwich = hasattr(layer, "pre_feedforward_layernorm")
             o_proj = layer.self_attn.o_proj
-            self._swap(layer.self_attn, "o_proj", _AtPatchedPoints(
-                o_proj, self, ("o", index), None if sandwich else lambda z, i=index, o=o_proj: self._attention_output(i, o, z)))
+            output_at_points = None if sandwich else functools.partial(self._attention_output, index, o_proj)
+            self._swap(layer.self_attn, "o_proj", _AtPatchedPoints(o_proj, self, ("o", index), output_at_points))
             self._swap(layer, "mlp", _AtPatchedPoints(layer.mlp, self, ("mlp", index)))
             mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
             attention_scale = _norm_weight(layer.post_attention_layernorm, self.hidden, self.device) if sandwich else None
@@ -624,9 +627,8 @@ class _Installed:
         self._patched_sender(index, len(values), lambda: _at(values, self.points))
 
     def _table(self) -> torch.Tensor:
-        """The corrupted recording's table (``Recording.table``), grown to this plan's rows at
-        the first sender of a pass; NaN until written, so a sum reading a row the pass did not
-        write shows in the metrics."""
+        """The corrupted recording's table (``Recording.table``), made at the first pass patched
+        against it; NaN until written, so a sum reading a row no pass wrote shows in the metrics."""
         corrupted = self.patch.corrupted
         rows = self.graph.n_senders + 2
         if corrupted.table is None or len(corrupted.table) < rows:
