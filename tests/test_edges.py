@@ -328,6 +328,38 @@ def test_log_refinement_finds_the_first_crossing_to_the_edge_in_few_passes():
     assert len(calls) < 40 + 4 * 12
 
 
+@pytest.mark.parametrize("arch", ["llama-gqa", "gemma3-sliding"])
+def test_a_patched_pass_computes_only_the_patched_tokens_and_the_same_metrics(arch):
+    """Before a prompt's first clean/corrupted difference every pass computes what the corrupted
+    run did: a patched pass runs the MLPs and o_proj only from there on (a prompt the same in
+    both runs not at all), and gives the metrics of a pass patched at every token."""
+    model = _model(arch)
+    batch = _shared_prefixes(_toy_batch())
+    batch.corrupted[2] = batch.clean[2]  # nothing differs: this prompt's metric is the clean one
+    circuits = EdgeCircuits(model, batch, batch_size=6)
+    graph = circuits.graph
+    kept = graph.valid() & (torch.rand(graph.n_senders, graph.n_receivers,
+                                       generator=torch.Generator().manual_seed(3)) < 0.3)
+    rows = slice(0, len(batch.clean))
+    points = batch.differing_points(rows)
+    assert 0 < len(points) < batch.clean.numel()
+    circuits.corrupted  # recorded at every token
+    seen = {"mlp": [], "o_proj": []}  # tokens each runs on (o_proj: none where the heads' differences give it)
+    layer = model.model.layers[1]
+    hooks = [module.register_forward_pre_hook(lambda module, args, name=name: seen[name].append(
+        args[0].shape[:-1].numel())) for name, module in (("mlp", layer.mlp), ("o_proj", layer.self_attn.o_proj))]
+    restricted = circuits.per_prompt(kept)[1]
+    for hook in hooks:
+        hook.remove()
+    assert seen["mlp"] == [len(points)] and set(seen["o_proj"]) <= {len(points)}
+    everywhere, _ = circuits._record(batch.corrupted, rows)
+    with torch.no_grad():
+        logits = circuits._logits(rows, EdgePatch(graph, kept=kept, corrupted=everywhere), ids=batch.clean)
+    np.testing.assert_allclose(restricted, batch.metric(logits, rows).numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(restricted[2], _plain_metric(model, batch, batch.clean)[2], atol=1e-5, rtol=0)
+    assert np.abs(restricted - _plain_metric(model, batch, batch.clean)).max() > 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_dir", ["smollm2_dir", "gemma3_dir"])
 def test_embedded_models_all_edges_clean_none_corrupted_to_1e5(model_dir, request):
