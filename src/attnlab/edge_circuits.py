@@ -92,7 +92,7 @@ class EdgeCircuits:
             with torch.no_grad():
                 clean_in = embed(self.batch.clean[rows].to(self.device))
                 corrupted_in = embed(self.batch.corrupted[rows].to(self.device))
-            gradients, clean = ReceiverGradients(), Recording(points=points)
+            gradients, clean = ReceiverGradients(points=points.to(self.device)), Recording(points=points)
             for k in range(1, steps + 1):
                 # the last step is the clean input itself: its pass records the clean run too
                 embeds = clean_in if k == steps else corrupted_in + (k / steps) * (clean_in - corrupted_in)
@@ -100,7 +100,7 @@ class EdgeCircuits:
                 logits = self._logits(rows, patch, embeds=embeds)
                 metric = self.batch.metric(logits, self.batch.prompts_of(rows)).sum() / self.batch.n_prompts
                 metric.backward()
-            scores += _edge_scores(graph, clean.senders.sub_(corrupted.senders), gradients, points, steps)
+            scores += _edge_scores(graph, clean.senders.sub_(corrupted.senders), gradients, steps)
         return scores.float()
 
     # ---- circuits ----
@@ -139,18 +139,21 @@ class EdgeCircuits:
         return refined_sweep(metric_at, len(order), ks, threshold, refine_points=self.refine_points), per_prompt
 
 
-def _edge_scores(graph: Graph, differences: torch.Tensor, gradients: ReceiverGradients, points: torch.Tensor,
-                 steps: int) -> torch.Tensor:
-    """Σ over the ``points`` (flat row × token indices) and hidden units of (clean − corrupted)
-    sender activations ``differences`` [senders, points, hidden] · the receivers' gradients summed
-    over the steps, over ``steps``: [senders, receivers]. One matrix product per layer's receivers
-    (its heads' and its MLP's), one for the logits."""
+def _edge_scores(graph: Graph, differences: torch.Tensor, gradients: ReceiverGradients, steps: int) -> torch.Tensor:
+    """Σ over the points (flat row × token indices: the recordings' and the gradients') and
+    hidden units of (clean − corrupted) sender activations ``differences`` [senders, points,
+    hidden] · the receivers' gradients summed over the steps, over ``steps``: [senders,
+    receivers]. One matrix product per layer's receivers (its heads' and its MLP's), one for the
+    logits."""
     scores = torch.zeros(graph.n_senders, graph.n_receivers, dtype=torch.float64)
     flat = differences.flatten(1)  # [senders, points x hidden], a view
 
     def block(receivers: slice) -> torch.Tensor:
         """[senders upstream of the last of ``receivers``, receivers]."""
-        gradient = gradients.gradient(receivers.start).flatten(1, 2).index_select(1, points.to(flat.device))
+        gradient = gradients.gradient(receivers.start)  # [receivers, points, hidden]
+        if gradient.shape[1:] != differences.shape[1:]:
+            raise ValueError(f"receiver gradients at {tuple(gradient.shape[1:])} [points, hidden], sender "
+                             f"differences at {tuple(differences.shape[1:])}: keep both at the same points")
         return (flat[:graph.upstream(receivers.stop - 1)] @ gradient.flatten(1).T.to(flat.dtype) / steps).double().cpu()
     for layer in range(graph.n_layers):
         attention, mlp = graph.attention_slice(layer), graph.mlp_receiver(layer)

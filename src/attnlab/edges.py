@@ -215,13 +215,19 @@ class ReceiverGradients:
     """The gradient of the metric with respect to each receiver's input, summed over the backward
     passes of the forwards that carry it: one tensor (float32 at least) per layer's receivers
     (``Graph.layer_receivers``: its query/key/value heads and its MLP; the logits alone), keyed by
-    the first of them, [receivers, rows, tokens, hidden]."""
+    the first of them, [receivers, points, hidden], at the flat token indices ``points`` (None:
+    every token; EAP needs only those where clean and corrupted activations differ)."""
 
+    points: torch.Tensor | None = None
     groups: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    def at_points(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., rows, tokens, features] at the points: [..., points, features]."""
+        return _at(x, self.points)
+
     def add(self, first: int, count: int, within: slice, gradient: torch.Tensor) -> None:
-        """Add ``gradient`` [receivers, rows, tokens, hidden] to receivers ``within`` the group of
-        ``count`` receivers starting at ``first``."""
+        """Add ``gradient`` [receivers, points, hidden] (``at_points``) to receivers ``within``
+        the group of ``count`` receivers starting at ``first``."""
         store = self.groups.get(first)
         if store is None:
             dtype = _at_least_float32(gradient)
@@ -434,14 +440,17 @@ class _ReceiverProjection(nn.Module):
 
     def _input_gradient(self, live: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
         """Each head's input gradient from the projection's output gradient [b, t, heads · e]:
-        its slice through the weight, then back through the layer's pre-norm at ``live``."""
+        its slice through the weight, then back through the layer's pre-norm at ``live``, at the
+        points the gradients are kept at."""
+        gradients = self.state.patch.gradients
         norm_weight, eps = self.state.input_norm(self.layer)
         weight = weight * norm_weight.to(weight.dtype)  # w ∘ (W_h^T g_h) = (W_h ∘ w)^T g_h
-        per_head = torch.einsum("bthe,hed->hbtd", grad.view(*grad.shape[:-1], self.heads, -1), weight)
+        grad = gradients.at_points(grad)
+        per_head = torch.einsum("phe,hed->hpd", grad.view(len(grad), self.heads, -1), weight)
         graph = self.state.graph
         layer = graph.layer_receivers(graph.attention_slice(self.layer).start)
-        self.state.patch.gradients.add(layer.start, layer.stop - layer.start, self.rows,
-                                       rms_input_gradient(live, eps, per_head))
+        gradients.add(layer.start, layer.stop - layer.start, self.rows,
+                      rms_input_gradient(gradients.at_points(live), eps, per_head))
 
 
 @dataclass(eq=False)
@@ -735,7 +744,8 @@ class _Installed:
         own = live.view_as(live)  # its gradient is the part that flows through this norm alone
         layer = self.graph.layer_receivers(receiver)
         within = slice(receiver - layer.start, receiver - layer.start + 1)
-        own.register_hook(lambda grad: gradients.add(layer.start, layer.stop - layer.start, within, grad[None]))
+        own.register_hook(lambda grad: gradients.add(layer.start, layer.stop - layer.start, within,
+                                                     gradients.at_points(grad)[None]))
         return module.forward(own)
 
     def _mixed(self, mix: Mix, live: torch.Tensor, corrupted: torch.Tensor) -> torch.Tensor:
