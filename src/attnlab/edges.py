@@ -423,14 +423,12 @@ class _ReceiverProjection(nn.Module):
         """The projection's output [rows, tokens, heads · e], left to fill at the patched points
         (elsewhere every pass computes what the corrupted recording kept), and where to fill it:
         [points, heads, e]. ``hidden_states``: the live residual's pre-norm."""
-        out = hidden_states.new_empty(*hidden_states.shape[:-1], self.linear.out_features)
-        flat = out.view(-1, out.shape[-1])
-        points, elsewhere = self.state.points, self.state.unpatched_points
+        points = self.state.points
         if points is None:
-            return out, flat.view(len(flat), self.heads, -1)
-        if len(elsewhere):  # there every pass computes the same
-            flat.index_copy_(0, elsewhere, self.state.patch.corrupted.elsewhere[self.key])
-        return out, flat.new_empty(len(points), self.heads, flat.shape[-1] // self.heads)
+            out = hidden_states.new_empty(*hidden_states.shape[:-1], self.linear.out_features)
+            return out, out.view(-1, self.heads, out.shape[-1] // self.heads)
+        out = self.state.recorded_elsewhere(hidden_states, self.key)
+        return out, out.new_empty(len(points), self.heads, out.shape[-1] // self.heads)
 
     @staticmethod
     def _project(per_head: torch.Tensor, normed: torch.Tensor, heads, weight: torch.Tensor, bias) -> None:
@@ -591,15 +589,19 @@ class _Installed:
         if record is not None and record.points is not None:
             record.elsewhere[key] = _at(out.detach(), record.unpatched(out.device))
 
+    def recorded_elsewhere(self, like: torch.Tensor, key: tuple) -> torch.Tensor:
+        """[rows, tokens, features] (``like``'s rows and tokens) holding the corrupted recording's
+        ``key`` output at the tokens before each prompt's first difference (every pass computes
+        the same there), left to fill at the patched points."""
+        recorded = self.patch.corrupted.elsewhere[key]
+        out = recorded.new_empty(*like.shape[:-1], recorded.shape[-1])
+        out.view(-1, recorded.shape[-1]).index_copy_(0, self.unpatched_points, recorded)
+        return out
+
     def at_patched_points(self, x: torch.Tensor, key: tuple, module) -> torch.Tensor:
         """``module`` (token by token) of ``x`` [rows, tokens, features] computed at the patched
         points; elsewhere the corrupted recording's output."""
-        own = module(_at(x, self.points))
-        out = own.new_empty(*x.shape[:-1], own.shape[-1])
-        flat = out.view(-1, own.shape[-1])
-        flat.index_copy_(0, self.points, own)
-        flat.index_copy_(0, self.unpatched_points, self.patch.corrupted.elsewhere[key])
-        return out
+        return self.at_points(x, module(_at(x, self.points)), lambda: self.recorded_elsewhere(x, key))
 
     def at_points(self, like: torch.Tensor, own: torch.Tensor, elsewhere) -> torch.Tensor:
         """A tensor shaped like ``like`` [rows, tokens, features] holding ``own`` [points,
@@ -618,6 +620,7 @@ class _Installed:
             setattr(module, name, original)
         self.attention_inputs.clear()
         self.live_inputs.clear()
+        self.heads_written.clear()
 
     def input_norm(self, layer: int) -> tuple[torch.Tensor, float]:
         """(w, eps) of a layer's input_layernorm (``_norm_weight`` keeps it while the norm's
@@ -639,10 +642,9 @@ class _Installed:
         """The corrupted recording's table (``Recording.table``), made at the first pass patched
         against it; NaN until written, so a sum reading a row no pass wrote shows in the metrics."""
         corrupted = self.patch.corrupted
-        rows = self.graph.n_senders + 2
-        if corrupted.table is None or len(corrupted.table) < rows:
-            _, points, hidden = corrupted.senders.shape
-            corrupted.table = corrupted.senders.new_full((rows, points, hidden), float("nan"))
+        if corrupted.table is None:
+            senders, points, hidden = corrupted.senders.shape
+            corrupted.table = corrupted.senders.new_full((senders + 2, points, hidden), float("nan"))
         return corrupted.table
 
     def _patched_sender(self, index: int, count: int, current) -> None:
