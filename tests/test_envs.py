@@ -10,7 +10,7 @@ from conftest import REPO
 def _pins(lines):
     pins = {}
     for line in lines:
-        line = line.split("#", 1)[0].strip()
+        line = line.split("#", 1)[0].split(";", 1)[0].strip()  # an environment marker is not the pin
         if "==" in line:
             name, version = line.split("==")
             pins[re.sub(r"[-_.]+", "-", name.strip().lower())] = version.strip()

@@ -74,11 +74,17 @@ class LayerStats:
             self.map[:, :, q0:q1, :q1] = weights
 
     def finish(self) -> None:
-        length = self.column_sums.shape[-1]
-        later = torch.arange(length - 1, -1, -1, device=self.column_sums.device, dtype=torch.float32)
-        received = (self.column_sums - self.diagonal) / later
-        received[..., -1] = float("nan")
-        self.into.received[self.layer] = received.cpu()
-        self.into.lam[self.layer] = self.lam.cpu()
+        store(self.into, self.layer, self.column_sums - self.diagonal, self.lam)
         if self.map is not None:
             self.into.maps[self.layer] = self.map.half().cpu()
+
+
+def store(into: BatchReduction, layer: int, later_sums: torch.Tensor, lam: torch.Tensor) -> None:
+    """Leave one layer's results in ``into``: ``later_sums`` [batch, heads, keys] holds, per key j,
+    the attention of the real queries i > j; received is its mean over the later positions."""
+    length = later_sums.shape[-1]
+    later = torch.arange(length - 1, -1, -1, device=later_sums.device, dtype=torch.float32)
+    received = later_sums / later
+    received[..., -1] = float("nan")
+    into.received[layer] = received.cpu()
+    into.lam[layer] = lam.float().cpu()

@@ -19,7 +19,8 @@ The first three act inside the attention computation, through one function regis
 transformers' attention interface (``attend``): per block of queries it takes the scores,
 applies a sparse model's gates and reduces the weights. What it does comes from the model's
 config (a sparse model always gates) and from one context variable, which ``intervened``
-sets on entry and resets on exit. The other parts are forward hooks on o_proj, the decoder
+sets on entry and resets on exit. On GPUs it hands each layer to the fused Triton kernels
+(``attnlab.fused``), which compute the same quantities without a queries × keys tensor. The other parts are forward hooks on o_proj, the decoder
 layers, the norms and the MLP's ``act_fn``, and stand-ins for modules (``resume``: the layers
 below the resumed one; ``readout``: the last MLP and the LM head; ``edges``: q_proj, k_proj and
 v_proj), installed on entry and removed on exit, exceptions included: nothing of a block
@@ -38,7 +39,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from attnlab import mlp, sparse
+from attnlab import fused, mlp, sparse
 from attnlab.attention import BatchReduction, LayerStats
 from attnlab.edges import EdgePatch
 from attnlab.readout import Readout
@@ -176,6 +177,10 @@ def attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: tor
                            "load sparse models with attnlab.models.load_model")
     if scaling is None:
         scaling = module.head_dim ** -0.5
+    output = fused.attend(module, query, key, value, attention_mask, scaling, softcap, bias, inside.gates,
+                          inside.reduce, kwargs.get("sliding_window"))
+    if output is not None:  # the kernels took the layer (on GPUs: attnlab.fused)
+        return output, None
     key = repeat_kv(key, module.num_key_value_groups)
     value = repeat_kv(value, module.num_key_value_groups)
     batch, heads, length, _ = query.shape

@@ -93,18 +93,36 @@ class GateTracker:
     # Generator state before each layer's draw: a recomputation of the layer (gradient
     # checkpointing, in the backward pass) replays exactly the gates of the forward pass.
     noise_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The fused kernels draw from counters, not from state: one seed per layer, derived from one
+    # draw of the generator per tracker (so a replayed layer draws the same gates).
+    seeds: dict[int, int] = field(default_factory=dict)
+    base_seed: int | None = None
     expected_sum: list[torch.Tensor] = field(default_factory=list)  # per layer call, scalar
-    sampled_open: float = 0.0
-    edges: float = 0.0
+    # Counts: floats from the eager path, int64/float64 tensors from the fused one (read once a
+    # step, not once a layer, so that the GPU never waits on the host mid-forward).
+    sampled_open: float | torch.Tensor = 0.0
+    edges: float | torch.Tensor = 0.0
     open_per_head: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads]
     edges_per_head: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def expected_density(self) -> torch.Tensor:
         """Mean of σ(s + b) over causal edges, heads and layers of the last forward(s)."""
-        return torch.stack(self.expected_sum).sum() / self.edges
+        return torch.stack(self.expected_sum).sum() / float(self.edges)
 
     def training_density(self) -> float:
-        return self.sampled_open / self.edges
+        return float(self.sampled_open) / float(self.edges)
+
+    def layer_seed(self, layer: int) -> tuple[int, bool]:
+        """(Philox seed of ``layer``'s gate noise, whether this call recomputes the layer)."""
+        if layer in self.seeds:
+            return self.seeds[layer], True
+        if self.generator is None:
+            raise RuntimeError("a training GateTracker needs a torch.Generator for the gate noise")
+        if self.base_seed is None:
+            self.base_seed = int(torch.randint(0, 2 ** 31 - 1, (), generator=self.generator,
+                                               device=self.generator.device))
+        self.seeds[layer] = (self.base_seed + 1_000_003 * (layer + 1)) % (2 ** 31 - 1)
+        return self.seeds[layer], False
 
     def inference_density(self) -> float:
         """Share of allowed edges open under the deterministic gate, over every layer and head."""
@@ -156,7 +174,11 @@ def count_open_edges(tracker: GateTracker, layer: int, gate: torch.Tensor, allow
     allowed = allowed.expand_as(gate)
     # Counted as integers: a bfloat16 sum (a bf16 model on CUDA) is exact only up to 256.
     open_edges = ((gate > 0) & allowed).sum(dim=(0, 2, 3)).double().cpu()
-    edges = allowed.sum(dim=(0, 2, 3)).double().cpu()
+    add_open_edges(tracker, layer, open_edges, allowed.sum(dim=(0, 2, 3)).double().cpu())
+
+
+def add_open_edges(tracker: GateTracker, layer: int, open_edges: torch.Tensor, edges: torch.Tensor) -> None:
+    """Add open and allowed edge counts per head ([heads], float64) of one call of ``layer``."""
     if layer in tracker.open_per_head:
         tracker.open_per_head[layer] += open_edges
         tracker.edges_per_head[layer] += edges

@@ -1,0 +1,137 @@
+"""The attention function's fused path: when its kernels run, and what it records from them.
+
+On a GPU, the attention function of ``attnlab.interventions`` hands a layer to the Triton kernels
+of ``attnlab.kernels`` (dense or edge-gated attention, the received-attention reduction, the
+gated backward pass) instead of its eager blocks, which hold queries × keys probabilities (and,
+for training, the noise and the gates) per head. The results are the same quantities: the
+output, a sparse copy's gates (sampled with the straight-through estimator and the
+expected-density penalty when training, ``1[s + b > 0]`` otherwise, counted per head), and
+received attention and λ as ``attention.METRIC_DEFINITION`` defines them.
+
+``ATTNLAB_FUSED_ATTENTION`` chooses: ``auto`` (the default) runs the kernels on CUDA tensors only
+(on a CPU the eager blocks are faster than anything Triton offers there); ``off`` never; ``on``
+also on CPU tensors, which needs Triton's interpreter (``TRITON_INTERPRET=1``): the tests' way
+of checking the kernels against the eager path. A layer the kernels cannot take (logit
+soft-capping, a mask other than causal ∧ sliding window ∧ padding, a full map asked for, a head
+larger than 256) stays on the eager path, and the log says why once per reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from attnlab import attention, sparse
+
+log = logging.getLogger(__name__)
+
+MODE_VARIABLE = "ATTNLAB_FUSED_ATTENTION"
+MODES = ("auto", "on", "off")
+LARGEST_HEAD = 256
+
+
+def mode() -> str:
+    value = os.environ.get(MODE_VARIABLE, "auto").strip().lower()
+    if value not in MODES:
+        raise ValueError(f"{MODE_VARIABLE}={value!r}: expected one of {MODES}")
+    return value
+
+
+@functools.cache
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether tensors on ``device`` go through the kernels (module docstring)."""
+    chosen = mode()
+    if chosen == "off" or triton_version() is None:
+        return False
+    if device.type == "cuda":
+        return True
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return chosen == "on" and device.type == "cpu" and interpreting
+
+
+@functools.cache
+def _say_once(reason: str) -> None:
+    log.info("fused attention not used (%s): eager attention blocks instead", reason)
+
+
+def unfused_reason(query, softcap, layer: int, reduce) -> str | None:
+    """Why a layer cannot go through the kernels (besides its mask), or None."""
+    if softcap is not None:
+        return "attention logit soft-capping"
+    if query.shape[-1] > LARGEST_HEAD:
+        return f"head dimension {query.shape[-1]} > {LARGEST_HEAD}"
+    if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {query.dtype}"
+    if reduce is not None and layer in reduce.map_layers:
+        return "a full attention map is kept for this layer"
+    return None
+
+
+def attend(module, query, key, value, attention_mask, scaling: float, softcap, bias: float | None,
+           tracker: sparse.GateTracker | None, reduce: attention.BatchReduction | None,
+           sliding_window: int | None) -> torch.Tensor | None:
+    """The layer's attention output [batch, queries, heads, head_dim] from the kernels, recording
+    gates and reductions as the eager blocks do; None where the kernels do not apply."""
+    if not enabled(query.device):
+        return None
+    from attnlab.kernels import launch
+    from attnlab.kernels.layout import layout_of
+
+    reason = unfused_reason(query, softcap, module.layer_idx, reduce)
+    layout = None
+    if reason is None:
+        layout = layout_of(attention_mask, query.shape[-2], key.shape[-2], sliding_window)
+        reason = None if layout is not None else "a mask other than causal, sliding window and padding"
+    if reason is not None:
+        _say_once(reason)
+        return None
+    gate, recomputing = _gate(launch, module.layer_idx, bias, tracker)
+    inserted = reduce.inserted_keys if reduce is not None else None
+    out, expected, lse, stats = launch.attention(query, key, value, layout, gate, scaling, inserted)
+    if tracker is not None:
+        # The penalty's sum is taken in the replay too: a checkpointed layer must save the same
+        # tensors when it is recomputed as when it first ran. Only the first run records it.
+        penalty = expected.sum()
+        if not recomputing:
+            _count(tracker, module.layer_idx, gate, penalty, stats, launch)
+    if reduce is not None:
+        later_sums = launch.received_columns(query, key, lse, layout, gate, scaling)
+        mass = launch.ROW_STATS
+        total = stats[mass.index("gated_mass")] if bias is not None else 1.0
+        attention.store(reduce, module.layer_idx, later_sums, total - stats[mass.index("inserted_mass")])
+    return out
+
+
+def _gate(launch, layer: int, bias: float | None, tracker: sparse.GateTracker | None):
+    """(the kernels' Gate, whether this call recomputes a checkpointed layer)."""
+    if bias is None:
+        return launch.Gate(), False
+    if tracker is None or not tracker.training:
+        return launch.Gate(launch.DETERMINISTIC, bias), False
+    seed, recomputing = tracker.layer_seed(layer)
+    return launch.Gate(launch.SAMPLED, bias, seed, tracker.gradient == "noisy"), recomputing
+
+
+def _count(tracker: sparse.GateTracker, layer: int, gate, penalty, stats, launch) -> None:
+    """The tracker's records of one call: the penalty and sampled counts when training, open and
+    allowed edges per head at inference (as ``sparse.training_gate`` / ``count_open_edges``)."""
+    names = launch.ROW_STATS
+    opened, allowed = stats[names.index("opened")], stats[names.index("allowed")]
+    if gate.kind == launch.SAMPLED:
+        tracker.expected_sum.append(penalty)
+        tracker.sampled_open = tracker.sampled_open + opened.double().sum()
+        tracker.edges = tracker.edges + allowed.double().sum()
+    elif gate.kind == launch.DETERMINISTIC:
+        sparse.add_open_edges(tracker, layer, opened.double().sum(dim=(0, 2)).cpu(),
+                              allowed.double().sum(dim=(0, 2)).cpu())
