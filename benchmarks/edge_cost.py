@@ -69,10 +69,11 @@ def peak_mib() -> float:
 
 def forward_backward(circuits: EdgeCircuits) -> None:
     """One forward and backward of the metric with respect to the input embeddings."""
-    batch = circuits.batch
-    embeds = circuits.model.get_input_embeddings()(batch.clean.to(circuits.device)).detach().requires_grad_(True)
-    logits = circuits.model(inputs_embeds=embeds, attention_mask=batch.mask, position_ids=circuits.positions,
-                            use_cache=False, logits_to_keep=2).logits
+    batch, device = circuits.batch, circuits.device  # every input on the model's device (CUDA too)
+    embeds = circuits.model.get_input_embeddings()(batch.clean.to(device)).detach().requires_grad_(True)
+    logits = circuits.model(inputs_embeds=embeds, attention_mask=batch.mask.to(device),
+                            position_ids=circuits.positions.to(device), use_cache=False,
+                            logits_to_keep=2).logits
     (batch.metric(logits, slice(0, batch.n_prompts)).sum() / batch.n_prompts).backward()
 
 
