@@ -62,7 +62,22 @@ def _tiny(config_class, **extra):
     config = config_class(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                           max_position_embeddings=256, **extra)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return _random_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
+def _random_norms(model, seed: int = 1):
+    """Every norm weight of ``model`` drawn at random: the scale each applies becomes uniform in
+    [0.5, 1.5] per unit instead of exactly 1 (Gemma-3's norms scale by 1 + w, w stored 0), so a
+    norm weight missing, applied twice or in the wrong place changes the numbers the tests
+    compare (input_layernorm, post_attention_layernorm, pre/post_feedforward_layernorm, the
+    final norm, q_norm/k_norm). The other weights stay those of ``torch.manual_seed(0)``."""
+    generator = torch.Generator().manual_seed(seed)
+    norms = [module for module in model.modules() if type(module).__name__.endswith("RMSNorm")]
+    assert norms, f"no RMS norm in {type(model).__name__}"
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.add_(torch.rand(norm.weight.shape, generator=generator) - 0.5)
+    return model
 
 
 TINY = {
