@@ -159,17 +159,19 @@ def attention_figures(figures: list[dict], attention_datasets: list[str]) -> lis
 def selections(config: dict) -> dict[str, list]:
     """What the workflow runs, from the validated config: the datasets attention and the MLP
     analysis run on (null: all; []: none; nothing when disabled), the composite figures drawn
-    (only with attention on: they read its files) and the models swept. The workflow's targets
-    and the config checks both read this."""
+    (only with attention on: they read its files), the models swept and those of them whose edge
+    circuits are found. The workflow's targets and the config checks both read this."""
     datasets = list(config["datasets"])
     attention, mlp, pruning = config["attention"], config["mlp"], config["pruning"]
     attention_datasets = selected(attention["datasets"], datasets) if attention["enabled"] else []
+    pruning_models = selected(pruning["models"], list(config["models"])) if pruning["enabled"] else []
     return {
         "attention_datasets": attention_datasets,
         "figures": attention_figures(attention["figures"], attention_datasets) if attention["enabled"] else [],
         "mlp_datasets": (selected(mlp["datasets"], selected(attention["datasets"], datasets))
                          if mlp["enabled"] else []),
-        "pruning_models": selected(pruning["models"], list(config["models"])) if pruning["enabled"] else [],
+        "pruning_models": pruning_models,
+        "edge_models": [m for m in selected(pruning["edges"]["models"], pruning_models) if m in pruning_models],
     }
 
 def check_attention_figures(figures: list[dict], conditions: dict, models: list[str],

@@ -101,6 +101,8 @@ class EdgeSweep:
     batch_size: int
     device: str
     log_points: int
+    search: str  # rounds (curves.refined_sweep, counting.count_heads) or bisection (crossing_search)
+    coarse_points: int  # bisection: the coarse grid (log_points: the fine grid near the threshold)
     refine_points: int
     interval_points: int
     n_counted: int | None  # the first n of the head sweep's counted prompts (None: all)

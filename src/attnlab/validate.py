@@ -85,6 +85,9 @@ def _check_names(config: dict, chosen: dict) -> None:
     unknown = [m for m in pruning + compared if m not in models]
     if unknown:
         raise ConfigError(f"pruning names models {unknown}, not in models: {models}")
+    unknown = [m for m in config["pruning"]["edges"]["models"] or [] if m not in models]
+    if unknown:  # a configured model that is not swept has no edge circuits (plan.selections)
+        raise ConfigError(f"pruning.edges.models names {unknown}, not in models: {models}")
     top = config["attention"]["top_changed"]
     missing = [c for c in top["between"] if c not in conditions]
     if top["k"] and chosen["attention_datasets"] and missing:

@@ -63,10 +63,13 @@ DENSITY_CURVES = {key: path.replace("sweep.json", "sweep.csv") for key, path in 
 # and each prompt's metric at every k: the N×'s interval resamples the prompts of both models.
 DENSITY_PER_PROMPT = {key: path.replace("sweep.json", "per_prompt.parquet") for key, path in DENSITY_SWEEPS.items()}
 DENSITY_SUMMARIES = {copy: f"results/sparsify/{copy}/summary.json" for _, copy in SPARSE_PAIRS}
-EDGE_TASKS = [task for task in PRUNING["edges"]["tasks"] if task in TASKS]  # none when no model is swept
+EDGE_MODELS = CHOSEN["edge_models"]  # the swept models whose edge circuits are found
+EDGE_TASKS = [task for task in PRUNING["edges"]["tasks"] if task in TASKS] if EDGE_MODELS else []
+# Pairs of a model and its sparse copy with edge circuits for both.
+EDGE_PAIRS = [pair for pair in SPARSE_PAIRS if set(pair) <= set(EDGE_MODELS)]
 # What edges_vs_density reads, as heads_vs_density does: "model/task" -> each file of the edge sweep.
 EDGE_DENSITY = {kind: {f"{model}/{task}": f"results/circuits/{model}/{task}/{name}"
-                       for model in dict.fromkeys(m for pair in SPARSE_PAIRS for m in pair) for task in EDGE_TASKS}
+                       for model in dict.fromkeys(m for pair in EDGE_PAIRS for m in pair) for task in EDGE_TASKS}
                 for kind, name in (("summary", "summary.json"), ("curve", "curve.csv"), ("per_prompt", "per_prompt.parquet"))}
 MLP = config["mlp"]
 MLP_DATASETS = CHOSEN["mlp_datasets"]
@@ -212,15 +215,15 @@ def pruning_batch(wildcards, attempt):
     return _halved(PRUNING["batch_size"], attempt)
 
 
-def _sweep_files(task: str, folder: str, names: tuple[str, str, str]) -> dict[str, str]:
-    """Each swept model's curves, count summary and per-prompt metrics for one task, under
+def _sweep_files(task: str, folder: str, names: tuple[str, str, str], models: list[str]) -> dict[str, str]:
+    """Each model's curves, count summary and per-prompt metrics for one task, under
     results/{folder}/ (pruning: heads; circuits: edges), keyed as plot_pruning.py reads them."""
     return {f"{kind}_{model}": f"results/{folder}/{model}/{task}/{name}"
-            for model in PRUNING_MODELS for kind, name in zip(("sweep", "summary", "per_prompt"), names)}
+            for model in models for kind, name in zip(("sweep", "summary", "per_prompt"), names)}
 
 
 def pruning_sweeps(wildcards):
-    return _sweep_files(wildcards.task, "pruning", ("sweep.csv", "sweep.json", "per_prompt.parquet"))
+    return _sweep_files(wildcards.task, "pruning", ("sweep.csv", "sweep.json", "per_prompt.parquet"), PRUNING_MODELS)
 
 
 def edge_settings(wildcards):
@@ -232,7 +235,7 @@ def edge_batch(wildcards, attempt):
 
 
 def edge_sweeps(wildcards):
-    return _sweep_files(wildcards.task, "circuits", ("curve.csv", "summary.json", "per_prompt.parquet"))
+    return _sweep_files(wildcards.task, "circuits", ("curve.csv", "summary.json", "per_prompt.parquet"), EDGE_MODELS)
 
 
 def pruning_bootstrap():
@@ -291,11 +294,11 @@ def pruning_targets():
 
 def edge_targets():
     return [
-        *expand("results/circuits/{model}/{task}/edges.parquet", model=PRUNING_MODELS, task=EDGE_TASKS),
+        *expand("results/circuits/{model}/{task}/edges.parquet", model=EDGE_MODELS, task=EDGE_TASKS),
         *expand("results/figures/circuits/{task}.{ext}", task=EDGE_TASKS, ext=EXT),
-        *expand("results/figures/circuits/{model}/{task}.circuit.{ext}", model=PRUNING_MODELS, task=EDGE_TASKS,
+        *expand("results/figures/circuits/{model}/{task}.circuit.{ext}", model=EDGE_MODELS, task=EDGE_TASKS,
                 ext=EXT),
-        *(["results/tables/edges_vs_density.csv"] if SPARSE_PAIRS and EDGE_TASKS else []),
+        *(["results/tables/edges_vs_density.csv"] if EDGE_PAIRS and EDGE_TASKS else []),
     ]
 
 

@@ -42,7 +42,7 @@ rule plot_edges:
             category="Edge circuits",
         ),
     params:
-        models=PRUNING_MODELS,
+        models=EDGE_MODELS,
         compare=PRUNING["compare"],
         threshold=PRUNING["threshold"],
         ablation="corrupted",
@@ -97,7 +97,7 @@ rule edges_vs_density:
     params:
         sweep_keys=list(EDGE_DENSITY["summary"]),
         copies=list(DENSITY_SUMMARIES),
-        pairs=SPARSE_PAIRS,
+        pairs=EDGE_PAIRS,
         n_prompts={task: PRUNING["tasks"][task]["n"] for task in EDGE_TASKS},
         bootstrap=pruning_bootstrap(),
         dpi=config["plots"]["dpi"],

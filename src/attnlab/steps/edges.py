@@ -15,11 +15,13 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
                  outputs: dict, threads: int, batch_size: int | None = None) -> None:
     """Score every edge by EAP-IG on the prompts the head sweep ranked heads on, then keep the
     top n by |score| and patch every other edge from the corrupted run on the prompts it counted
-    on, for n on a log grid refined around the first crossing. ``outputs``: edges (every edge's
-    score and rank), curve, per_prompt, summary."""
+    on, for n on a log grid refined around the first crossing (``settings.search``: rounds) or
+    with the crossing and the interval's ends searched (bisection: ``crossing_search``).
+    ``outputs``: edges (every edge's score and rank), curve, per_prompt, summary."""
     import torch
 
     from attnlab.counting import Bootstrap, count_heads, prompts_digest
+    from attnlab.crossing_search import searched_count
     from attnlab.curves import k_grid
     from attnlab.edge_circuits import EdgeCircuits, ranked_edges
     from attnlab.models import load_model, load_tokenizer, pick_device
@@ -49,15 +51,19 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     order = edges.sort_values("rank").index.to_numpy()
     bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
     started = time.perf_counter()
-    count = count_heads(circuits, order, k_grid(len(edges), 0, settings.log_points), settings.threshold,
-                        bootstrap, counted_on, settings.interval_points)
+    grid = k_grid(len(edges), 0, settings.log_points)
+    if settings.search == "bisection":
+        count = searched_count(circuits, order, k_grid(len(edges), 0, settings.coarse_points), grid,
+                               settings.threshold, bootstrap, counted_on, settings.interval_points)
+    else:
+        count = count_heads(circuits, order, grid, settings.threshold, bootstrap, counted_on, settings.interval_points)
     swept_s = time.perf_counter() - started
     io.write_csv(renamed_unit(count.curve), outputs["curve"])
     io.write_parquet(renamed_unit(count.per_prompt), outputs["per_prompt"])
     graph = circuits.graph
     io.write_json({"task": task, "edges": len(edges), "senders": graph.n_senders, "receivers": graph.n_receivers,
                    "layers": graph.n_layers, "heads": graph.n_heads, "kv_heads": graph.n_kv_heads,
-                   "eap_ig_steps": settings.steps, "ablation": "corrupted",
+                   "eap_ig_steps": settings.steps, "ablation": "corrupted", "search": settings.search,
                    "ranking": f"EAP-IG {settings.steps} steps", "threshold": settings.threshold,
                    **renamed_unit(count.summary),
                    "clean_metric": clean, "corrupted_metric": corrupted, "points": len(count.curve),
