@@ -93,7 +93,11 @@ def count_heads(patcher, order: list[tuple[int, int]], ks: list[int], threshold:
     summary = {**crossing(curve, threshold), **fragility(curve, threshold),
                "heads_interval": [interval["low"], interval["high"]],
                "interval_to_the_head": not gaps, "interval_points_added": len(added),
-               "never_reached_share": interval["never_share"]}
+               "never_reached_share": interval["never_share"],
+               "undefined_resamples": interval["undefined_resamples"]}
+    if interval["undefined_resamples"]:
+        log.info("%d of %d resamples skipped: their m(all) equals their m(0) (no explained effect)",
+                 interval["undefined_resamples"], bootstrap.n_resamples)
     return Counted(curve, _long(metrics, prompt_ids), summary)
 
 

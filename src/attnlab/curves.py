@@ -289,7 +289,8 @@ def per_prompt_matrix(per_prompt: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]
 
 def resampled_effects(metrics: np.ndarray, draws: np.ndarray) -> np.ndarray:
     """Explained effect at every k for each resample: [resamples, k]; the first k is none kept,
-    the last all kept (NaN where a resample's m(all) equals its m(0))."""
+    the last all kept (a row of NaN where a resample's m(all) equals its m(0): its explained
+    effect is undefined, and the intervals skip that resample)."""
     means = np.stack([metrics[:, rows].mean(-1) for rows in draws])  # [resamples, k]
     span = means[:, -1:] - means[:, :1]
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -297,10 +298,12 @@ def resampled_effects(metrics: np.ndarray, draws: np.ndarray) -> np.ndarray:
 
 
 def first_reaching(ks: np.ndarray, effects: np.ndarray, threshold: float) -> np.ndarray:
-    """Per resample, the fewest measured heads whose explained effect reaches ``threshold``
-    (inf where none does)."""
+    """Per resample, the fewest measured heads whose explained effect reaches ``threshold``: inf
+    where none does ("never"), NaN where the resample's explained effect is undefined (its
+    m(all) equals its m(0): a row of NaN from ``resampled_effects``), which is no count at all."""
     reached = effects >= threshold
-    return np.where(reached.any(-1), ks[reached.argmax(-1)].astype(float), np.inf)
+    counts = np.where(reached.any(-1), ks[reached.argmax(-1)].astype(float), np.inf)
+    return np.where(np.isnan(effects).all(-1), np.nan, counts)
 
 
 def order_interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
@@ -318,13 +321,18 @@ def count_interval(ks: np.ndarray, metrics: np.ndarray, threshold: float, draws:
     """The bootstrap interval of the heads needed to reach ``threshold`` and the pointwise band
     of the curve. Each resample's count is its first crossing among the measured k, so an end of
     the interval is exact (to the head) only where the k just below it were measured
-    (``interval_gaps``)."""
+    (``interval_gaps``). A resample whose m(all) equals its m(0) has no explained effect: it is
+    skipped (``undefined_resamples`` counts them), not counted as never reaching the threshold;
+    ``never_share`` is the share of the other resamples that never reach it (None when no
+    resample has an explained effect)."""
     effects = resampled_effects(metrics, draws)
     counts = first_reaching(ks, effects, threshold)
     low, high = order_interval(counts, confidence)
     tail = 100 * (1 - confidence) / 2
+    defined = counts[~np.isnan(counts)]
     return {"counts": counts, "low": _whole(low), "high": _whole(high),
-            "never_share": float(np.isinf(counts).mean()),
+            "never_share": float(np.isinf(defined).mean()) if len(defined) else None,
+            "undefined_resamples": int(len(counts) - len(defined)),
             "band_low": np.nanpercentile(effects, tail, axis=0),
             "band_high": np.nanpercentile(effects, 100 - tail, axis=0)}
 
@@ -349,7 +357,8 @@ def interval_gaps(measured, low: int | None, high: int | None) -> list[int]:
 
 def ratio_interval(counts_first: np.ndarray, counts_second: np.ndarray, confidence: float) -> dict:
     """The interval of N× = first's count / second's over resamples (paired or not, as the
-    draws behind the counts were). A resample where neither reaches the threshold has no ratio
+    draws behind the counts were). A resample where neither reaches the threshold, or where
+    either's explained effect is undefined (a NaN count: m(all) = m(0)), has no ratio
     (undefined_share); one where only the second never does gives 0, only the first: inf."""
     with np.errstate(invalid="ignore", divide="ignore"):
         ratios = counts_first / counts_second
