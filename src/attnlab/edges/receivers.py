@@ -30,14 +30,16 @@ class ReceiverHooks:
 
         def hook(module, args, kwargs):
             live = args[0] if args else kwargs["hidden_states"]
-            replaced = self._start_pass(live) if index == 0 else None
-            if replaced is not None:
-                live = replaced
-            self._keep_layer_input(index, live)
+            # before anything reads the recording's points (the embeddings' sender does): on a
+            # smaller batch they would index past its tokens
             if index == 0 and state.plan is not None and state.patch.corrupted.shape != tuple(live.shape[:2]):
                 raise ValueError(f"edge patching: this pass runs {tuple(live.shape[:2])} [rows, tokens], the "
                                  f"corrupted recording {state.patch.corrupted.shape}: record the corrupted run "
                                  "of the same batch of prompts")
+            replaced = self._start_pass(live) if index == 0 else None
+            if replaced is not None:
+                live = replaced
+            self._keep_layer_input(index, live)
             corrupted = state.patch.corrupted.layer_inputs[index] if state.plan is not None else None
             inputs = self._group_inputs(state.graph.attention_slice(index), live, corrupted)
             if inputs is not None:
