@@ -151,3 +151,17 @@ def test_continuous_batching_fails_for_a_sparse_copy_unless_told_to_fall_back(sm
     assert set(out["engine"]) == {"static"}
     with pytest.raises(ValueError, match="unknown generation engine 'paged'"):
         generate_all(model, smollm2_tokenizer, prompts, 2, 4, engine="paged")
+
+
+def test_static_cache_engine_gives_the_static_engine_tokens_on_smollm2(smollm2_dir, smollm2_tokenizer):
+    """The static-cache loop (attnlab.decoding; CUDA graphs on GPUs, the same loop without them
+    here) against transformers' generate, float32: the same tokens, lengths and responses, rows
+    ending at EOS, at a stop string (a newline) and at the limit."""
+    model = load_model(smollm2_dir, torch.device("cpu"), torch.float32)
+    prompts = _arithmetic_prompts(smollm2_tokenizer, "chat", n=6)
+    for stops in ([], ["\n"]):
+        static = generate_all(model, smollm2_tokenizer, prompts, 4, 30, stops, engine="static")
+        cached = generate_all(model, smollm2_tokenizer, prompts, 4, 30, stops, engine="static_cache")
+        assert set(cached["engine"]) == {"static_cache"}
+        pd.testing.assert_frame_equal(cached.drop(columns="engine"), static.drop(columns="engine"))
+        assert static["hit_token_limit"].any() and not static["hit_token_limit"].all()

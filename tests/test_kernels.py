@@ -20,6 +20,7 @@ from attnlab.extraction import extract  # noqa: E402
 from attnlab.interventions import intervened  # noqa: E402
 from attnlab.kernels import launch  # noqa: E402
 from attnlab.kernels.layout import MaskLayout, allowed_by, layout_of  # noqa: E402
+from attnlab.kernels.reference import training_gate_with_kernel_noise  # noqa: E402
 from test_attention import TINY, _prompts  # noqa: E402
 
 SCALE, BIAS = 0.25, 0.3
@@ -308,29 +309,12 @@ def test_generation_of_a_sparse_copy_with_a_kv_cache_equals_the_eager_gates(kern
     assert torch.equal(eager, kernels)
 
 
-def _kernel_noise_gate(tracker, layer, logits, bias, allowed):
-    """``sparse.training_gate`` drawing the kernels' own noise: the eager reference of a step."""
-    seed, recomputing = tracker.layer_seed(layer)
-    noise = launch.sampled_noise(seed, *logits.shape, logits.device)
-    gate_logits = logits.float() + bias
-    expected = torch.sigmoid(gate_logits)
-    surrogate = torch.sigmoid(gate_logits + noise) if tracker.gradient == "noisy" else expected
-    hard = (gate_logits + noise > 0).float()
-    allowed = allowed.expand_as(hard)
-    penalty = (expected * allowed).sum()  # in the replay too, as training_gate: the same saved tensors
-    if not recomputing:
-        tracker.expected_sum.append(penalty)
-        tracker.sampled_open += float((hard.bool() & allowed).sum())
-        tracker.edges += float(allowed.sum())
-    return hard + surrogate - surrogate.detach()
-
-
 @pytest.mark.parametrize("gradient,checkpointing", [("expected", False), ("noisy", True)])
 def test_a_training_step_through_the_kernels_equals_the_eager_step(gradient, checkpointing, kernel_calls,
                                                                    monkeypatch):
     """Loss, penalty, training density and every weight's gradient, the eager blocks drawing the
     kernels' noise; with checkpointing, the replayed layers draw the same gates."""
-    monkeypatch.setattr(sparse, "training_gate", _kernel_noise_gate)
+    monkeypatch.setattr(sparse, "training_gate", training_gate_with_kernel_noise)
     ids = torch.randint(3, 101, (2, 21), generator=torch.Generator().manual_seed(4))
 
     def step():

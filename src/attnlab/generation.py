@@ -101,7 +101,23 @@ def _decode_rows(tokenizer, new_tokens: torch.Tensor, config: GenerationConfig,
     return rows
 
 
-ENGINES = ("static", "continuous", "continuous_or_static")
+ENGINES = ("auto", "static", "static_cache", "continuous", "continuous_or_static")
+
+
+def chosen_engine(engine: str, model) -> tuple[str, str | None]:
+    """(the engine that runs, why it is not the one asked for): ``auto`` is ``static_cache`` on
+    CUDA (each decode step one CUDA graph, attnlab.decoding) and ``static`` elsewhere, where
+    transformers' generate is as fast; ``static_cache`` where its loop cannot serve the model
+    runs ``static``, saying why."""
+    from attnlab.decoding import unsupported
+
+    if engine == "auto":
+        engine = "static_cache" if model.device.type == "cuda" else "static"
+    if engine == "static_cache":
+        reason = unsupported(model)
+        if reason is not None:
+            return "static", reason
+    return engine, None
 
 
 def continuous_unsupported(model) -> str | None:
@@ -121,13 +137,24 @@ def generate_all(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
     engine produced them.
 
     ``static``: ``model.generate`` on padded batches of ``batch_size`` rows; a batch runs until
-    its longest row ends. ``continuous``: transformers' continuous batching with paged
+    its longest row ends. ``static_cache``: the same batches through a static-KV-cache loop whose
+    decode steps are CUDA graphs on GPUs (``attnlab.decoding``; the column says
+    ``static_cache+cuda_graph`` where the graph ran); ``auto``: ``static_cache`` on CUDA,
+    ``static`` elsewhere (``chosen_engine``). ``continuous``: transformers' continuous batching with paged
     attention and at most ``batch_size`` rows at a time, a finished row's slot refilled at once;
     where it cannot run (a sparse copy's gated attention, an engine error) it fails, saying why.
     ``continuous_or_static``: continuous, falling back to static with a warning where it cannot run.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown generation engine {engine!r}; expected one of {ENGINES}")
+    asked = engine
+    engine, reason = chosen_engine(engine, model)
+    if reason is not None:
+        log.warning("the static_cache engine cannot serve this model (%s): generating with the static "
+                    "engine (engine: %s; the generations record engine = static)", reason, asked)
+    if engine == "static_cache":
+        return _generate_static(model, tokenizer, prompts, batch_size, max_new_tokens, stop_strings,
+                                _static_cache_batch)
     if engine != "static":
         reason = continuous_unsupported(model)
         if reason is None:
@@ -147,8 +174,7 @@ def generate_all(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
                 "or to continuous_or_static to fall back to static where it cannot run")
         log.warning("continuous batching unavailable (%s): generating with the static engine "
                     "(engine: continuous_or_static; the generations record engine = static)", reason)
-    out = _generate_static(model, tokenizer, prompts, batch_size, max_new_tokens, stop_strings)
-    return out.assign(engine="static")
+    return _generate_static(model, tokenizer, prompts, batch_size, max_new_tokens, stop_strings)
 
 
 class ContinuousBatchingFailed(RuntimeError):
@@ -212,10 +238,38 @@ def _generate_continuous(model, tokenizer, prompts: pd.DataFrame, batch_size: in
     return out
 
 
+def _ends_of(tokenizer, config: GenerationConfig, stop_strings: list[str]) -> tuple[set[int], object]:
+    """(EOS ids, whether a row's tokens hold a stop string, or None without stop strings)."""
+    eos = config.eos_token_id
+    stopped = (lambda tokens: holds_stop_string(tokenizer, tokens, stop_strings)) if stop_strings else None
+    return set(eos if isinstance(eos, list) else [eos]), stopped
+
+
+def _static_batch(model, tokenizer, ids, config, stop_strings) -> tuple[torch.Tensor, list[int], str]:
+    from attnlab.decoding import RowEnds
+
+    tokens = _generate_batch(model, tokenizer, ids, config, stop_strings)
+    ends = RowEnds(len(ids), *_ends_of(tokenizer, config, stop_strings))
+    ends.update(tokens.tolist())
+    return tokens, ends.lengths(tokens.shape[1]), "static"
+
+
+def _static_cache_batch(model, tokenizer, ids, config, stop_strings) -> tuple[torch.Tensor, list[int], str]:
+    """One padded batch through the static-cache loop (attnlab.decoding)."""
+    from attnlab.decoding import decode_batch
+
+    eos_ids, stopped = _ends_of(tokenizer, config, stop_strings)
+    tokens, lengths, graphed = decode_batch(model, ids, config.max_new_tokens, eos_ids, config.pad_token_id,
+                                            stopped)
+    return tokens, lengths, "static_cache+cuda_graph" if graphed else "static_cache"
+
+
 def _generate_static(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
-                     max_new_tokens: int, stop_strings: list[str] | None = None) -> pd.DataFrame:
-    """Prompts are sorted longest first so that padding is small and an out-of-memory error
-    shows up on the first batch; on CUDA OOM the batch is halved and retried."""
+                     max_new_tokens: int, stop_strings: list[str] | None = None,
+                     generate_batch=_static_batch) -> pd.DataFrame:
+    """Padded batches of ``batch_size`` rows through ``generate_batch`` (transformers' generate,
+    or the static-cache loop). Prompts are sorted longest first so that padding is small and an
+    out-of-memory error shows up on the first batch; on CUDA OOM the batch is halved and retried."""
     config = greedy_config(model, tokenizer, max_new_tokens)
     stop_strings = stop_strings or []
     order = prompts["n_prompt_tokens"].sort_values(ascending=False, kind="stable").index.tolist()
@@ -226,7 +280,7 @@ def _generate_static(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
         rows = order[start:start + batch_size]
         ids = [np.asarray(prompts.at[i, "input_ids"]).tolist() for i in rows]
         try:
-            new_tokens = _generate_batch(model, tokenizer, ids, config, stop_strings)
+            new_tokens, lengths, engine = generate_batch(model, tokenizer, ids, config, stop_strings)
         except torch.cuda.OutOfMemoryError:
             if batch_size == 1:
                 raise
@@ -234,8 +288,8 @@ def _generate_static(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
             torch.cuda.empty_cache()
             log.warning("CUDA out of memory: retrying with batch size %d", batch_size)
             continue
-        for i, decoded in zip(rows, _decode_rows(tokenizer, new_tokens, config, stop_strings)):
-            results[i] = decoded
+        for i, decoded in zip(rows, _decode_rows(tokenizer, new_tokens, config, stop_strings, lengths)):
+            results[i] = {**decoded, "engine": engine}
         start += len(rows)
         progress.update(len(rows))
     progress.close()

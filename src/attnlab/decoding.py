@@ -1,0 +1,191 @@
+"""Greedy decoding on a static KV cache, each decode step one CUDA graph on GPUs (engine
+``static_cache``).
+
+``model.generate`` decodes a small model launch by launch: every step is hundreds of small
+kernels, each waiting on the host, so a GPU decoding 64 rows of a 135M model sits mostly idle.
+Here a left-padded batch is prefilled into a ``StaticCache`` sized for its prompts plus the new
+tokens; every later step reads and writes only fixed buffers (the last token, its position, a
+boolean mask over the cache's columns, the cache itself), so on CUDA it is captured once as a
+CUDA graph and replayed: one launch per step. The step itself writes its token into a history
+buffer, and the host reads that buffer every ``CHECK_EVERY`` steps to see which rows have
+ended, so the host never stalls the GPU between steps.
+
+The computation is the static engine's (transformers' greedy ``generate``) with the mask over
+the whole cache instead of the keys so far; masked keys weigh exactly 0. In float32 the two give
+the same tokens (tested on the CPU, where the same loop runs without graphs); in bfloat16 a
+near-tie of two logits can break differently between any two engines, this one included.
+Rows end at EOS or at a stop string, checked token by token as the static engine's stopping
+criterion does, and are then padded. Models that this loop cannot serve as built (sliding-
+window layers, another attention than sdpa, forward hooks such as ARM's that may read values on
+the host) go to the static engine (``unsupported``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from attnlab.models import left_pad
+
+log = logging.getLogger(__name__)
+
+CHECK_EVERY = 8  # decode steps between two reads of the tokens by the host
+
+
+def unsupported(model) -> str | None:
+    """Why the static-cache loop cannot serve ``model`` as it is, or None."""
+    implementation = model.config._attn_implementation
+    if implementation != "sdpa":
+        return f"attention implementation '{implementation}' (the loop's boolean masks need sdpa)"
+    text = model.config.get_text_config()
+    layer_types = getattr(text, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types) or getattr(text, "use_sliding_window", False):
+        return "sliding-window layers (their static cache is a ring buffer the mask here does not follow)"
+    hooked = [name for name, module in model.named_modules()
+              if module._forward_hooks or module._forward_pre_hooks]
+    if hooked:
+        return f"forward hooks on {hooked[0]} (an intervention such as ARM)"
+    return None
+
+
+@dataclass
+class _State:
+    """The fixed buffers a decode step reads and writes (the same addresses at every replay)."""
+
+    token: torch.Tensor  # [B, 1] the last token
+    position: torch.Tensor  # [B, 1] its position (real tokens only)
+    column: torch.Tensor  # [1] its cache column
+    mask: torch.Tensor  # [B, 1, 1, L] bool: the cache columns a query may read
+    history: torch.Tensor  # [B, max_new_tokens] the tokens decoded so far
+    step: torch.Tensor  # [1] the history column the next token goes to
+
+
+def _prefill(model, rows: list[list[int]], pad_id: int, width: int, cache) -> _State:
+    """Run the prompts into the cache; the state holds the first new token."""
+    device = model.device
+    ids, real, positions = left_pad(rows, pad_id)
+    batch, prompt = ids.shape
+    key_real = torch.zeros(batch, width, dtype=torch.bool, device=device)
+    key_real[:, :prompt] = real.bool().to(device)
+    causal = torch.ones(prompt, width, dtype=torch.bool, device=device).tril()
+    mask = causal[None, None] & key_real[:, None, None, :]
+    # A padding row reads only itself: no row without a key (sdpa would give NaN, and a NaN
+    # value in the cache poisons every query, masked or not, through 0 · NaN).
+    padding_rows = ~real.bool().to(device)
+    mask[:, 0, :, :prompt] |= torch.diag_embed(padding_rows)
+    logits = model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
+                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    history = torch.zeros(batch, width - prompt, dtype=torch.long, device=device)
+    history[:, 0] = logits[:, -1].argmax(-1)
+    return _State(token=history[:, :1].clone(), position=positions[:, -1:].to(device) + 1,
+                  column=torch.tensor([prompt], device=device), mask=key_real[:, None, None, :].clone(),
+                  history=history, step=torch.tensor([1], device=device))
+
+
+def _decode_step(model, state: _State, cache) -> None:
+    """One greedy step on the fixed buffers (what a CUDA graph captures)."""
+    state.mask.index_fill_(-1, state.column, True)  # the last token's column becomes readable
+    logits = model(input_ids=state.token, attention_mask=state.mask, position_ids=state.position,
+                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    state.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+    state.history.index_copy_(1, state.step, state.token)
+    state.position.add_(1)
+    state.column.add_(1)
+    state.step.add_(1)
+
+
+class _Graphed:
+    """The decode step as a CUDA graph: two steps run on a side stream first (they are real steps:
+    cuBLAS and the allocator settle), then one is captured and replayed for every later step. A
+    capture that fails (an operation that reads a value on the host) leaves the loop to run the
+    steps one by one, with a warning: slower, the same tokens."""
+
+    def __init__(self, run):
+        self.run, self.graph, self.warm, self.failed = run, None, 0, False
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.failed:
+            self.run()
+        elif self.warm < 2:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.run()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.warm += 1
+        else:
+            self._capture()
+
+    def _capture(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.run()
+        except Exception as error:  # noqa: BLE001 -- any capture failure: decode without the graph
+            log.warning("CUDA graph capture of the decode step failed (%s: %s): decoding step by step",
+                        type(error).__name__, error)
+            self.failed = True
+            self.run()
+            return
+        self.graph = graph
+        graph.replay()  # capturing records the step without running it
+
+
+class RowEnds:
+    """Where each row ended (the index of its EOS or of the token completing a stop string),
+    found incrementally: each check looks only at the tokens decoded since the last one. Both
+    static engines count a row's tokens with it, so a stop-string row is the same length whether
+    or not its batch decoded on after it (where the pad token is EOS, a pad after a stop string
+    would otherwise read as one more generated EOS)."""
+
+    def __init__(self, rows: int, eos_ids: set[int], stopped):
+        self.eos_ids, self.stopped = eos_ids, stopped
+        self.ends: list[int | None] = [None] * rows
+        self.seen = 0
+
+    def update(self, tokens: list[list[int]]) -> bool:
+        """Look at the new tokens; whether every row has ended."""
+        for r, row in enumerate(tokens):
+            if self.ends[r] is None:
+                self.ends[r] = next((t for t in range(self.seen, len(row)) if self._ends_at(row, t)), None)
+        self.seen = len(tokens[0])
+        return all(end is not None for end in self.ends)
+
+    def _ends_at(self, row: list[int], t: int) -> bool:
+        return row[t] in self.eos_ids or bool(self.stopped and self.stopped(row[:t + 1]))
+
+    def lengths(self, width: int) -> list[int]:
+        """Tokens each row generated: up to its end included, else all ``width``."""
+        return [width if end is None else end + 1 for end in self.ends]
+
+
+def decode_batch(model, rows: list[list[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int,
+                 stopped=None, graphs: bool | None = None) -> tuple[torch.Tensor, list[int], bool]:
+    """([B, steps] new tokens, padded after each row's end; each row's generated count; whether a
+    CUDA graph ran the steps). ``stopped(tokens)``: whether a row's tokens hold a stop string."""
+    from transformers import StaticCache
+
+    graphs = model.device.type == "cuda" if graphs is None else graphs
+    width = max(len(row) for row in rows) + max_new_tokens
+    ends = RowEnds(len(rows), eos_ids, stopped)
+    with torch.inference_mode():
+        cache = StaticCache(config=model.config, max_cache_len=width)
+        state = _prefill(model, rows, pad_id, width, cache)
+        run = _Graphed(lambda: _decode_step(model, state, cache)) if graphs else None
+        steps = 1
+        finished = ends.update(state.history[:, :1].tolist())
+        while steps < max_new_tokens and not finished:
+            for _ in range(min(CHECK_EVERY, max_new_tokens - steps)):
+                run() if run is not None else _decode_step(model, state, cache)
+                steps += 1
+            finished = ends.update(state.history[:, :steps].tolist())
+        tokens = state.history[:, :steps].tolist()
+    for row, end in zip(tokens, ends.ends):
+        if end is not None:
+            row[end + 1:] = [pad_id] * (len(row) - end - 1)
+    return (torch.tensor(tokens, dtype=torch.long), ends.lengths(steps),
+            run is not None and run.graph is not None)

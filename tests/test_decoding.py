@@ -1,0 +1,116 @@
+"""The static-cache decoding loop (attnlab.decoding, engine static_cache) against transformers'
+greedy generate (engine static) on tiny random models: the same tokens, EOS, stop strings and
+token limits; which models it refuses. The real-model check is in test_generation.py."""
+
+import logging
+
+import pandas as pd
+import pytest
+import torch
+
+from attnlab import decoding, sparse
+from attnlab.generation import chosen_engine, generate_all
+from attnlab.interventions import intervened
+from attnlab.mlp import ArmSettings
+from attnlab.models import left_pad
+from test_attention import TINY
+
+EOS = 7
+
+
+class _Tokenizer:
+    """What the engines use of a tokenizer: padding, decoding (token ids as words), ids."""
+
+    pad_token_id, eos_token_id = 0, EOS
+
+    def pad(self, batch, padding, return_tensors):
+        ids, mask, _ = left_pad(batch["input_ids"])
+        return _Batch(input_ids=ids, attention_mask=mask)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids if not (skip_special_tokens and i in (0, EOS)))
+
+
+class _Batch(dict):
+    def to(self, device):
+        return self
+
+
+def _model(arch="llama-gqa"):
+    model = TINY[arch]()
+    model.set_attn_implementation("sdpa")
+    model.generation_config.eos_token_id = EOS
+    return model
+
+
+def _prompts(lengths=(5, 9, 12, 3, 7, 10), seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(8, 101, (n,), generator=generator).tolist() for n in lengths]
+    return pd.DataFrame({"id": [f"p{i}" for i in range(len(ids))], "input_ids": ids,
+                         "n_prompt_tokens": [len(i) for i in ids]})
+
+
+def test_static_cache_gives_the_static_engines_tokens():
+    """Batches of 4 (one of 2), left padding, rows ending at EOS, at a stop string and at the limit."""
+    model, tokenizer, prompts = _model(), _Tokenizer(), _prompts()
+    plain = generate_all(model, tokenizer, prompts, 4, 20, engine="static")
+    assert plain["hit_token_limit"].any() and not plain["hit_token_limit"].all()  # EOS and the limit
+    long_row = plain.index[plain["hit_token_limit"]][0]
+    stop = tokenizer.decode(plain.at[long_row, "new_token_ids"][5:7])  # ends that row at its 7th token
+    for stops in ([], [stop]):
+        static = generate_all(model, tokenizer, prompts, 4, 20, stops, engine="static")
+        cached = generate_all(model, tokenizer, prompts, 4, 20, stops, engine="static_cache")
+        assert set(cached["engine"]) == {"static_cache"} and set(static["engine"]) == {"static"}
+        pd.testing.assert_frame_equal(cached.drop(columns="engine"), static.drop(columns="engine"))
+    assert static.at[long_row, "n_new_tokens"] <= 7 and not static.at[long_row, "hit_token_limit"]
+
+
+def test_one_new_token_and_a_single_row():
+    model, tokenizer = _model(), _Tokenizer()
+    for prompts, tokens in ((_prompts(), 1), (_prompts((6,)), 5)):
+        static = generate_all(model, tokenizer, prompts, 4, tokens, engine="static")
+        cached = generate_all(model, tokenizer, prompts, 4, tokens, engine="static_cache")
+        pd.testing.assert_frame_equal(cached.drop(columns="engine"), static.drop(columns="engine"))
+
+
+def test_decode_batch_pads_after_each_end_and_stops_when_all_rows_end():
+    model = _model()
+    rows = _prompts()["input_ids"].tolist()[:3]
+    tokens, lengths, graphed = decoding.decode_batch(model, rows, 40, {EOS}, 0, graphs=False)
+    assert not graphed and tokens.shape[0] == 3
+    assert lengths == [row.index(EOS) + 1 if EOS in row else tokens.shape[1] for row in tokens.tolist()]
+    for row in tokens.tolist():
+        if EOS in row:
+            assert set(row[row.index(EOS) + 1:]) <= {0}
+    every_row_ends = all(EOS in row for row in tokens.tolist())
+    assert tokens.shape[1] == 40 or (every_row_ends and tokens.shape[1] < 40)
+
+
+def test_ends_are_found_incrementally_as_in_one_pass():
+    rows = [[5, 6, EOS, 1], [5, 5, 5, 5], [9, 3, 3, 1]]
+    stopped = lambda tokens: tokens[-2:] == [3, 3]  # noqa: E731
+    ends = decoding.RowEnds(3, {EOS}, stopped)
+    assert not ends.update([row[:2] for row in rows])
+    assert not ends.update(rows)
+    assert ends.ends == [2, None, 2]
+    assert decoding.RowEnds(3, {EOS}, None).update(rows) is False
+
+
+def test_models_the_loop_cannot_serve_take_the_static_engine(caplog):
+    gemma = _model("gemma3-sliding")
+    assert chosen_engine("static_cache", gemma)[0] == "static"
+    assert "sliding-window" in chosen_engine("static_cache", gemma)[1]
+    llama = _model()
+    assert chosen_engine("auto", llama) == ("static", None)  # on a CPU auto is static
+    assert chosen_engine("static_cache", llama) == ("static_cache", None)
+    eager = _model()
+    eager.set_attn_implementation("eager")
+    assert "attention implementation 'eager'" in chosen_engine("static_cache", eager)[1]
+    gated = _model()
+    sparse.make_sparse(gated, 0.0)
+    assert "attention implementation 'attnlab'" in chosen_engine("static_cache", gated)[1]
+    with intervened(llama, arm=ArmSettings(layer=0)):
+        assert "forward hooks" in chosen_engine("static_cache", llama)[1]
+        with caplog.at_level(logging.WARNING):
+            out = generate_all(llama, _Tokenizer(), _prompts((4, 5)), 2, 3, engine="static_cache")
+    assert set(out["engine"]) == {"static"} and "cannot serve this model" in caplog.text
