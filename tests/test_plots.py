@@ -45,11 +45,16 @@ def test_accuracy_figure_draws_each_cells_accuracy_and_interval(tmp_path, monkey
 
 
 def _drawn_figure(monkeypatch):
-    """Keep the figure a plot function would save, to read what it drew."""
+    """Keep the figure a plot function saves, to read what it drew; it is still saved, through
+    the check of its text (ATTNLAB_STRICT_FIGURES, tests/conftest.py)."""
     from attnlab import plots
 
-    drawn = {}
-    monkeypatch.setattr(plots, "_save", lambda fig, out_path, dpi: drawn.update(fig=fig))
+    drawn, original = {}, plots._save
+
+    def save(fig, out_path, dpi):
+        drawn.update(fig=fig)
+        original(fig, out_path, dpi)
+    monkeypatch.setattr(plots, "_save", save)
     return drawn
 
 

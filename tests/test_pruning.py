@@ -295,8 +295,12 @@ def test_pruning_figure_says_fragile_beside_the_ratio(tmp_path, monkeypatch):
     """The N× label names the fragile count and why; the legend and the curve are marked."""
     from attnlab import plots_circuits as plots
 
-    drawn = {}
-    monkeypatch.setattr(plots, "_save", lambda fig, out_path, dpi: drawn.update(fig=fig))
+    drawn, original = {}, plots._save
+
+    def save(fig, out_path, dpi):  # keep the figure to read it; still saved through the strict text check
+        drawn.update(fig=fig)
+        original(fig, out_path, dpi)
+    monkeypatch.setattr(plots, "_save", save)
     smooth = 1 - np.exp(-np.arange(271) / 8.0)
     smooth[-1] = 1.0
     plots.plot_pruning({"dense": _late_jump_curve(), "sparse": _curve(smooth)}, "ioi", ["dense", "sparse"],

@@ -447,8 +447,14 @@ def test_a_copy_over_its_kl_budget_at_the_training_bias_says_so(trained, tiny_ba
         over = _post_train(base, _settings(corpus, calibrate_gate_bias=tight), tmp_path)
     assert over["over_budget"] is True and over["inference_gate_bias"] == 1.0
     assert "over max_kl" in caplog.text and "saved over its KL budget" in caplog.text
-    drawn = {}
-    monkeypatch.setattr("attnlab.plots_circuits._save", lambda fig, out_path, dpi: drawn.update(fig=fig))
+    from attnlab import plots_circuits
+
+    drawn, original = {}, plots_circuits._save
+
+    def save(fig, out_path, dpi):  # keep the figure to read it; still saved through the strict text check
+        drawn.update(fig=fig)
+        original(fig, out_path, dpi)
+    monkeypatch.setattr(plots_circuits, "_save", save)
     plot_sparse_training(pd.read_csv(tmp_path / "steps.csv"), pd.read_csv(tmp_path / "eval.csv"), over,
                          "copy", tmp_path / "training.png")
     assert "OVER BUDGET" in drawn["fig"]._suptitle.get_text()
