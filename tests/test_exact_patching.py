@@ -68,17 +68,24 @@ def _by_hand(model, prompts: TaskPrompts, ablation: str) -> torch.Tensor:
     clean = [tokenizer(p).input_ids for p in prompts.clean]
     corrupted = [tokenizer(p).input_ids for p in prompts.corrupted]
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    seen = {}
+
+    def o_proj_input(ids, layer):  # each prompt's run once per layer
+        key = (tuple(ids), layer)
+        if key not in seen:
+            seen[key] = _o_proj_input(model, ids, layer)
+        return seen[key]
 
     def metric(logits, i):
         return float(logits[prompts.answers[i]] - logits[prompts.distractors[i]].max())
 
     def reference(i, layer):
         if ablation == "corrupted":
-            return _o_proj_input(model, corrupted[i], layer)
+            return o_proj_input(corrupted[i], layer)
         if ablation == "zero":
-            return torch.zeros_like(_o_proj_input(model, clean[i], layer))
+            return torch.zeros_like(o_proj_input(clean[i], layer))
         same = [j for j, t in enumerate(prompts.templates) if t == prompts.templates[i]]
-        return sum(_o_proj_input(model, clean[j], layer) for j in same) / len(same)
+        return sum(o_proj_input(clean[j], layer) for j in same) / len(same)
 
     scores = torch.zeros(layers, heads, dtype=torch.float64)
     for i, ids in enumerate(clean):
@@ -93,13 +100,16 @@ def _by_hand(model, prompts: TaskPrompts, ablation: str) -> torch.Tensor:
 def _model(arch: str, sparse_copy: bool):
     model = TINY[arch]()
     if sparse_copy:
-        sparse.make_sparse(model, 0.5)  # about half the edges gated shut
+        sparse.make_sparse(model, 0.0)  # about half the edges gated shut (0.5 shuts none here)
     return model
 
 
-@pytest.mark.parametrize("arch,sparse_copy", [("llama-gqa", False), ("qwen2", False), ("llama-gqa", True)])
+@pytest.mark.parametrize("arch,sparse_copy", [("llama-gqa", False), ("qwen2", False), ("gemma3-sliding", False),
+                                              ("llama-gqa", True)])
 @pytest.mark.parametrize("ablation", ["corrupted", "mean", "zero"])
 def test_exact_patching_equals_one_head_of_one_prompt_at_a_time(arch, sparse_copy, ablation):
+    """Gemma-3 (sliding window 5 on layers 0 and 2, shorter than the prompts; sandwich and q/k
+    norms) beside Llama (GQA), Qwen2 (q/k/v biases) and a sparse copy."""
     model = _model(arch, sparse_copy)
     prompts = _prompts()
     patcher = Patcher(model, build_batch(prompts, WordTokenizer()), ablation, batch_size=4)
@@ -170,8 +180,13 @@ def test_digit_greater_than_rows_read_two_positions():
     batch = TaskBatch(clean, corrupted, torch.ones_like(clean), [0, 1], metric, rows_per_prompt=10,
                       read_positions=2)
     patcher = Patcher(model, batch, "corrupted", batch_size=10)
-    np.testing.assert_allclose(patcher.exact().numpy(), patcher.exact_one_forward_per_head().numpy(),
-                               atol=1e-6, rtol=0)
+    fast, slow = patcher.exact().numpy(), patcher.exact_one_forward_per_head().numpy()
+    # the scores are small (a probability sum near 0.005 on this model, heads moving it by ~1e-5):
+    # an absolute tolerance would pass scores off by percents, or all 0; each score to 0.1% of
+    # itself (the float rounding here is ~1e-9), and heads that matter
+    scale = float(np.abs(slow).max())
+    assert scale > 1e-5 and (np.abs(slow) > 1e-6).sum() >= 6
+    np.testing.assert_allclose(fast, slow, rtol=1e-3, atol=1e-4 * scale)
 
 
 def test_resuming_leaves_the_model_as_it_was():
