@@ -1,6 +1,7 @@
 """What ARM adds to a forward pass, measured in one run.
 
     .venv/bin/python benchmarks/arm_overhead.py [--batch 16] [--length 256] [--repeats 7]
+                                                [--device auto] [--dtype auto]
 
 On SmolLM2-135M-Instruct (converted from its wheel into benchmarks/out/ once),
 a full forward pass (decoder and LM head, no KV cache) of a batch of random
@@ -13,26 +14,12 @@ of ARM's redistribution alone on the same activation shape.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 
 import torch
 
 from attnlab.interventions import intervened
 from attnlab.mlp import ArmSettings, redistribute
-from attnlab.models import load_model, pick_device
-from common import OUT, embedded_model
-
-
-def _timed(run) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    run()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - started
+from common import add_device_arguments, alternate, device_and_dtype, load_embedded, median_seconds, write_result
 
 
 def main() -> None:
@@ -40,9 +27,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
+    add_device_arguments(parser)
     args = parser.parse_args()
-    device = pick_device("auto")
-    model = load_model(embedded_model("smollm2-135m"), device, torch.float32)
+    device, dtype = device_and_dtype(args)
+    model, _ = load_embedded("smollm2-135m", device, dtype)
     ids = torch.randint(100, model.config.vocab_size, (args.batch, args.length),
                         generator=torch.Generator().manual_seed(0)).to(device)
     settings = ArmSettings()
@@ -55,26 +43,17 @@ def main() -> None:
         with intervened(model, arm=settings), torch.inference_mode():
             model(input_ids=ids, use_cache=False)
 
-    plain(), with_arm()  # warm-up
-    times = {"plain": [], "arm": []}
-    for _ in range(args.repeats):
-        times["plain"].append(_timed(plain))
-        times["arm"].append(_timed(with_arm))
+    times = alternate({"plain": plain, "arm": with_arm}, args.repeats)
     shape = (args.batch, args.length, model.config.intermediate_size)
-    activation = torch.randn(shape, device=device)
+    activation = torch.randn(shape, device=device, dtype=dtype)
     positions = torch.arange(args.length, device=device).expand(args.batch, -1)
-    alone = [_timed(lambda: redistribute(activation, settings, positions, ids)) for _ in range(args.repeats)]
-    result = {
-        "device": str(device), "threads": torch.get_num_threads(), "batch": args.batch,
-        "length": args.length, "plain_s": statistics.median(times["plain"]),
-        "arm_s": statistics.median(times["arm"]), "redistribute_s": statistics.median(alone),
-    }
+    alone = median_seconds(lambda: redistribute(activation, settings, positions, ids), args.repeats)
+    result = {"threads": torch.get_num_threads(), "batch": args.batch, "length": args.length,
+              "plain_s": times["plain"], "arm_s": times["arm"], "redistribute_s": alone}
     result["arm_over_plain"] = result["arm_s"] / result["plain_s"]
     # an upper bound that timing noise of the whole forward cannot hide
     result["redistribute_over_plain"] = result["redistribute_s"] / result["plain_s"]
-    OUT.mkdir(exist_ok=True)
-    (OUT / "arm_overhead.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    write_result(result, "arm_overhead.json", device, dtype)
 
 
 if __name__ == "__main__":

