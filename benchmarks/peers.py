@@ -1,12 +1,13 @@
 """attnlab side by side with TransformerLens and nnsight, measured in one run.
 
     make bench-peers            (installs .venv-peers, prepares the models, runs this)
-    .venv/bin/python benchmarks/peers.py [--models smollm2-135m gemma3-270m] [--threads 1]
+    .venv/bin/python benchmarks/peers.py [--models smollm2-135m gemma3-270m] [--threads 1] [--device auto]
 
 Every tool runs in its own process (benchmarks/peers_worker.py): attnlab and
 plain transformers with the project's .venv, TransformerLens and nnsight with
 .venv-peers (benchmarks/peers-requirements.txt; the project's torch and
-transformers), all on the prepared models in resources/models/, offline.
+transformers), all on the prepared models in resources/models/, offline, in float32 on
+--device (auto: CUDA when present; every process the same).
 
 1. Received attention (mean over i > j of A[i, j], every layer and head) of
    --batch x --length tokens of MATH-500 text: attnlab's extraction,
@@ -49,10 +50,9 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import kendalltau, spearmanr
 
-from attention_throughput import real_prompts
 from attnlab.models import load_tokenizer
 from attnlab.tasks import generate_task
-from common import OUT
+from common import OUT, math500_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "resources" / "models"
@@ -89,7 +89,7 @@ DENOISING = "scoring:transformerlens_exact_denoising"  # restoring one head in t
 def inputs_for(model_dir: Path, args) -> dict:
     """The token ids every tool gets: MATH-500 text and the IOI pairs, under this model's tokenizer."""
     tokenizer = load_tokenizer(model_dir)
-    attention = real_prompts(tokenizer, args.batch, args.length)["input_ids"].tolist()
+    attention = math500_prompts(tokenizer, args.batch, args.length)["input_ids"].tolist()
     prompts = generate_task("ioi", tokenizer, args.pairs, seed=0)
     return {"attention_ids": attention,
             "ioi": {"n": args.pairs, "seed": 0, "pad_id": tokenizer.pad_token_id,
@@ -104,7 +104,8 @@ def run_tool(tool: str, venv: str, model_dir: Path, inputs: Path, out: Path, rep
     for suffix in (".json", ".npy"):
         prefix.with_suffix(suffix).unlink(missing_ok=True)
     command = [python, str(WORKER), tool, "--model", str(model_dir), "--inputs", str(inputs),
-               "--out", str(prefix), "--repeats", str(repeats), "--threads", str(args.threads)]
+               "--out", str(prefix), "--repeats", str(repeats), "--threads", str(args.threads),
+               "--device", args.device]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "TQDM_MININTERVAL": "30"}
     env.pop("PYTHONPATH", None)  # each virtualenv sees only its own packages
@@ -274,7 +275,8 @@ def markdown(results: list[dict], args, started: str, wall: float) -> str:
     versions = {}
     for r in tools.values():
         versions.update({k: v for k, v in r.get("versions", {}).items()
-                         if k in ("torch", "transformers", "transformer_lens", "nnsight", "threads", "device")})
+                         if k in ("torch", "transformers", "transformer_lens", "nnsight", "threads", "device",
+                                  "device_name")})
     lines = [f"# attnlab side by side with TransformerLens and nnsight ({started}, {wall / 60:.1f} min)", "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), "",
              f"## Received attention, {first['model']}, {first['batch']} × {first['length']} tokens, "
@@ -325,6 +327,7 @@ def main() -> None:
                              "(a check that the numbers agree)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds before a tool's process is stopped")
     parser.add_argument("--peer-python", type=Path, default=PEERS_PYTHON)
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     args = parser.parse_args()
     if not args.peer_python.exists():
         raise SystemExit(f"{args.peer_python} is missing: `make bench-peers` creates it")

@@ -1,6 +1,7 @@
 """One tool, one measurement, one process: the worker behind benchmarks/peers.py.
 
     PYTHON benchmarks/peers_worker.py TOOL --model DIR --inputs JSON --out PREFIX [--repeats 3] [--threads N]
+                                      [--device auto]
 
 TOOL is one of TOOLS below. attnlab and the plain transformers runs use the
 project's virtualenv (.venv); TransformerLens and nnsight use .venv-peers, so
@@ -49,6 +50,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+# Where every tool runs: --device sets it before any tool is loaded (auto: CUDA when present).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -137,7 +139,9 @@ def measure(run, unit, repeats: int, warm_up: bool = True, unit_each: int = 1) -
 def versions() -> dict:
     found = {"python": sys.version.split()[0], "torch": torch.__version__,
              "transformers": transformers.__version__, "numpy": np.__version__,
-             "threads": torch.get_num_threads(), "device": str(DEVICE)}
+             "threads": torch.get_num_threads(), "device": str(DEVICE),
+             "device_name": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
+             "dtype": "float32"}
     for name in ("transformer_lens", "nnsight", "attnlab"):
         try:
             from importlib.metadata import version
@@ -409,7 +413,7 @@ def scoring_transformerlens(model_dir, ioi, method):
             result = attribution_patch(bridge, clean[i:i + 1, :n], corrupted[i:i + 1, :n], pair_metric)
             for node, score in result.node_scores.items():
                 if node.kind == "attn_head_out":  # one node per (layer, head, position)
-                    scores[node.layer, node.head] += score
+                    scores[node.layer, node.head] += float(score)  # a CUDA scalar cannot add into a CPU tensor
         return (scores / len(last)).numpy()
 
     def metrics():  # untimed
@@ -451,7 +455,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     args = parser.parse_args()
+    global DEVICE
+    if args.device != "auto":
+        DEVICE = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
