@@ -825,3 +825,19 @@ def test_heads_vs_density_bars_span_each_interval_and_point_up_where_it_never_en
     # the dense count 10 lies below its interval [12, 30]: no bar below it, 20 above it
     assert bars == [([0.01, 1.0], [20.0, 10.0], [[5.0, 0.0], [5.0, 20.0]])]  # by density
     assert arrows == [(0.05, 5.0)]
+
+
+def test_a_float64_sparse_copy_with_left_padding_stays_finite():
+    """The eager blocks take the softmax in float64 for a float64 model: in float32 the mask's
+    float64 minimum became -inf, a padding row NaN, and 0 · NaN reached the real tokens."""
+    model = TINY["llama-gqa"]().double()
+    sparse.make_sparse(model, 0.0)
+    ids = torch.randint(3, 101, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask).logits
+        alone = model(ids[0:1, 4:]).logits
+    assert torch.isfinite(padded[mask.bool()]).all()
+    # the same prompt alone (its positions shifted by the padding: rotary angles are float32)
+    torch.testing.assert_close(padded[0, 4:], alone[0], atol=1e-6, rtol=0)

@@ -247,7 +247,10 @@ class _Block:
             scores = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
         else:
             scores = logits + mask
-        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        # float32 at least (as eager attention), float64 kept: a float64 mask's minimum becomes
+        # -inf in float32, a fully masked (padding) row NaN, and 0 · NaN reaches real tokens
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
+        weights = weights.to(query.dtype)
         if self.bias is not None:
             weights = weights * self._gate(logits, allowed)
         if stats is not None:
