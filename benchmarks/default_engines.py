@@ -1,6 +1,6 @@
 """Static vs continuous batching on the embedded default's own generation prompts.
 
-    .venv/bin/python benchmarks/default_engines.py WORKDIR
+    .venv/bin/python benchmarks/default_engines.py WORKDIR [--device auto] [--dtype auto]
 
 WORKDIR: a finished run of the embedded default (the path printed by
 benchmarks/end_to_end.sh). Every prompt file of both models is generated with both
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import time
 
 import torch
 import yaml
@@ -25,20 +24,22 @@ from attnlab.config import validate_config
 from attnlab.generation import generate_all
 from attnlab.models import load_model, load_tokenizer
 from attnlab.plan import cell_generation
-from common import OUT, REPO
+from common import REPO, add_device_arguments, device_and_dtype, timed, write_result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workdir")
+    add_device_arguments(parser)
     args = parser.parse_args()
+    device, dtype = device_and_dtype(args)
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     validate_config(config, REPO / "config" / "schema.yaml")  # fills in the defaults
     results = {"threads": torch.get_num_threads(), "models": {}}
     for name in config["models"]:
         folder = f"{args.workdir}/resources/models/{name}"
         tokenizer = load_tokenizer(folder)
-        model = load_model(folder, torch.device("cpu"), torch.float32)
+        model = load_model(folder, device, dtype)
         files = sorted(glob.glob(f"{args.workdir}/results/prompts/{name}/*/*.parquet"))
         generate_all(model, tokenizer, io.read_parquet(files[0]).head(2), 2, 4, engine="continuous")  # warm-up
         seconds, same, tokens = {"static": 0.0, "continuous": 0.0}, True, 0
@@ -47,10 +48,10 @@ def main() -> None:
             cell = cell_generation(config, name, path.split("/")[-2])
             out = {}
             for engine in seconds:
-                started = time.perf_counter()
-                out[engine] = generate_all(model, tokenizer, prompts, cell["batch_size"], cell["max_new_tokens"],
-                                           cell["stop_strings"], engine=engine)
-                seconds[engine] += time.perf_counter() - started
+                out[engine], taken = timed(lambda: generate_all(
+                    model, tokenizer, prompts, cell["batch_size"], cell["max_new_tokens"], cell["stop_strings"],
+                    engine=engine))
+                seconds[engine] += taken
             same &= out["static"]["new_token_ids"].map(list).tolist() == out["continuous"]["new_token_ids"].map(list).tolist()
             tokens += int(out["static"]["n_new_tokens"].sum())
         results["models"][name] = {
@@ -58,8 +59,7 @@ def main() -> None:
             "static_s": round(seconds["static"], 1), "continuous_s": round(seconds["continuous"], 1),
             "speedup": round(seconds["static"] / seconds["continuous"], 2)}
         print(json.dumps({name: results["models"][name]}), flush=True)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "default_engines.json").write_text(json.dumps(results, indent=2))
+    write_result(results, "default_engines.json", device, dtype)
 
 
 if __name__ == "__main__":
