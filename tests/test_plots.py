@@ -270,3 +270,27 @@ assert "torch" not in sys.modules, "a figure step imported torch"
     # the copy against its base, paired on the same prompts: every resample gives N× = 1
     assert table.loc[1, ["heads_fewer_low", "heads_fewer_high"]].tolist() == [1.0, 1.0]
     assert table.loc[1, "heads_fewer_paired"] and table.loc[1, ["heads_low", "heads_high"]].tolist() == [8, 10]
+
+
+def test_an_edge_figure_of_one_model_draws_without_the_ratio_that_compare_names(tmp_path):
+    """make run finds Gemma-3's edge circuit alone while pruning.compare names both models: the
+    edge figure draws that one curve with its count and no N×."""
+    import json
+
+    from attnlab import steps
+
+    curve = pd.DataFrame({"edges_kept": [0, 10, 100, 1000, 5644], "metric": [0.0, 0.3, 0.6, 0.95, 1.0]})
+    curve["explained_effect"], curve["refined"] = curve["metric"], False
+    per_prompt = pd.DataFrame({"edges_kept": np.repeat(curve["edges_kept"], 4), "prompt": np.tile(range(4), 5),
+                               "metric": np.repeat(curve["metric"], 4) + np.tile([0, .05, -.05, 0], 5)})
+    curve.to_csv(tmp_path / "gemma.csv", index=False)
+    per_prompt.to_parquet(tmp_path / "gemma.parquet")
+    (tmp_path / "gemma.json").write_text(json.dumps(
+        {"threshold": 0.9, "edges_interval": [1000, 1000], "edges_to_reach_threshold": 1000,
+         "counted_prompts_digest": "d"}))
+    out = tmp_path / "ioi.png"
+    steps.plot_pruning({"gemma": {"sweep": tmp_path / "gemma.csv", "summary": tmp_path / "gemma.json",
+                                  "per_prompt": tmp_path / "gemma.parquet"}}, out, "ioi", ["smollm2", "gemma"],
+                       0.9, "corrupted", "EAP-IG (5 steps), by |score|", {"n_resamples": 100, "confidence": 0.95,
+                                                                          "seed": 0}, 50, unit="edges")
+    assert out.stat().st_size > 10_000

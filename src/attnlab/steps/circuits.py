@@ -131,7 +131,8 @@ def plot_pruning(inputs: dict[str, dict[str, str]], out_path: str, task: str, co
     read = {model: _read_sweep(paths, ranking, unit) for model, paths in inputs.items()}
     ratios = {}
     for first, second in comparison_pairs(compare, list(inputs)):
-        ratios[(first, second)] = _ratio(read[first], read[second], threshold, bootstrap)
+        if first in read and second in read:  # a compared model without a sweep here has no N× (edges of one model)
+            ratios[(first, second)] = _ratio(read[first], read[second], threshold, bootstrap)
     plot({m: r.curve for m, r in read.items()}, task, compare, threshold, ablation, ranking, out_path, dpi,
          {m: r.summary for m, r in read.items()}, ratios, unit)
 
