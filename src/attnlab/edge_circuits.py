@@ -63,7 +63,8 @@ class EdgeCircuits:
 
     def _record(self, ids: torch.Tensor, rows: slice, points: torch.Tensor | None = None
                 ) -> tuple[Recording, torch.Tensor]:
-        recording = Recording(points=points)
+        # the points on the model's device: every layer of a pass selects them
+        recording = Recording(points=None if points is None else points.to(self.device))
         with torch.no_grad():
             logits = self._logits(rows, EdgePatch(self.graph, record=recording), ids=ids)
         return recording, self.batch.metric(logits, self.batch.prompts_of(rows))
@@ -92,7 +93,8 @@ class EdgeCircuits:
             with torch.no_grad():
                 clean_in = embed(self.batch.clean[rows].to(self.device))
                 corrupted_in = embed(self.batch.corrupted[rows].to(self.device))
-            gradients, clean = ReceiverGradients(points=points.to(self.device)), Recording(points=points)
+            points = points.to(self.device)
+            gradients, clean = ReceiverGradients(points=points), Recording(points=points)
             for k in range(1, steps + 1):
                 # the last step is the clean input itself: its pass records the clean run too
                 embeds = clean_in if k == steps else corrupted_in + (k / steps) * (clean_in - corrupted_in)

@@ -5,7 +5,7 @@ read as embedding bags over the senders' table)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,14 +26,21 @@ class Mix:
     coefs: torch.Tensor
     counts: torch.Tensor  # long, per receiver
 
-    def bags(self, points: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def starts(self) -> torch.Tensor:
+        """Where each receiver's entries begin in ``rows``."""
+        return torch.cumsum(self.counts, 0) - self.counts
+
+    @staticmethod
+    def bags(points: int, rows: torch.Tensor, starts: torch.Tensor, coefs: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(indices, offsets, weights) of an embedding bag per point and receiver (point-major:
         the receivers of a point read their rows while they are in cache) over the table viewed
-        as [rows · points, hidden]."""
-        point = torch.arange(points)[:, None]
-        indices = (self.rows[None] * points + point).flatten()
-        offsets = (point * len(self.rows) + (torch.cumsum(self.counts, 0) - self.counts)[None]).flatten()
-        return indices.to(device), offsets.to(device), self.coefs.to(device, dtype).repeat(points)
+        as [rows · points, hidden], from a mix's ``rows``, ``starts`` and ``coefs`` on the table's
+        device (``Plan.on``): computed there, so a pass copies nothing from the host."""
+        point = torch.arange(points, device=rows.device)[:, None]
+        indices = (rows[None] * points + point).flatten()
+        offsets = (point * len(rows) + starts[None]).flatten()
+        return indices, offsets, coefs.repeat(points)
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +55,24 @@ class Plan:
     mixing: torch.Tensor  # [receivers] bool: it reads a sum of its own (else a base as it is)
     used: torch.Tensor  # [senders] bool: some receiver reads the sender's (live − corrupted)
     mixes: dict[int, Mix]  # by the first receiver of each reading point
+    # (device, dtype) -> each mix's (rows, starts, coefs) there: see ``on``
+    placed: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def on(self, device, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Each mix's (rows, starts, coefs) on ``device``, moved there once per plan in one copy
+        per kind: on a GPU a copy from pageable host memory waits for the queued work, and one
+        per mix and pass (hundreds) left the card idle between small launches."""
+        key = (str(device), dtype)
+        if key not in self.placed:
+            starts = [mix.starts() for mix in self.mixes.values()]
+            flat = [torch.cat(parts) if parts else torch.empty(0, dtype=kind) for parts, kind in (
+                ([mix.rows for mix in self.mixes.values()], torch.long), (starts, torch.long),
+                ([mix.coefs.to(dtype) for mix in self.mixes.values()], dtype))]
+            moved = [part.to(device) for part in flat]
+            sizes = [len(mix.rows) for mix in self.mixes.values()], [len(s) for s in starts]
+            rows, coefs = moved[0].split(sizes[0]), moved[2].split(sizes[0])
+            self.placed[key] = dict(zip(self.mixes, zip(rows, moved[1].split(sizes[1]), coefs)))
+        return self.placed[key]
 
     @property
     def terms(self) -> int:

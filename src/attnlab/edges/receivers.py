@@ -111,7 +111,7 @@ class ReceiverHooks:
         if plan is None or not bool(plan.patched[receivers].any()):
             return None
         mix = plan.mixes.get(receivers.start)
-        mixed = None if mix is None else self._mixed(mix, live, corrupted)
+        mixed = None if mix is None else self._mixed(receivers.start, mix, live, corrupted)
         mixed_at = [] if mix is None else [receiver - receivers.start for receiver in mix.receivers]
         as_corrupted = plan.patched[receivers] & ~plan.mixing[receivers]  # nothing kept
         return GroupInputs(mixed, mixed_at, corrupted, as_corrupted.nonzero()[:, 0].tolist())
@@ -136,7 +136,7 @@ class ReceiverHooks:
                                                      gradients.at_points(grad)[None]))
         return module.forward(own)
 
-    def _mixed(self, mix: Mix, live: torch.Tensor, corrupted: torch.Tensor) -> torch.Tensor:
+    def _mixed(self, point: int, mix: Mix, live: torch.Tensor, corrupted: torch.Tensor) -> torch.Tensor:
         """The inputs [receivers, points, hidden] of ``mix``'s receivers: an embedding bag per
         point and receiver over the table, reading only the rows each one sums (a dense product
         over every sender some receiver of the point sums costs ~4x the flops at a circuit's
@@ -146,6 +146,6 @@ class ReceiverHooks:
         table[base].copy_(select_points(live, state.points))
         table[base + 1].copy_(corrupted)
         points, hidden = table.shape[1:]
-        indices, offsets, weights = mix.bags(points, table.dtype, table.device)
+        indices, offsets, weights = Mix.bags(points, *state.plan.on(table.device, table.dtype)[point])
         inputs = F.embedding_bag(indices, table.view(-1, hidden), offsets, mode="sum", per_sample_weights=weights)
         return inputs.view(points, len(mix.receivers), hidden).transpose(0, 1)

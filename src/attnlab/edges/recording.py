@@ -34,9 +34,14 @@ class Recording:
     # residual at the reading point under way. One buffer reused from pass to pass: a pass writes
     # every row it reads before reading it
     table: torch.Tensor | None = None
+    unpatched_on: dict = field(default_factory=dict, repr=False)  # device -> ``unpatched``'s indices
 
     def unpatched(self, device) -> torch.Tensor:
-        """The flat indices of the tokens not in ``points`` (``points`` and ``shape`` set)."""
-        other = torch.ones(int(np.prod(self.shape)), dtype=torch.bool, device=device)
-        other[self.points.to(device)] = False
-        return other.nonzero()[:, 0]
+        """The flat indices of the tokens not in ``points`` (``points`` and ``shape`` set), found
+        once per device (``nonzero`` waits for a GPU's queued work)."""
+        key = str(device)
+        if key not in self.unpatched_on:
+            other = torch.ones(int(np.prod(self.shape)), dtype=torch.bool, device=device)
+            other[self.points.to(device)] = False
+            self.unpatched_on[key] = other.nonzero()[:, 0]
+        return self.unpatched_on[key]
