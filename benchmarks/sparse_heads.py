@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -28,10 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 def measure(args) -> None:
     """Every task of ``args`` not yet in heads_{label}.csv (a rerun resumes), each written as it ends."""
-    import torch
-
     from attnlab import head_counts, io
-    from attnlab.models import load_model, load_tokenizer, pick_device
+    from attnlab.models import load_model, load_tokenizer
+    from common import device_and_dtype, run_fields, timed
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -40,19 +38,18 @@ def measure(args) -> None:
     todo = [t for t in args.tasks if done["heads"].empty or t not in set(done["heads"]["task"])]
     if not todo:
         return
-    device = pick_device(args.device)
+    device, dtype = device_and_dtype(args)
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, device, torch.float32)
+    model = load_model(args.model, device, dtype)
     info = _model_info(args.model)
     for task in todo:
         rows, curves = [], []
         for n in args.n:
-            started = time.perf_counter()
-            found, sweeps = head_counts.head_counts(model, tokenizer, task, n, args.seed, args.ablations,
-                                                    args.rankings, args.threshold, args.batch_size,
-                                                    args.all_k_up_to, args.log_points)
-            seconds = time.perf_counter() - started
-            rows += [{"label": args.label, **info, **row, "seconds": seconds, "device": str(device)} for row in found]
+            (found, sweeps), seconds = timed(lambda: head_counts.head_counts(
+                model, tokenizer, task, n, args.seed, args.ablations, args.rankings, args.threshold,
+                args.batch_size, args.all_k_up_to, args.log_points))
+            rows += [{"label": args.label, **info, **row, "seconds": seconds, **run_fields(device, dtype)}
+                     for row in found]
             curves.append(sweeps.assign(label=args.label))
         new = {"heads": pd.DataFrame(rows), "curves": pd.concat(curves, ignore_index=True)}
         if args.padding_check:
@@ -101,7 +98,10 @@ def main() -> None:
     run.add_argument("--batch-size", type=int, default=64)
     run.add_argument("--all-k-up-to", type=int, default=300)
     run.add_argument("--log-points", type=int, default=40)
-    run.add_argument("--device", default="auto")
+    # the device and dtype options of common.add_device_arguments, named here so that `figure` needs no torch
+    run.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    run.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),
+                     help="weights' dtype (default float32: head counts comparable between devices)")
     run.add_argument("--padding-check", action="store_true")
     run.add_argument("--padding-n", type=int, default=8)
     run.add_argument("--out", required=True)
