@@ -45,6 +45,15 @@ class BatchReduction:
     map_layers: tuple[int, ...] = ()  # layers whose full maps are kept
     maps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [batch, heads, q, k]
 
+    def on_host(self) -> None:
+        """Every layer's results on the host, in one copy per kind: they stay on the model's
+        device while the forward runs, since on a GPU each copy waits for the queued work and
+        one per layer would stall the card at every layer."""
+        for layers in (self.received, self.lam, self.maps):
+            if layers and next(iter(layers.values())).device.type != "cpu":
+                keys = sorted(layers)
+                layers.update(zip(keys, torch.stack([layers[k] for k in keys]).cpu().unbind(0)))
+
 
 class LayerStats:
     """One layer's reductions, accumulated block by block with two small matmuls each."""
@@ -76,7 +85,7 @@ class LayerStats:
     def finish(self) -> None:
         store(self.into, self.layer, self.column_sums - self.diagonal, self.lam)
         if self.map is not None:
-            self.into.maps[self.layer] = self.map.half().cpu()
+            self.into.maps[self.layer] = self.map.half()
 
 
 def store(into: BatchReduction, layer: int, later_sums: torch.Tensor, lam: torch.Tensor) -> None:
@@ -86,5 +95,5 @@ def store(into: BatchReduction, layer: int, later_sums: torch.Tensor, lam: torch
     later = torch.arange(length - 1, -1, -1, device=later_sums.device, dtype=torch.float32)
     received = later_sums / later
     received[..., -1] = float("nan")
-    into.received[layer] = received.cpu()
-    into.lam[layer] = lam.float().cpu()
+    into.received[layer] = received
+    into.lam[layer] = lam.float()

@@ -58,6 +58,7 @@ def extract(model, prompts: pd.DataFrame, batch_size: int, map_layers: list[int]
         with intervened(model, reduce=out), torch.inference_mode():
             base(input_ids=padded.to(device), attention_mask=real.to(device),
                  position_ids=positions.to(device), use_cache=False)
+        out.on_host()
         for i, (row, length) in enumerate(zip(rows, lengths)):
             pad = batch_width - length
             for layer in range(layers):
