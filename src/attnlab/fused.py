@@ -133,5 +133,5 @@ def _count(tracker: sparse.GateTracker, layer: int, gate, penalty, stats, launch
         tracker.sampled_open = tracker.sampled_open + opened.double().sum()
         tracker.edges = tracker.edges + allowed.double().sum()
     elif gate.kind == launch.DETERMINISTIC:
-        sparse.add_open_edges(tracker, layer, opened.double().sum(dim=(0, 2)).cpu(),
-                              allowed.double().sum(dim=(0, 2)).cpu())
+        # left on the device (read once, after the forward): a copy per layer would stall a GPU
+        sparse.add_open_edges(tracker, layer, opened.double().sum(dim=(0, 2)), allowed.double().sum(dim=(0, 2)))
