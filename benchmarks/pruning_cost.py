@@ -2,7 +2,7 @@
 side, and the rank agreement of attribution with exact patching, measured in one run.
 
     .venv/bin/python benchmarks/pruning_cost.py [--n 16] [--tasks ioi greater_than ...]
-                                               [--hand-layers 0 15 29]
+                                               [--hand-layers 0 15 29] [--device auto] [--dtype auto]
 
 For each embedded model (converted into benchmarks/out/ once) and task: the time of one patched
 forward over the task's prompts is the unit (the median of 3, before and after the exact paths);
@@ -21,24 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from functools import partial
 
 import torch
 from scipy.stats import spearmanr
 
 from attnlab.curves import k_grid
-from attnlab.models import load_model, load_tokenizer
 from attnlab.pruning import Patcher, build_batch
 from attnlab.readout import contiguous_input
 from attnlab.tasks import GENERATORS, generate_task
-from common import EMBEDDED_MODELS, OUT, embedded_model
-
-
-def timed(run):
-    started = time.perf_counter()
-    result = run()
-    return result, time.perf_counter() - started
+from common import (EMBEDDED_MODELS, OUT, add_device_arguments, device_and_dtype, load_embedded, median_seconds,
+                    run_fields, timed, versions)
 
 
 def unit_forward(patcher: Patcher, contiguous_head: bool = False) -> float:
@@ -46,7 +39,7 @@ def unit_forward(patcher: Patcher, contiguous_head: bool = False) -> float:
     ones = torch.ones(patcher.gates.n_layers, patcher.gates.n_heads)
     head = patcher.model.get_output_embeddings()
     handle = head.register_forward_pre_hook(contiguous_input) if contiguous_head else None
-    seconds = statistics.median(timed(partial(patcher.metric, ones))[1] for _ in range(3))
+    seconds = median_seconds(partial(patcher.metric, ones))
     if handle is not None:
         handle.remove()
     return seconds
@@ -61,8 +54,8 @@ def by_hand(model, prompts, tokenizer, layers: list[int]) -> torch.Tensor:
     scores = torch.full((config.num_hidden_layers, heads), float("nan"), dtype=torch.float64)
     scores[layers] = 0
     for index, (clean, corrupted) in enumerate(zip(prompts.clean, prompts.corrupted)):
-        clean_ids = torch.tensor([tokenizer(clean).input_ids])
-        corrupted_ids = torch.tensor([tokenizer(corrupted).input_ids])
+        clean_ids = torch.tensor([tokenizer(clean).input_ids], device=model.device)
+        corrupted_ids = torch.tensor([tokenizer(corrupted).input_ids], device=model.device)
 
         def metric(logits):
             last = logits[0, -1].double()
@@ -130,18 +123,21 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(EMBEDDED_MODELS))
     parser.add_argument("--hand-layers", nargs="*", type=int, default=[0],
                         help="layers whose heads are also patched by hand, one prompt at a time")
+    add_device_arguments(parser)
     args = parser.parse_args()
+    device, dtype = device_and_dtype(args)
     report = []
     for name in args.models:
-        model_dir = embedded_model(name)
-        tokenizer = load_tokenizer(model_dir)
-        model = load_model(model_dir, torch.device("cpu"), torch.float32)
+        model, tokenizer = load_embedded(name, device, dtype)
         layers = model.config.get_text_config().num_hidden_layers
         hand_layers = [layer for layer in args.hand_layers if layer < layers]
         for task in args.tasks:
-            row = measure(name, model, tokenizer, task, args.n, hand_layers)
+            # one row a line (a JSON list in the file): each says where it ran
+            row = {**measure(name, model, tokenizer, task, args.n, hand_layers), **run_fields(device, dtype),
+                   "versions": versions()}
             print(json.dumps(row), flush=True)
             report.append(row)
+    OUT.mkdir(exist_ok=True)
     (OUT / "pruning_cost.json").write_text(json.dumps(report, indent=2))
 
 
