@@ -20,9 +20,7 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     ``outputs``: edges (every edge's score and rank), curve, per_prompt, summary."""
     import torch
 
-    from attnlab.counting import Bootstrap, count_heads, prompts_digest
-    from attnlab.crossing_search import searched_count
-    from attnlab.curves import k_grid
+    from attnlab.counting import Bootstrap, prompts_digest
     from attnlab.edge_circuits import EdgeCircuits, ranked_edges
     from attnlab.models import load_model, load_tokenizer, pick_device
     from attnlab.pruning import build_batch
@@ -48,15 +46,9 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     clean, corrupted = circuits.metric(), circuits.corrupted_metric()
     log.info("%s: %d edges scored in %.0f s; clean metric %.3f, corrupted %.3f on %d counted prompts", task,
              len(edges), scored_s, clean, corrupted, len(counted.clean))
-    order = edges.sort_values("rank").index.to_numpy()
     bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
     started = time.perf_counter()
-    grid = k_grid(len(edges), 0, settings.log_points)
-    if settings.search == "bisection":
-        count = searched_count(circuits, order, k_grid(len(edges), 0, settings.coarse_points), grid,
-                               settings.threshold, bootstrap, counted_on, settings.interval_points)
-    else:
-        count = count_heads(circuits, order, grid, settings.threshold, bootstrap, counted_on, settings.interval_points)
+    count = _swept_count(circuits, edges.sort_values("rank").index.to_numpy(), settings, bootstrap, counted_on)
     swept_s = time.perf_counter() - started
     io.write_csv(renamed_unit(count.curve), outputs["curve"])
     io.write_parquet(renamed_unit(count.per_prompt), outputs["per_prompt"])
@@ -73,6 +65,20 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
                    "rank_share": scoring["rank_share"],
                    "counted_prompts_digest": prompts_digest(counted.clean, counted.corrupted)},
                   outputs["summary"])
+
+
+def _swept_count(circuits, order, settings, bootstrap, counted_on):
+    """The count over edges kept in ``order``: a log grid refined around the first crossing
+    (search ``rounds``), or the crossing and the interval's ends bisected (``bisection``)."""
+    from attnlab.counting import count_heads
+    from attnlab.crossing_search import searched_count
+    from attnlab.curves import k_grid
+
+    grid = k_grid(len(order), 0, settings.log_points)
+    if settings.search == "bisection":
+        return searched_count(circuits, order, k_grid(len(order), 0, settings.coarse_points), grid,
+                              settings.threshold, bootstrap, counted_on, settings.interval_points)
+    return count_heads(circuits, order, grid, settings.threshold, bootstrap, counted_on, settings.interval_points)
 
 
 def plot_circuit(edges_path: str, summary_path: str, out_path: str, model: str, dpi: int) -> None:
