@@ -110,3 +110,45 @@ def fake_prepared_model(folder: Path, layers: int = 30, heads: int = 9, chat_tem
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
     return folder
+
+
+# ---------------------------------------------------------------- sparse post-training's tiny model
+# Session-wide, so that test_sparsify.py and test_sparsify_inputs.py train it once.
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama (GQA) with SmolLM2's tokenizer, saved like a prepared model, and its
+    corpus: sparse_tiny.make_tiny_base."""
+    from sparse_tiny import make_tiny_base
+
+    return make_tiny_base(tmp_path_factory.mktemp("models"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_base, tmp_path_factory):
+    """The tiny model post-trained for 6 steps with a snapshot at step 3: (its folder, summary).
+    Tests read it and write elsewhere."""
+    from sparse_tiny import post_train_tiny, tiny_settings
+
+    base, corpus = tiny_base
+    folder = tmp_path_factory.mktemp("sparse")
+    summary = post_train_tiny(base, tiny_settings(corpus, snapshot_steps=[3]), folder)
+    return folder, summary
+
+
+# ---------------------------------------------------------------- the tiny workflow, run once
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """tests/configs/tiny.yaml run once, from a private copy of the workflow that tests may edit:
+    (working directory, config, Snakefile). test_workflow.py reads it and checks reruns on it as it
+    finished; test_workflow_faults.py, after it, forces jobs of it again."""
+    snakefile = copy_workflow(tmp_path_factory.mktemp("workflow"))
+    workdir = tmp_path_factory.mktemp("tiny")
+    config = copy_config("tiny.yaml", workdir)
+    result = snakemake("--cores", "2", "--configfile", str(config), workdir=workdir, snakefile=snakefile,
+                       timeout=1800)
+    assert result.returncode == 0, result.stdout[-5000:]
+    return workdir, config, snakefile

@@ -1,13 +1,20 @@
-"""The house rules of the library's source: no module over 400 lines, no function or method over
-60 (from its ``def`` line to its last, docstring included), so that each file is one concern and
-each function can be read at once."""
+"""The house rules of the library's source, and of the tests, workflow scripts and benchmarks that
+hold logic: no module over 400 lines, no function or method over 60 (from its ``def`` line to its
+last, docstring included), so that each file is one concern and each function can be read at once."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-LIBRARY = Path(__file__).resolve().parents[1] / "src" / "attnlab"
+REPO = Path(__file__).resolve().parents[1]
+LIBRARY = REPO / "src" / "attnlab"
+# The two peer workers run inside the peer tools' own virtualenvs (make bench-peers,
+# make bench-edge-peers), which a change here cannot run to check a split; they still break the
+# rules (peers_worker.py 510 lines, its scoring_transformerlens 75; autocircuit_worker.py's main 126).
+NOT_YET = {REPO / "benchmarks" / "peers_worker.py", REPO / "benchmarks" / "autocircuit_worker.py"}
+OTHERS = sorted(path for folder in ("tests", "workflow/scripts", "benchmarks")
+                for path in (REPO / folder).rglob("*.py") if path not in NOT_YET)
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
@@ -28,6 +35,11 @@ def too_long(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", sorted(LIBRARY.rglob("*.py")), ids=lambda path: str(path.relative_to(LIBRARY)))
 def test_modules_and_functions_stay_short(path):
+    assert too_long(path) == []
+
+
+@pytest.mark.parametrize("path", OTHERS, ids=lambda path: str(path.relative_to(REPO)))
+def test_tests_scripts_and_benchmarks_stay_short(path):
     assert too_long(path) == []
 
 
