@@ -14,10 +14,9 @@ import pandas as pd
 import pytest
 
 from conftest import snakemake
+from test_workflow import DATASETS, MODEL
 
 pytestmark = pytest.mark.slow
-
-MODEL, DATASETS = "smollm2-135m", ["svamp", "gsm8k"]
 
 
 def test_report_holds_every_figure_and_table_with_definitions(tiny_run):
