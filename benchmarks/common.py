@@ -15,7 +15,8 @@ import pandas as pd
 import torch
 
 from attnlab import fused
-from attnlab.models import load_model, load_tokenizer, pick_device, pick_dtype, prepare_model
+from attnlab.models import load_model, pick_device, pick_dtype, prepare_model
+from attnlab.tokenization import load_tokenizer
 
 OUT = Path(__file__).parent / "out"
 REPO = Path(__file__).parent.parent

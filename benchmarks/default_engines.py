@@ -22,8 +22,9 @@ import yaml
 from attnlab import io
 from attnlab.config import validate_config
 from attnlab.generation import generate_all
-from attnlab.models import load_model, load_tokenizer
+from attnlab.models import load_model
 from attnlab.plan import cell_generation
+from attnlab.tokenization import load_tokenizer
 from common import REPO, add_device_arguments, device_and_dtype, timed, write_result
 
 

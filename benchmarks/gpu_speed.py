@@ -24,7 +24,8 @@ from attnlab import sparsify
 from attnlab.attention import BatchReduction
 from attnlab.extraction import extract
 from attnlab.interventions import intervened
-from attnlab.models import load_model, load_tokenizer
+from attnlab.models import load_model
+from attnlab.tokenization import load_tokenizer
 from common import alternate, extraction_prompts, peak_mib, reset_peak, seconds
 from gpu_checks import fused_mode
 

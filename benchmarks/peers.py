@@ -50,8 +50,8 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import kendalltau, spearmanr
 
-from attnlab.models import load_tokenizer
 from attnlab.tasks import generate_task
+from attnlab.tokenization import load_tokenizer
 from common import OUT, math500_prompts
 
 ROOT = Path(__file__).resolve().parent.parent

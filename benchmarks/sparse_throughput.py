@@ -32,9 +32,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from attnlab import sparse, sparsify
-from attnlab.interventions import intervened
 from attnlab.extraction import extract
-from attnlab.models import load_tokenizer
+from attnlab.interventions import intervened
+from attnlab.tokenization import load_tokenizer
 from common import (add_device_arguments, alternate, device_and_dtype, embedded_model, extraction_prompts,
                     write_result)
 

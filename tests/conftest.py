@@ -42,7 +42,7 @@ def gemma3_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
-    from attnlab.models import load_tokenizer
+    from attnlab.tokenization import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
 

@@ -15,7 +15,7 @@ from attnlab import sparsify
 def make_tiny_base(folder: Path, tokenizer_dir: Path) -> tuple[Path, Path]:
     """A tiny random Llama (GQA) with the tokenizer of ``tokenizer_dir``, saved like a prepared model in
     ``folder``/tiny-base, and a corpus of 60 short documents beside it: (model folder, corpus)."""
-    from attnlab.models import load_tokenizer
+    from attnlab.tokenization import load_tokenizer
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

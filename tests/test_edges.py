@@ -282,9 +282,10 @@ def test_a_patched_pass_computes_only_the_patched_tokens_and_the_same_metrics(ar
 def test_embedded_models_all_edges_clean_none_corrupted_to_1e5(model_dir, request):
     """The issue's exactness on the real models (Gemma-3: sandwich norms, whose scale is split
     between heads), on IOI prompts with their own metric."""
-    from attnlab.models import load_model, load_tokenizer
+    from attnlab.models import load_model
     from attnlab.pruning import build_batch
     from attnlab.tasks import generate_task
+    from attnlab.tokenization import load_tokenizer
 
     path = request.getfixturevalue(model_dir)
     tokenizer = load_tokenizer(path)

@@ -60,7 +60,7 @@ def test_continuous_batching_gives_the_static_engine_tokens(model_name, request)
     """Greedy, float32, CPU: the same token ids for every prompt, EOS, stop strings (Gemma-3 base
     with few-shot examples stops at their blank line) and token-limit hits included; 3 rows at a
     time for 5 prompts, so slots are refilled."""
-    from attnlab.models import load_tokenizer
+    from attnlab.tokenization import load_tokenizer
 
     folder = request.getfixturevalue(f"{model_name}_dir")
     tokenizer = load_tokenizer(folder)
@@ -84,7 +84,7 @@ def test_stop_strings_end_rows_where_transformers_own_criterion_does(gemma3_dir)
     one-token stop string, one spread over several tokens, and one that a token runs past."""
     from transformers import GenerationConfig
 
-    from attnlab.models import load_tokenizer
+    from attnlab.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(gemma3_dir)
     model = load_model(gemma3_dir, torch.device("cpu"), torch.float32)

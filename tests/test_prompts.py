@@ -262,8 +262,8 @@ def test_nothing_inserted_is_an_empty_span(model, request):
     """With no inserted text the inserted span (and the cut) is empty under every placement and
     prompt format, with and without few-shot examples: Gemma-3 merges the system text's last
     characters with what follows, and its plain prompts once recorded one inserted token."""
-    from attnlab.models import load_tokenizer
     from attnlab.prompts import fewshot_system
+    from attnlab.tokenization import load_tokenizer
 
     tok = (request.getfixturevalue("smollm2_tokenizer") if model == "smollm2"
            else load_tokenizer(request.getfixturevalue("gemma3_dir")))

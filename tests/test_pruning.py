@@ -161,7 +161,8 @@ def test_zero_survivors_name_the_tokenizer_and_list(smollm2_tokenizer):
 @pytest.mark.slow
 def test_gemma3_does_ioi(gemma3_dir):
     """Gemma-3-270M prefers the indirect object: positive logit difference, lost when corrupted."""
-    from attnlab.models import load_model, load_tokenizer
+    from attnlab.models import load_model
+    from attnlab.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(gemma3_dir)
     model = load_model(gemma3_dir, torch.device("cpu"), torch.float32)

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from attnlab import interventions, sparse, sparsify
-from attnlab.interventions import intervened
 from attnlab.extraction import extract
+from attnlab.interventions import intervened
 from test_attention import _prompts, _reference
 from sparse_tiny import PER_LAYER_OFF, post_train_tiny, tiny_settings
 
@@ -186,7 +186,8 @@ def test_per_layer_calibration_saves_one_bias_per_layer(trained, tiny_base, tmp_
     # the saved copy carries one bias per layer; reloaded, its gates reproduce the held-out density
     config = json.loads((tmp_path / "model" / "config.json").read_text())[sparse.CONFIG_KEY]
     assert config["gate_bias"] == biases and config["training_gate_bias"] == 1.0
-    from attnlab.models import load_model, load_tokenizer
+    from attnlab.models import load_model
+    from attnlab.tokenization import load_tokenizer
 
     model = load_model(str(tmp_path / "model"), torch.device("cpu"), torch.float32)
     heldout = sparsify.build_corpus(load_tokenizer(str(base)), tiny_settings(corpus)["corpus"], 16, 4, 2, 0).heldout

@@ -78,7 +78,7 @@ def test_corpus_errors_name_the_key(tiny_base, tmp_path):
         sparsify.build_corpus(None, {"paths": [str(tmp_path / "missing.txt")]}, 16, 4, 2, 0)
     small = tmp_path / "small.txt"
     small.write_text("just a few words\n\nand a few more")
-    from attnlab.models import load_tokenizer
+    from attnlab.tokenization import load_tokenizer
 
     with pytest.raises(sparsify.SparsifyError, match="batch_size=2.*heldout_sequences=4"):
         sparsify.build_corpus(load_tokenizer(base), {"paths": [str(small)]}, 16, 4, 2, 0)
@@ -105,7 +105,7 @@ def test_sparse_sources_are_checked():
 
 
 def test_heldout_calibration_and_training_text_come_from_disjoint_documents(tiny_base):
-    from attnlab.models import load_tokenizer
+    from attnlab.tokenization import load_tokenizer
 
     base, corpus = tiny_base
     documents = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
@@ -122,7 +122,7 @@ def test_heldout_calibration_and_training_text_come_from_disjoint_documents(tiny
 
 
 def test_text_repeated_across_documents_in_calibration_and_training_is_an_error(tiny_base, tmp_path):
-    from attnlab.models import load_tokenizer
+    from attnlab.tokenization import load_tokenizer
 
     base, _ = tiny_base
     tokenizer = load_tokenizer(base)
@@ -184,7 +184,8 @@ def test_snapshots_are_refused_for_lora(tiny_base, tmp_path):
 
 def test_head_counts_sweep_every_ranking_and_ablation_from_zero_to_all_heads(trained):
     from attnlab import head_counts
-    from attnlab.models import load_model, load_tokenizer
+    from attnlab.models import load_model
+    from attnlab.tokenization import load_tokenizer
 
     folder, _ = trained
     model = load_model(folder / "model", torch.device("cpu"), torch.float32)
@@ -205,7 +206,8 @@ def test_head_counts_sweep_every_ranking_and_ablation_from_zero_to_all_heads(tra
 
 def test_left_padded_batches_give_each_prompt_its_value_alone_and_the_same_open_gates(trained):
     from attnlab import head_counts
-    from attnlab.models import load_model, load_tokenizer
+    from attnlab.models import load_model
+    from attnlab.tokenization import load_tokenizer
 
     folder, _ = trained
     model = load_model(folder / "model", torch.device("cpu"), torch.float32)

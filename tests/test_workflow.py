@@ -62,7 +62,8 @@ def test_continuous_engine_gives_the_tiny_runs_tokens(tiny_run):
     from attnlab.generation import generate_all
     from attnlab.interventions import intervened
     from attnlab.mlp import ArmSettings
-    from attnlab.models import load_model, load_tokenizer
+    from attnlab.models import load_model
+    from attnlab.tokenization import load_tokenizer
 
     workdir, config, _ = tiny_run
     settings = yaml.safe_load(config.read_text())["generation"]

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnlab.checks import check_chat_template
 from attnlab.io import atomic_path
@@ -119,15 +119,6 @@ def prepare_model(name: str, source: dict, out_dir: str | Path, prompt_format: s
     log.info("wrote %s", out_dir)
 
 
-def load_tokenizer(path: str | Path):
-    """Tokenizer set up for batched decoding: left padding, a pad token."""
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
     """A prepared model in eval mode; a sparse copy comes with its gated attention selected (it
     needs ``attnlab.interventions`` imported, which registers it: every step that runs a model
@@ -147,13 +138,6 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
     model = model.to(device)
     sparse.activate(model)
     return model.eval()
-
-
-def context_length(path: str | Path) -> int:
-    """The longest sequence (prompt + new tokens) the model was trained for."""
-    config = AutoConfig.from_pretrained(path)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(text_config.max_position_embeddings)
 
 
 def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -98,7 +98,7 @@ def write_outputs(result: PostTrained, name: str, settings: SparsifySettings | d
 
 
 def _prepare(base_dir: str, settings: SparsifySettings, device: torch.device, checkpoint: Path) -> _Run:
-    from attnlab.models import load_tokenizer
+    from attnlab.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(base_dir)
     # Calibration documents are held out whether or not calibration runs: the training text is

@@ -20,9 +20,10 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     import torch
     from scipy.stats import spearmanr
 
-    from attnlab.models import load_model, load_tokenizer, pick_device
+    from attnlab.models import load_model, pick_device
     from attnlab.pruning import Patcher, build_batch
     from attnlab.tasks import generate_task, split_for_ranking, subset
+    from attnlab.tokenization import load_tokenizer
 
     settings = Scoring(**settings)
     torch.set_num_threads(threads)
@@ -71,9 +72,10 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
 
     from attnlab.counting import Bootstrap, count_heads, prompts_digest
     from attnlab.curves import k_grid
-    from attnlab.models import load_model, load_tokenizer, pick_device
+    from attnlab.models import load_model, pick_device
     from attnlab.pruning import Patcher, build_batch
     from attnlab.tasks import TaskPrompts, subset
+    from attnlab.tokenization import load_tokenizer
 
     settings = Sweep(**settings)
     torch.set_num_threads(threads)

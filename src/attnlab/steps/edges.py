@@ -22,9 +22,10 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
 
     from attnlab.counting import Bootstrap, prompts_digest
     from attnlab.edge_circuits import EdgeCircuits, ranked_edges
-    from attnlab.models import load_model, load_tokenizer, pick_device
+    from attnlab.models import load_model, pick_device
     from attnlab.pruning import build_batch
     from attnlab.tasks import TaskPrompts, subset
+    from attnlab.tokenization import load_tokenizer
 
     settings = EdgeSweep(**settings)
     torch.set_num_threads(threads)

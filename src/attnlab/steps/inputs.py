@@ -29,8 +29,8 @@ def prepare_fewshot(name: str, spec: dict, evaluated_path: str, out_path: str, s
 def make_prompts(model_dir: str, dataset_path: str, out_path: str, condition_name: str,
                  condition: dict, prompt_cfg: dict, prompt_format: str, fewshot: int = 0,
                  fewshot_path: str | None = None) -> None:
-    from attnlab.models import context_length, load_tokenizer
     from attnlab.prompts import make_prompts as build
+    from attnlab.tokenization import context_length, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     questions = io.read_parquet(dataset_path)

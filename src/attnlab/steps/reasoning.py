@@ -17,7 +17,8 @@ def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
 
     from attnlab.generation import check_context, generate_all
     from attnlab.interventions import intervened
-    from attnlab.models import context_length, load_model, load_tokenizer, pick_device, pick_dtype
+    from attnlab.models import load_model, pick_device, pick_dtype
+    from attnlab.tokenization import context_length, load_tokenizer
 
     generation = Generation(**generation)
     torch.set_num_threads(threads)

@@ -1,0 +1,62 @@
+"""The prepared model's tokenizer, loaded without torch and, for classes that only rebuild the
+backend, as the generic backend from tokenizer.json: the same tokens as the class itself."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from attnlab.tokenization import _backend_stands_in, context_length, load_tokenizer
+
+TEXTS = ["What is 7 + 5?", "  two  spaces\n\nand a blank line", "<bos>specials<eos> inside",
+         "ÿ€漢字 🙂 bytes", "\t\tdef f(x):\n    return x  # tabs", "/ / / / he he he", ""]
+
+
+@pytest.mark.slow
+def test_gemma3_loads_as_the_generic_backend_with_the_tokens_of_its_class(gemma3_dir):
+    assert _backend_stands_in(gemma3_dir) is not None
+    fast, own = load_tokenizer(gemma3_dir), AutoTokenizer.from_pretrained(gemma3_dir)
+    assert type(fast).__name__ == "TokenizersBackend" and type(own).__name__ == "GemmaTokenizer"
+    for text in TEXTS:
+        for special in (True, False):
+            ids = own(text, add_special_tokens=special).input_ids
+            assert fast(text, add_special_tokens=special).input_ids == ids, text
+            assert fast.decode(ids) == own.decode(ids)
+    assert fast.all_special_ids == own.all_special_ids and len(fast) == len(own)
+    assert (fast.bos_token, fast.eos_token, fast.pad_token) == ("<bos>", "<eos>", "<pad>")
+    assert fast.model_input_names == own.model_input_names and fast.padding_side == "left"
+
+
+def test_a_class_with_methods_of_its_own_is_loaded_as_itself(smollm2_dir, tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((smollm2_dir / name).read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    # CohereTokenizer (Command-R) defines methods beyond its constructor: the file alone may not be it.
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "CohereTokenizer"}))
+    assert _backend_stands_in(folder) is None
+    assert type(load_tokenizer(folder)).__name__ == "CohereTokenizer"
+    # SmolLM2's own class is the generic backend.
+    assert type(load_tokenizer(smollm2_dir)).__name__ == "TokenizersBackend"
+
+
+def test_context_length_reads_the_config_and_falls_back_to_its_class(smollm2_dir, tmp_path):
+    assert context_length(smollm2_dir) == 8192
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert context_length(folder) == 2048  # LlamaConfig's default
+
+
+def test_a_prompt_job_never_imports_torch(smollm2_dir):
+    code = ("import sys; from attnlab.tokenization import context_length, load_tokenizer; "
+            "from attnlab.steps import make_prompts; from attnlab.prompts import make_prompts; "
+            f"load_tokenizer({str(smollm2_dir)!r}); context_length({str(smollm2_dir)!r}); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
