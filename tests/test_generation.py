@@ -78,6 +78,22 @@ def test_continuous_batching_gives_the_static_engine_tokens(model_name, request)
         assert (~static["hit_token_limit"]).all() and static["response"].str.contains("boxed").all()
 
 
+def test_the_shared_prefix_gives_the_tokens_of_the_whole_prefill(gemma3_dir):
+    """Gemma-3 base with 3 few-shot examples and a run of "/" (its sliding layers included): the
+    static engine with the rows' shared prefix prefilled once gives the same tokens as without."""
+    from attnlab.shared_prefix import prefix_unshared, shared_prefix_length
+    from attnlab.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(gemma3_dir)
+    model = load_model(gemma3_dir, torch.device("cpu"), torch.float32)
+    prompts = _arithmetic_prompts(tokenizer, "raw", fewshot=3, n=6)
+    rows = [list(ids) for ids in prompts["input_ids"]]
+    assert prefix_unshared(model, rows) is None and shared_prefix_length(rows) > 0.8 * min(map(len, rows))
+    shared = generate_all(model, tokenizer, prompts, 6, 12, ["\n\n"], share_prefix=True)
+    whole = generate_all(model, tokenizer, prompts, 6, 12, ["\n\n"], share_prefix=False)
+    pd.testing.assert_frame_equal(shared, whole)
+
+
 def test_stop_strings_end_rows_where_transformers_own_criterion_does(gemma3_dir):
     """StopOnStrings (ours: decodes the tail of each row's new tokens) stops at exactly the tokens where
     transformers' StopStringCriteria (``stop_strings``: a table over the vocabulary) stops: a

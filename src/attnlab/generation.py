@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import numpy as np
 import pandas as pd
@@ -71,12 +72,20 @@ class StopOnStrings(StoppingCriteria):
 
 
 def _generate_batch(model, tokenizer, ids: list[list[int]], config: GenerationConfig,
-                    stop_strings: list[str]):
+                    stop_strings: list[str], share_prefix: bool = True):
+    """One left-padded batch through transformers' generate; ``share_prefix``: the rows' common
+    leading tokens prefilled once (attnlab.shared_prefix: the same tokens up to float rounding)."""
+    from attnlab.shared_prefix import prefilled_cache, prefix_unshared
+
     batch = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt").to(model.device)
     width = batch["input_ids"].shape[1]
     criteria = StoppingCriteriaList([StopOnStrings(tokenizer, stop_strings, width)] if stop_strings else [])
+    cache, shared = None, 0
+    if share_prefix and prefix_unshared(model, ids) is None:
+        cache, shared = prefilled_cache(model, ids)
+    log.debug("batch of %d rows, %d columns: %d shared prefix tokens prefilled once", len(ids), width, shared)
     with torch.inference_mode():
-        out = model.generate(**batch, generation_config=config, stopping_criteria=criteria)
+        out = model.generate(**batch, generation_config=config, stopping_criteria=criteria, past_key_values=cache)
     return out[:, width:].cpu()
 
 
@@ -132,15 +141,17 @@ def continuous_unsupported(model) -> str | None:
 
 def generate_all(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
                  max_new_tokens: int, stop_strings: list[str] | None = None,
-                 engine: str = "static") -> pd.DataFrame:
+                 engine: str = "static", share_prefix: bool = True) -> pd.DataFrame:
     """Responses for every prompt, in the prompts' order, greedy; column ``engine`` says which
     engine produced them.
 
     ``static``: ``model.generate`` on padded batches of ``batch_size`` rows; a batch runs until
-    its longest row ends. ``static_cache``: the same batches through a static-KV-cache loop whose
-    decode steps are CUDA graphs on GPUs (``attnlab.decoding``; the column says
-    ``static_cache+cuda_graph`` where the graph ran); ``auto``: ``static_cache`` on CUDA,
-    ``static`` elsewhere (``chosen_engine``). ``continuous``: transformers' continuous batching with paged
+    its longest row ends; the leading tokens all its rows share are prefilled once
+    (``share_prefix``, attnlab.shared_prefix: the same tokens up to float rounding).
+    ``static_cache``: the same batches through a static-KV-cache loop whose decode steps are CUDA
+    graphs on GPUs (``attnlab.decoding``; the column says ``static_cache+cuda_graph`` where the
+    graph ran; each row prefills its whole prompt); ``auto``: ``static_cache`` on CUDA, ``static``
+    elsewhere (``chosen_engine``). ``continuous``: transformers' continuous batching with paged
     attention and at most ``batch_size`` rows at a time, a finished row's slot refilled at once;
     where it cannot run (a sparse copy's gated attention, an engine error) it fails, saying why.
     ``continuous_or_static``: continuous, falling back to static with a warning where it cannot run.
@@ -174,7 +185,8 @@ def generate_all(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
                 "or to continuous_or_static to fall back to static where it cannot run")
         log.warning("continuous batching unavailable (%s): generating with the static engine "
                     "(engine: continuous_or_static; the generations record engine = static)", reason)
-    return _generate_static(model, tokenizer, prompts, batch_size, max_new_tokens, stop_strings)
+    return _generate_static(model, tokenizer, prompts, batch_size, max_new_tokens, stop_strings,
+                            partial(_static_batch, share_prefix=share_prefix))
 
 
 class ContinuousBatchingFailed(RuntimeError):
@@ -245,10 +257,11 @@ def _ends_of(tokenizer, config: GenerationConfig, stop_strings: list[str]) -> tu
     return set(eos if isinstance(eos, list) else [eos]), stopped
 
 
-def _static_batch(model, tokenizer, ids, config, stop_strings) -> tuple[torch.Tensor, list[int], str]:
+def _static_batch(model, tokenizer, ids, config, stop_strings,
+                  share_prefix: bool = True) -> tuple[torch.Tensor, list[int], str]:
     from attnlab.decoding import RowEnds
 
-    tokens = _generate_batch(model, tokenizer, ids, config, stop_strings)
+    tokens = _generate_batch(model, tokenizer, ids, config, stop_strings, share_prefix)
     ends = RowEnds(len(ids), *_ends_of(tokenizer, config, stop_strings))
     ends.update(tokens.tolist())
     return tokens, ends.lengths(tokens.shape[1]), "static"
