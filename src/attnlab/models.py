@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.initialization import no_init_weights
 
 from attnlab.checks import check_chat_template
 from attnlab.io import atomic_path
@@ -81,11 +82,15 @@ def _load_from_gguf(source: dict, scratch: Path):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained: rebuild it without the
-    # quantization config and move the dequantized weights over.
+    # quantization config and move the dequantized weights over. The rebuilt model's weights
+    # are all overwritten (strict), so they are left uninitialised rather than drawn at random
+    # (Gemma-3's conversion: 54 s -> 39 s); tying the embeddings is part of that initialisation.
     config = copy.deepcopy(quantized.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()
     model.load_state_dict(quantized.state_dict(), strict=True)
     model.generation_config = quantized.generation_config
     return model, tokenizer
