@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab.models import left_pad
+from attnlab.models import first_hooked_module, left_pad
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,9 @@ def unsupported(model) -> str | None:
     layer_types = getattr(text, "layer_types", None) or []
     if any(kind != "full_attention" for kind in layer_types) or getattr(text, "use_sliding_window", False):
         return "sliding-window layers (their static cache is a ring buffer the mask here does not follow)"
-    hooked = [name for name, module in model.named_modules()
-              if module._forward_hooks or module._forward_pre_hooks]
-    if hooked:
-        return f"forward hooks on {hooked[0]} (an intervention such as ARM)"
+    hooked = first_hooked_module(model)
+    if hooked is not None:
+        return f"forward hooks on {hooked or 'the model'} (an intervention such as ARM)"
     return None
 
 

@@ -145,6 +145,14 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
+def first_hooked_module(model) -> str | None:
+    """The name of the first module carrying a forward hook or pre-hook (an intervention such as
+    ARM; "" for the model itself), or None: engines that split or reorder a forward leave such
+    models alone."""
+    return next((name for name, module in model.named_modules()
+                 if module._forward_hooks or module._forward_pre_hooks), None)
+
+
 def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input ids, attention mask and position ids of a left-padded batch.
 

@@ -27,6 +27,8 @@ import os
 import torch
 from transformers import DynamicCache
 
+from attnlab.models import first_hooked_module
+
 
 def shared_prefix_length(rows: list[list[int]]) -> int:
     """How many leading tokens every row shares, leaving each row at least one token to run."""
@@ -39,9 +41,9 @@ def prefix_unshared(model, rows: list[list[int]]) -> str | None:
         return "one row"
     if shared_prefix_length(rows) < 1:
         return "no shared prefix"
-    hooked = [name for name, module in model.named_modules() if module._forward_hooks or module._forward_pre_hooks]
-    if hooked:
-        return f"forward hooks on {hooked[0]} (an intervention reads the prefill)"
+    hooked = first_hooked_module(model)
+    if hooked is not None:
+        return f"forward hooks on {hooked or 'the model'} (an intervention reads the prefill)"
     return None
 
 
