@@ -2,23 +2,11 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+from transformers import Gemma3TextConfig, LlamaConfig
 
 from attnlab.models import left_pad
 from attnlab.shared_prefix import prefilled_cache, prefix_unshared, shared_prefix_length
-
-
-def _tiny(config_class, **extra):
-    torch.manual_seed(0)
-    config = config_class(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                          max_position_embeddings=256, **extra)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # norms other than 1 (Gemma-3's stored 0): a misplaced norm would show
-        for module in model.modules():
-            if type(module).__name__.endswith("RMSNorm"):
-                module.weight.add_(torch.rand(module.weight.shape) - 0.5)
-    return model
+from test_attention import _tiny  # random norm weights: a misplaced norm would show
 
 
 def _gemma3(window: int):
