@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import sys
@@ -16,11 +18,18 @@ log = logging.getLogger("attnlab")
 
 
 def setup_logging(log_path: str | None = None) -> None:
-    """Send stderr (tqdm bars, warnings, our logging) to the rule's log file."""
+    """Send stderr (tqdm bars, warnings, our logging) to the rule's log file; and, as every
+    job's script calls this first, spare the job the interpreter's last garbage collections."""
     if log_path:
         sys.stderr = open(log_path, "w", buffering=1)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # At exit the interpreter collects garbage while it clears every module: with torch and
+    # transformers loaded that walks millions of objects, 1.0-1.3 s of each model job measured
+    # (0.2 s frozen). A job's outputs are closed and renamed before it returns and its log is
+    # line-buffered and flushed at exit as always; freezing only leaves the objects still alive
+    # then uncollected, which the process's end releases anyway.
+    atexit.register(gc.freeze)
 
 
 def _seed_everything(seed: int) -> None:
