@@ -313,3 +313,37 @@ def test_the_paired_difference_records_how_many_prompts_both_conditions_have():
     assert table.loc["plain", "n_paired"] == 3 and table.loc["more", "n_paired"] == 2
     assert table.loc["more", "n_prompts"] == 2
     assert table.loc["more", "l1_delta"] == pytest.approx(np.mean([0.3 - 0.1, 0.6 - 0.3]))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_recording_stops_at_the_recorded_layer_with_the_full_forwards_numbers(kind):
+    """record_activations ends each forward at the recorded layer's activation: the same table
+    and histogram as a recorder over the whole forward, and no later layer runs."""
+    from attnlab.mlp_recording import record_activations
+    from attnlab.models import left_pad, padded_span_mask
+
+    model = _tiny(kind)
+    torch.manual_seed(1)
+    rows = [torch.randint(3, 64, (n,)).tolist() for n in (9, 6, 8)]
+    prompts = pd.DataFrame({"input_ids": rows, "question_start": [2, 1, 3], "question_end": [9, 6, 8],
+                            "inserted_start": [4, 1, 3], "inserted_end": [6, 1, 5]})
+    edges = np.linspace(-0.5, 0.5, 11)
+    ran_after = []
+    handle = model.get_decoder().layers[1].register_forward_hook(lambda *args: ran_after.append(1))
+    table, histogram = record_activations(model, prompts, 0, 0.01, edges, batch_size=2)
+    handle.remove()
+    assert not ran_after
+
+    whole = ActivationRecorder(0, 0.01, edges)
+    for start in (0, 2):
+        batch = prompts.iloc[start:start + 2]
+        ids, mask, positions = left_pad(batch["input_ids"].tolist())
+        lengths = [len(r) for r in batch["input_ids"]]
+        question = padded_span_mask(lengths, batch[["question_start", "question_end"]].to_numpy(), ids.shape[1])
+        inserted = padded_span_mask(lengths, batch[["inserted_start", "inserted_end"]].to_numpy(), ids.shape[1])
+        whole.mask = question & ~inserted
+        with torch.no_grad(), intervened(model, activations=whole):
+            model(input_ids=ids, attention_mask=mask, position_ids=positions)
+    pd.testing.assert_frame_equal(table, whole.table())
+    pd.testing.assert_frame_equal(histogram, whole.histogram())
+    assert histogram["count"].sum() == (5 + 5 + 3) * 48  # question tokens less the inserted ones

@@ -273,12 +273,20 @@ def prompt_statistics(a: torch.Tensor, g: torch.Tensor, mask: torch.Tensor,
     return out
 
 
+class LayerRecorded(Exception):
+    """Raised by an ``ActivationRecorder`` with ``stop_forward`` once its layer is recorded: the
+    rest of the forward (later layers, the LM head) cannot change what it recorded."""
+
+
 class ActivationRecorder:
     """Per-prompt statistics and a histogram of one layer's ``a`` over the tokens selected by
-    ``mask`` (set before each forward), from ``hook`` (on that layer's act_fn, see ``hooks``)."""
+    ``mask`` (set before each forward), from ``hook`` (on that layer's act_fn, see ``hooks``).
+    With ``stop_forward`` the hook ends the forward there (``LayerRecorded``), for a caller that
+    needs nothing else of it: the first layer of 30 is 1/30 of the pass."""
 
-    def __init__(self, layer: int, threshold: float, edges: np.ndarray):
+    def __init__(self, layer: int, threshold: float, edges: np.ndarray, stop_forward: bool = False):
         self.layer, self.threshold, self.edges = layer, threshold, edges
+        self.stop_forward = stop_forward
         self.counts = np.zeros(len(edges) + 1, np.int64)  # underflow, bins, overflow
         self.rows: list[dict[str, np.ndarray]] = []
         self.mask: torch.Tensor | None = None
@@ -294,6 +302,8 @@ class ActivationRecorder:
         # bucketize: 0 below the first edge, len(edges) at/above the last
         index = torch.bucketize(values, edges, right=True)
         self.counts += torch.bincount(index, minlength=len(self.edges) + 1).cpu().numpy()
+        if self.stop_forward:
+            raise LayerRecorded
 
     def table(self) -> pd.DataFrame:
         return pd.DataFrame({k: np.concatenate([r[k] for r in self.rows]) for k in self.rows[0]})
