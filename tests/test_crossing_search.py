@@ -2,6 +2,8 @@
 against the rounds of the log grid's refinement (``counting.count_heads``), on synthetic curves
 of known per-prompt metrics: monotone, and not."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -216,3 +218,38 @@ def test_a_curve_without_an_effect_is_refused():
     with pytest.raises(ValueError, match="explained effect is undefined"):
         searched_count(CurvePatcher(lambda n: np.ones(PROMPTS)), None, _grid(), FINE, THRESHOLD, BOOTSTRAP,
                        list(range(PROMPTS)), 4)
+
+
+def test_head_sweeps_search_the_configured_ranking_and_take_the_coarse_grid_for_the_other():
+    """sweep_heads' choice of points (steps.circuits._head_count): with search bisection the
+    configured ranking is searched from the coarse grid with the rounds' grid as the fine one,
+    to its first crossing and interval; the other ranking is measured on the coarse grid only.
+    With rounds, as before: the grid, refined for the configured ranking only."""
+    from attnlab.settings import Sweep
+    from attnlab.steps.circuits import _head_count
+
+    order = list(range(N))
+    settings = Sweep(seed=0, ablation="corrupted", ranking="exact", batch_size=8, device="cpu", all_k_up_to=0,
+                     log_points=40, search="bisection", coarse_points=16, threshold=THRESHOLD,
+                     bootstrap={"n_resamples": 200, "confidence": 0.95})
+    bootstrap = Bootstrap(200, 0.95, 0)
+    prompt_ids = list(range(PROMPTS))
+    coarse, fine = k_grid(N, 0, 16), k_grid(N, 0, 40)
+
+    searched = CurvePatcher(_climbing())
+    counted = _head_count(searched, order, settings, bootstrap, prompt_ids, configured=True)
+    reference = searched_count(CurvePatcher(_climbing()), order, coarse, fine, THRESHOLD, bootstrap,
+                               prompt_ids, 40)
+    assert counted.summary == reference.summary and counted.summary["search"] == "bisection"
+    assert set(coarse) <= set(searched.measured)
+
+    other = CurvePatcher(_climbing())
+    _head_count(other, order, settings, bootstrap, prompt_ids, configured=False)
+    assert sorted(set(other.measured)) == coarse
+
+    rounds = dataclasses.replace(settings, search="rounds")
+    for configured in (True, False):
+        swept = CurvePatcher(_climbing())
+        _head_count(swept, order, rounds, bootstrap, prompt_ids, configured=configured)
+        assert set(fine) <= set(swept.measured)
+        assert (len(set(swept.measured)) > len(fine)) == configured  # refined only when configured

@@ -87,6 +87,8 @@ class Sweep:
     device: str
     all_k_up_to: int
     log_points: int
+    search: str  # rounds (counting.count_heads) or bisection (crossing_search)
+    coarse_points: int  # bisection: the coarse grid (the rounds' grid: the fine one near the threshold)
     threshold: float
     bootstrap: dict[str, Any]  # n_resamples, confidence
 

@@ -65,13 +65,12 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
                 scoring_path: str, outputs: dict, threads: int, batch_size: int | None = None) -> None:
     """On the prompts heads were not ranked on: keep the top-k heads of each ranking scored,
     ablate the rest, for every k of the grid; for the configured ranking also every k around the
-    first crossing of the threshold and just below each end of its bootstrap interval
-    (``counting.count_heads``); the other ranking's count is the grid's (an upper bound).
-    ``outputs``: sweep (curves), per_prompt (each prompt's metric at each k), summary."""
+    first crossing of the threshold and just below each end of its bootstrap interval, found by
+    rounds or by search (``_head_count``); the other ranking's count is the grid's (an upper
+    bound). ``outputs``: sweep (curves), per_prompt (each prompt's metric at each k), summary."""
     import torch
 
-    from attnlab.counting import Bootstrap, count_heads, prompts_digest
-    from attnlab.curves import k_grid
+    from attnlab.counting import Bootstrap, prompts_digest
     from attnlab.models import load_model, pick_device
     from attnlab.pruning import Patcher, build_batch
     from attnlab.tasks import TaskPrompts, subset
@@ -89,15 +88,12 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     scores = pd.read_csv(scores_path)
     rankings = [settings.ranking, *(r for r in ("exact", "attribution") if r in scores and r != settings.ranking)]
     bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
-    grid = k_grid(len(scores), settings.all_k_up_to, settings.log_points)
     started, counts = time.perf_counter(), {}
     for ranking in rankings:
         order = list(scores.sort_values(ranking, ascending=False, kind="stable")[["layer", "head"]]
                      .itertuples(index=False, name=None))
-        configured = ranking == settings.ranking
-        counts[ranking] = count_heads(patcher, [(int(l), int(h)) for l, h in order], grid, settings.threshold,
-                                      bootstrap, scoring["counted_on"], settings.log_points if configured else 0,
-                                      refine=configured)
+        counts[ranking] = _head_count(patcher, [(int(l), int(h)) for l, h in order], settings, bootstrap,
+                                      scoring["counted_on"], configured=ranking == settings.ranking)
     elapsed = time.perf_counter() - started
     primary = counts[settings.ranking]
     io.write_csv(pd.concat([c.curve.assign(ranking=r) for r, c in counts.items()], ignore_index=True),
@@ -114,6 +110,26 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
                    "spearman_attribution_vs_exact": scoring.get("spearman_attribution_vs_exact"),
                    "rankings": {r: _ranking_summary(c.summary) for r, c in counts.items()}},
                   outputs["summary"])
+
+
+def _head_count(patcher, order, settings: Sweep, bootstrap, counted_on: list[int], configured: bool):
+    """One ranking's sweep. rounds: the grid (every k up to all_k_up_to, else log_points), for
+    the configured ranking refined at the first crossing and below the interval's ends
+    (``counting.count_heads``). bisection: the configured ranking searched from a coarse grid
+    with that grid as the fine one (``crossing_search``), any other ranking on the coarse grid."""
+    from attnlab.counting import count_heads
+    from attnlab.crossing_search import searched_count
+    from attnlab.curves import k_grid
+
+    grid = k_grid(len(order), settings.all_k_up_to, settings.log_points)
+    if settings.search == "bisection":
+        coarse = k_grid(len(order), 0, settings.coarse_points)
+        if configured:
+            return searched_count(patcher, order, coarse, grid, settings.threshold, bootstrap, counted_on,
+                                  settings.log_points)
+        return count_heads(patcher, order, coarse, settings.threshold, bootstrap, counted_on, 0, refine=False)
+    return count_heads(patcher, order, grid, settings.threshold, bootstrap, counted_on,
+                       settings.log_points if configured else 0, refine=configured)
 
 
 def _ranking_summary(summary: dict) -> dict:
