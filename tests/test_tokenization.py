@@ -4,6 +4,7 @@ backend, as the generic backend from tokenizer.json: the same tokens as the clas
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -60,3 +61,43 @@ def test_a_prompt_job_never_imports_torch(smollm2_dir):
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def _python_reads_of_tokenizer_json(folder, monkeypatch) -> tuple[object, list[str]]:
+    """The tokenizer loaded from ``folder`` and the files transformers parsed with Python's json."""
+    reads, original = [], json.load
+
+    def recording(handle, *args, **kwargs):
+        reads.append(Path(handle.name).name)
+        return original(handle, *args, **kwargs)
+    with monkeypatch.context() as patched:
+        patched.setattr(json, "load", recording)
+        return load_tokenizer(folder), reads
+
+
+@pytest.mark.parametrize("model", ["smollm2_dir", pytest.param("gemma3_dir", marks=pytest.mark.slow)])
+def test_a_prepared_tokenizer_loads_in_one_parse_as_the_same_tokenizer(model, request, tmp_path, monkeypatch):
+    """prepare_model records the added tokens in tokenizer_config.json (save_tokenizer): the
+    tokenizer then loads without transformers' second, Python parse of tokenizer.json, and is
+    the same tokenizer as from a folder without the record."""
+    prepared = request.getfixturevalue(model)
+    assert "added_tokens_decoder" in json.loads((prepared / "tokenizer_config.json").read_text())
+    unrecorded = tmp_path / "unrecorded"
+    unrecorded.mkdir()
+    for file in prepared.iterdir():
+        if file.name != "model.safetensors":
+            (unrecorded / file.name).write_bytes(file.read_bytes())
+    config = json.loads((unrecorded / "tokenizer_config.json").read_text())
+    del config["added_tokens_decoder"]
+    (unrecorded / "tokenizer_config.json").write_text(json.dumps(config))
+
+    fast, fast_reads = _python_reads_of_tokenizer_json(prepared, monkeypatch)
+    slow, slow_reads = _python_reads_of_tokenizer_json(unrecorded, monkeypatch)
+    assert "tokenizer.json" not in fast_reads and "tokenizer.json" in slow_reads
+    assert fast.backend_tokenizer.to_str() == slow.backend_tokenizer.to_str()
+    assert ({i: t.__getstate__() for i, t in fast.added_tokens_decoder.items()}
+            == {i: t.__getstate__() for i, t in slow.added_tokens_decoder.items()})
+    assert fast.special_tokens_map == slow.special_tokens_map and fast.all_special_ids == slow.all_special_ids
+    assert (fast.chat_template, fast.padding_side, type(fast)) == (slow.chat_template, slow.padding_side, type(slow))
+    for text in TEXTS:
+        assert fast(text).input_ids == slow(text).input_ids, text

@@ -17,6 +17,7 @@ from transformers.initialization import no_init_weights
 from attnlab.checks import check_chat_template
 from attnlab.io import atomic_path
 from attnlab.sources import check_model_source, package_folder
+from attnlab.tokenization import save_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def prepare_model(name: str, source: dict, out_dir: str | Path, prompt_format: s
         check_chat_template(name, prompt_format, bool(tokenizer.chat_template))
         with atomic_path(out_dir, directory=True) as tmp:
             model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
             provenance = {"name": name, "source": source, "torch": torch.__version__,
                           "transformers": __import__("transformers").__version__}
             (tmp / "attnlab_source.json").write_text(json.dumps(provenance, indent=2))
