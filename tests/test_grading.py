@@ -1,8 +1,9 @@
 import math
 
+import numpy as np
 import pytest
 
-from attnlab.grading import (bootstrap_ci, extract_answer, grade_lenient, grade_math_verify,
+from attnlab.grading import (bootstrap_ci, bootstrap_cis, extract_answer, grade_lenient, grade_math_verify,
                              last_boxed, normalise_lenient)
 
 
@@ -71,6 +72,17 @@ def test_bootstrap_ci_brackets_the_mean_and_is_seeded():
     assert low < 0.6 < high
     assert (low, high) == bootstrap_ci(values, 0.95, 1000, seed=0)
     assert bootstrap_ci([1, 1, 1], 0.95, 1000, 0) == (1.0, 1.0)
+
+
+def test_rows_bootstrapped_together_get_each_rows_own_interval():
+    """bootstrap_cis (the attention figures' bands, a few hundred positions per call) gives each
+    row what bootstrap_ci gives it alone, to the last bit, constant rows included."""
+    rng = np.random.default_rng(3)
+    samples = np.vstack([rng.random((40, 6)), np.full((1, 6), 0.1), rng.integers(0, 2, (5, 6))])
+    low, high = bootstrap_cis(samples, 0.95, 1000, seed=0)
+    for row, (row_low, row_high) in zip(samples, zip(low, high)):
+        assert (row_low, row_high) == bootstrap_ci(row, 0.95, 1000, seed=0)
+    assert (low[40], high[40]) == (0.1, 0.1)
 
 
 def test_summary_says_where_answers_came_from_and_how_many_hit_the_limit():

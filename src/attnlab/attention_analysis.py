@@ -83,7 +83,7 @@ def mean_and_band(aligned: np.ndarray, min_share: float = 0.5) -> tuple[np.ndarr
     """Mean over prompts and the low and high ends of its 95% percentile-bootstrap interval
     at each position (over the prompts that have a token there; no width where one prompt),
     for the positions that at least ``min_share`` of the prompts reach."""
-    from attnlab.grading import bootstrap_ci
+    from attnlab.grading import bootstrap_cis
 
     present = np.isfinite(aligned)
     count = present.sum(0)
@@ -91,11 +91,16 @@ def mean_and_band(aligned: np.ndarray, min_share: float = 0.5) -> tuple[np.ndarr
     width = int(np.max(np.nonzero(keep)[0]) + 1) if keep.any() else 0
     mean = np.full(width, np.nan)
     low, high = np.full(width, np.nan), np.full(width, np.nan)
-    for position in range(width):
-        values = aligned[present[:, position], position].astype(float)
-        if len(values):
-            mean[position] = values.mean()
-            low[position], high[position] = bootstrap_ci(values, BAND_CONFIDENCE, BAND_RESAMPLES, BAND_SEED)
+    # Positions held by the same prompts are bootstrapped together (one call of a few hundred
+    # positions instead of one call each: 8 s -> 0.1 s of a figure), each as if alone.
+    patterns, group = np.unique(present[:, :width].T, axis=0, return_inverse=True)
+    for pattern, holders in enumerate(patterns):
+        if not holders.any():
+            continue
+        positions = np.flatnonzero(group.reshape(-1) == pattern)
+        values = aligned[np.ix_(holders, positions)].astype(float).T  # [positions, prompts]
+        mean[positions] = [row.mean() for row in values]
+        low[positions], high[positions] = bootstrap_cis(values, BAND_CONFIDENCE, BAND_RESAMPLES, BAND_SEED)
     return mean, low, high
 
 

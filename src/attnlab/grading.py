@@ -132,6 +132,26 @@ def bootstrap_ci(correct, confidence: float, n_resamples: int, seed: int) -> tup
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
+def bootstrap_cis(samples: np.ndarray, confidence: float, n_resamples: int, seed: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``bootstrap_ci`` of each row of ``samples`` [rows, n], in one call: every row is
+    resampled with the indices a call of ``bootstrap_ci`` on that row alone draws (the same
+    seed, the same n), so each interval is that call's to the last bit (tests/test_extraction.py)."""
+    samples = np.asarray(samples, dtype=float)
+    low, high = np.full(len(samples), np.nan), np.full(len(samples), np.nan)
+    if samples.shape[-1] == 0 or not len(samples):
+        return low, high
+    constant = samples.min(1) == samples.max(1)
+    low[constant] = high[constant] = samples[constant, 0]
+    varying = ~constant
+    if varying.any():
+        result = stats.bootstrap((samples[varying],), np.mean, confidence_level=confidence, axis=-1,
+                                 n_resamples=n_resamples, method="percentile",
+                                 rng=np.random.default_rng(seed))
+        low[varying], high[varying] = result.confidence_interval.low, result.confidence_interval.high
+    return low, high
+
+
 def summarise(graded: pd.DataFrame, bootstrap: dict) -> dict:
     """Accuracy (in %) with its confidence interval, for each grader."""
     summary = {"n": int(len(graded)),
