@@ -123,7 +123,8 @@ def count_text(needed: int | None, exact: bool) -> str:
     return f"{needed}" if exact else f"≤{needed}"
 
 
-GRID_COUNT = "first crossing found on the sweep's log grid (refined around it), an upper bound"
+GRID_COUNT = ("first crossing among the n measured (a log grid refined around it, or a bisection "
+              "search) with smaller n unmeasured, an upper bound")
 GRID_NOTE = f"≤N: {GRID_COUNT}"
 
 
