@@ -136,7 +136,7 @@ def bootstrap_cis(samples: np.ndarray, confidence: float, n_resamples: int, seed
                   ) -> tuple[np.ndarray, np.ndarray]:
     """``bootstrap_ci`` of each row of ``samples`` [rows, n], in one call: every row is
     resampled with the indices a call of ``bootstrap_ci`` on that row alone draws (the same
-    seed, the same n), so each interval is that call's to the last bit (tests/test_extraction.py)."""
+    seed, the same n), so each interval is that call's to the last bit (tests/test_grading.py)."""
     samples = np.asarray(samples, dtype=float)
     low, high = np.full(len(samples), np.nan), np.full(len(samples), np.nan)
     if samples.shape[-1] == 0 or not len(samples):
