@@ -323,8 +323,9 @@ def test_pruning_figure_says_fragile_beside_the_ratio(tmp_path, monkeypatch):
                        0.9, "corrupted", "attribution", tmp_path / "p.png")
     ax = drawn["fig"].axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()][1] == "sparse (≤19 heads to 0.9)"
-    assert any("≤N: first crossing found on the sweep's log grid (refined around it), an upper bound "
-               "(sparse)" in t for t in (t.get_text().replace("\n", " ") for t in drawn["fig"].texts))
+    assert any("≤N: first crossing among the n measured (a log grid refined around it, or a bisection "
+               "search) with smaller n unmeasured, an upper bound (sparse)" in " ".join(t.split())
+               for t in (t.get_text() for t in drawn["fig"].texts))
 
 
 def test_heads_vs_density_rows_say_when_their_ratio_is_fragile():
