@@ -100,7 +100,7 @@ def mean_and_band(aligned: np.ndarray, min_share: float = 0.5) -> tuple[np.ndarr
             continue
         positions = np.flatnonzero(group.reshape(-1) == pattern)
         values = aligned[np.ix_(holders, positions)].astype(float).T  # [positions, prompts]
-        mean[positions] = [row.mean() for row in values]
+        mean[positions] = [row.mean() for row in values]  # each as a 1-D mean sums it, to the bit
         low[positions], high[positions] = bootstrap_cis(values, BAND_CONFIDENCE, BAND_RESAMPLES, BAND_SEED)
     return mean, low, high
 
