@@ -29,19 +29,19 @@ def test_tiny_config_dry_run_counts_jobs(tmp_path):
 
 
 def test_default_config_dry_run_counts_jobs_with_gemmas_edge_circuit(tmp_path):
-    """make run's plan: 2 models x 3 datasets x 4 conditions, attention and the MLP analysis on
-    MATH-500, heads on IOI for both models, and the edge circuit of Gemma-3 alone on IOI with
-    its curve figure and its drawing (SmolLM2's: config/sparse.yaml)."""
+    """make run's plan: 2 models x 2 datasets (MATH-500, arithmetic) x 4 conditions, attention and
+    the MLP analysis on MATH-500, heads on IOI for both models, and the edge circuit of Gemma-3
+    alone on IOI with its curve figure and its drawing (SmolLM2's: config/sparse.yaml)."""
     result = snakemake("-n", "--cores", "2", workdir=tmp_path)  # no --configfile: config/config.yaml
     assert result.returncode == 0, result.stdout[-3000:]
     counts = job_counts(result.stdout)
-    cells = 2 * 3 * 4
-    assert counts == {"prepare_model": 2, "prepare_dataset": 3, "prepare_fewshot": 3, "make_prompts": cells,
-                      "generate": cells, "grade": cells, "accuracy_table": 1, "plot_accuracy": 3,
+    cells = 2 * 2 * 4
+    assert counts == {"prepare_model": 2, "prepare_dataset": 2, "prepare_fewshot": 2, "make_prompts": cells,
+                      "generate": cells, "grade": cells, "accuracy_table": 1, "plot_accuracy": 2,
                       "extract_attention": 2 * 4, "plot_attention_head": 2 * 2, "rank_attention_heads": 2,
                       "lambda_summary": 2, "mlp_activations": 2 * 4, "mlp_summary": 2,
                       "score_heads": 2, "sweep_heads": 2, "plot_pruning": 1,
-                      "edge_circuit": 1, "plot_edges": 1, "plot_circuit": 1, "all": 1, "total": 119}
+                      "edge_circuit": 1, "plot_edges": 1, "plot_circuit": 1, "all": 1, "total": 92}
     assert "results/circuits/gemma3-270m/ioi/curve.csv" in result.stdout
     assert "results/figures/circuits/gemma3-270m/ioi.circuit.png" in result.stdout
     assert "results/circuits/smollm2-135m" not in result.stdout
