@@ -1,7 +1,7 @@
 """A prepared model's tokenizer and context length, without importing torch; and what a prepared
 folder records so that its tokenizer loads in one parse (``save_tokenizer``).
 
-Steps that only tokenize (``make_prompts``, 24 jobs in the default) skip the import of torch
+Steps that only tokenize (``make_prompts``, 16 jobs in the default) skip the import of torch
 and of the model config (``AutoConfig`` imports torch), about 3 s of each job on 2 cores: 8.2 s
 per job became 3.3 s. Every step reads a tokenizer whose class only rebuilds the backend as that
 backend (``_backend_stands_in``), which saves Gemma-3's jobs another 1.8 s each.
