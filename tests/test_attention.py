@@ -6,7 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, LlamaConfig, Olmo2Config, OlmoConfig,
+                          Qwen2Config)
 
 from attnlab import interventions
 from attnlab.attention import BatchReduction
@@ -65,18 +66,32 @@ def _tiny(config_class, **extra):
     return _random_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
 
 
+def _tiny_gpt2(**extra):
+    """GPT-2 of the same size: one fused c_attn, learned positions, LayerNorms with biases, a plain
+    GELU MLP (c_fc, c_proj); its own field names."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=101, n_embd=64, n_inner=96, n_layer=3, n_head=4, n_positions=256,
+                        bos_token_id=1, eos_token_id=2, **extra)
+    return _random_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
 def _random_norms(model, seed: int = 1):
     """Every norm weight of ``model`` drawn at random: the scale each applies becomes uniform in
-    [0.5, 1.5] per unit instead of exactly 1 (Gemma-3's norms scale by 1 + w, w stored 0), so a
-    norm weight missing, applied twice or in the wrong place changes the numbers the tests
-    compare (input_layernorm, post_attention_layernorm, pre/post_feedforward_layernorm, the
-    final norm, q_norm/k_norm). The other weights stay those of ``torch.manual_seed(0)``."""
+    [0.5, 1.5] per unit instead of exactly 1 (Gemma-3's norms scale by 1 + w, w stored 0), and a
+    LayerNorm's bias uniform in [-0.5, 0.5] instead of 0, so a norm weight or bias missing,
+    applied twice or in the wrong place changes the numbers the tests compare (input_layernorm,
+    post_attention_layernorm, pre/post_feedforward_layernorm, GPT-2's ln_1/ln_2/ln_f, the final
+    norm, q_norm/k_norm). OLMo-1's norms have no parameters. The other weights stay those of
+    ``torch.manual_seed(0)``."""
     generator = torch.Generator().manual_seed(seed)
-    norms = [module for module in model.modules() if type(module).__name__.endswith("RMSNorm")]
-    assert norms, f"no RMS norm in {type(model).__name__}"
+    norms = [module for module in model.modules()
+             if type(module).__name__.endswith("RMSNorm") or type(module).__name__ == "LayerNorm"]
+    assert norms or model.config.model_type == "olmo", f"no norm with parameters in {type(model).__name__}"
     with torch.no_grad():
         for norm in norms:
             norm.weight.add_(torch.rand(norm.weight.shape, generator=generator) - 0.5)
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.add_(torch.rand(norm.bias.shape, generator=generator) - 0.5)
     return model
 
 
@@ -85,6 +100,9 @@ TINY = {
     "qwen2": lambda: _tiny(Qwen2Config),
     "gemma3-sliding": lambda: _tiny(Gemma3TextConfig, sliding_window=5,
                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "gpt2": _tiny_gpt2,
+    "olmo": lambda: _tiny(OlmoConfig, pad_token_id=0, eos_token_id=2),  # LayerNorms without parameters
+    "olmo2": lambda: _tiny(Olmo2Config, pad_token_id=0, eos_token_id=2),  # post-norms, q/k norms over all heads
 }
 
 
@@ -144,15 +162,25 @@ def _gpt_oss():
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def test_attention_sinks_are_refused_not_ignored():
+def test_a_model_of_an_unknown_family_is_refused_and_attention_sinks_are_never_ignored():
+    """gpt-oss is no family the anatomy knows: refused, naming its model_type and the stage; its
+    attention sinks would be refused by the attention function itself (called directly)."""
+    from torch import nn
+
     from attnlab import sparse
+    from attnlab.anatomy import UnknownFamily
 
     model = _gpt_oss()
-    with pytest.raises(NotImplementedError, match=r"attnlab attention does not implement \['s_aux'\]"):
+    with pytest.raises(UnknownFamily, match=r"model_type 'gpt_oss'.*\(extraction\)"):
         extract(model, _prompts([12, 9], inserted=(2, 5), vocab=101), 2, [])
-    sparse.make_sparse(model, gate_bias=6.0)
-    with pytest.raises(NotImplementedError, match=r"attnlab attention does not implement \['s_aux'\]"):
-        model(torch.tensor([[5, 6, 7]]))
+    with pytest.raises(UnknownFamily, match=r"model_type 'gpt_oss'.*\(sparse post-training\)"):
+        sparse.make_sparse(model, gate_bias=6.0)
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    module = nn.Module()
+    module.layer_idx = 0
+    reduce = BatchReduction(torch.ones(1, 4, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.bool))
+    with _inside(reduce=reduce), pytest.raises(NotImplementedError, match=r"does not implement \['s_aux'\]"):
+        interventions.attend(module, q, k, v, torch.zeros(1, 1, 4, 4), s_aux=torch.zeros(2))
 
 
 def test_reducing_attention_refuses_what_it_would_get_wrong():

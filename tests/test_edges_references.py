@@ -1,22 +1,11 @@
-"""Edge circuits against a forward written here, in float64, from the tiny models' weights.
+"""Edge circuits against a forward written in float64 from the tiny models' weights
+(``hand_forward.HandForward``: every receiver reads its own input; Llama, Qwen2, Gemma-3, GPT-2,
+OLMo and OLMo-2, each with its own norms and their places).
 
-``HandForward`` runs a tiny Llama, Qwen2 or Gemma-3 (sandwich norms, q/k norms, sliding window)
-without the model's modules, keeping every sender's contribution to the residual stream (the
-embeddings, each head's o_proj slice, times Gemma-3's post-attention norm scale of the whole
-block output, each MLP's output, after Gemma-3's post-feedforward norm) and giving every
-receiver its own input: each query head, key/value head, MLP and the logits reads the sum of
-its upstream senders, each taken from the live pass or from a corrupted run as a kept-edges
-mask says, plus an optional shift of its own (finite differences, gradients). Its pre-norm is
-applied to that sum alone; a sparse copy's heads gate the softmax weights with 1[s + b > 0],
-not renormalised. Nothing here goes through ``attnlab.edges`` but the ``Graph``'s numbering of
-senders and receivers.
-
-Checked against it: a partial circuit's metrics (Gemma-3, and sparse copies), EAP scores
-against finite differences of it on Gemma-3, and the whole EAP-IG score matrix at 5 steps
-against an einsum of its sender differences and its receivers' autograd gradients.
+Checked against it, per family: a partial circuit's metrics (and sparse copies'), EAP scores
+against finite differences of it, and the whole EAP-IG score matrix at 5 steps against an einsum
+of its sender differences and its receivers' autograd gradients.
 """
-
-import math
 
 import numpy as np
 import pytest
@@ -27,6 +16,7 @@ from attnlab.edge_circuits import EdgeCircuits
 from attnlab.edges import Graph
 from attnlab.interventions import intervened
 from attnlab.pruning import TaskBatch
+from hand_forward import HandForward
 from test_attention import TINY
 from test_pruning import _toy_batch
 
@@ -55,134 +45,6 @@ def _model(arch: str, gate_bias: float | None = None):
     if gate_bias is not None:
         sparse.make_sparse(model, gate_bias)
     return model.to(torch.float64).requires_grad_(False)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-class HandForward:
-    """A float64 forward of a tiny decoder in which every receiver reads its own input (module
-    docstring). ``gate_bias``: a sparse copy's deterministic gate."""
-
-    def __init__(self, model, gate_bias: float | None = None):
-        self.model, self.gate_bias = model, gate_bias
-        config = model.config
-        self.graph = Graph.of(model)
-        self.layers = model.model.layers
-        self.gemma = hasattr(self.layers[0], "pre_feedforward_layernorm")
-        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        assert getattr(config, "final_logit_softcapping", None) is None
-        assert getattr(config, "attn_logit_softcapping", None) is None
-
-    # ---- pieces ----
-    def norm(self, module, x: torch.Tensor) -> torch.Tensor:
-        """An RMS norm from its weight: x · rsqrt(mean(x²) + eps) · w (Gemma-3: · (1 + w))."""
-        eps = module.eps if hasattr(module, "eps") else module.variance_epsilon
-        weight = module.weight.double() + (1.0 if self.gemma else 0.0)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-    @staticmethod
-    def linear(module, x: torch.Tensor) -> torch.Tensor:
-        out = x @ module.weight.double().T
-        return out if module.bias is None else out + module.bias.double()
-
-    def rope(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [rows, 1, tokens, head_dim] of the layer's rotary embedding."""
-        parameters = self.model.config.rope_parameters
-        if self.gemma:
-            parameters = parameters[self.model.config.layer_types[layer]]
-        assert parameters["rope_type"] == "default"
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-        inverse = 1.0 / parameters["rope_theta"] ** exponents
-        angles = positions.double()[..., None] * inverse
-        angles = torch.cat([angles, angles], dim=-1)[:, None]
-        return angles.cos(), angles.sin()
-
-    def attend(self, layer: int, q, k, v, mask: torch.Tensor) -> torch.Tensor:
-        """Causal (sliding-window, padding-masked) attention [rows, heads, tokens, head_dim]; a
-        sparse copy multiplies the softmax weights by 1[s + b > 0] without renormalising."""
-        attention = self.layers[layer].self_attn
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        logits = q @ k.transpose(-1, -2) * attention.scaling
-        tokens = logits.shape[-1]
-        query, key = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
-        allowed = (key <= query) & mask.bool()[:, None, None, :]
-        window = getattr(attention, "sliding_window", None)
-        if window is not None:
-            allowed = allowed & (query - key < window)
-        # a finite fill: a padded query with no key to read gets a uniform row, not NaN
-        weights = logits.masked_fill(~allowed, torch.finfo(torch.float64).min).softmax(-1)
-        if self.gate_bias is not None:
-            weights = weights * (logits + self.gate_bias > 0)
-        return weights @ v
-
-    # ---- the forward ----
-    def forward(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                kept: torch.Tensor | None = None, corrupted: list | None = None,
-                shifts: torch.Tensor | dict | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(logits, every sender's contribution [rows, tokens, hidden] in the graph's order).
-        Receiver r reads Σ over its upstream senders s of the live contribution where
-        ``kept[s, r]`` (or ``kept`` is None), else ``corrupted[s]``, plus ``shifts[r]``."""
-        graph, h, g, e = self.graph, self.heads, self.kv_heads, self.head_dim
-        senders = [embeds.double()]
-
-        def read(receiver: int) -> torch.Tensor:
-            total = 0
-            for sender in range(graph.upstream(receiver)):
-                use_live = kept is None or bool(kept[sender, receiver])
-                total = total + (senders[sender] if use_live else corrupted[sender])
-            if shifts is not None and (not isinstance(shifts, dict) or receiver in shifts):
-                total = total + shifts[receiver]
-            return total
-
-        def heads_of(projection, first: int, count: int) -> torch.Tensor:
-            """Each of ``count`` heads' slice of ``projection`` on its own receiver's normed input:
-            [rows, count, tokens, head_dim]."""
-            weight = projection.weight.double().view(count, e, -1)
-            bias = None if projection.bias is None else projection.bias.double().view(count, e)
-            outs = []
-            for head in range(count):
-                x = self.norm(layer.input_layernorm, read(first + head))
-                out = x @ weight[head].T
-                outs.append(out if bias is None else out + bias[head])
-            return torch.stack(outs, dim=1)
-
-        for index, layer in enumerate(self.layers):
-            attention, first = layer.self_attn, graph.attention_slice(index).start
-            q = heads_of(attention.q_proj, first, h)
-            k = heads_of(attention.k_proj, first + h, g)
-            v = heads_of(attention.v_proj, first + h + g, g)
-            if self.gemma:
-                q, k = self.norm(attention.q_norm, q), self.norm(attention.k_norm, k)
-            cos, sin = self.rope(index, positions)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            z = self.attend(index, q, k, v, mask)  # [rows, heads, tokens, e]
-            assert attention.o_proj.bias is None
-            o_weight = attention.o_proj.weight.double().view(-1, h, e)
-            contributions = torch.einsum("bhte,dhe->hbtd", z, o_weight)
-            if self.gemma:  # the post-norm's scale of the block's whole output, the same for every head
-                block = contributions.sum(0)
-                scale = torch.rsqrt(block.pow(2).mean(-1, keepdim=True) + layer.post_attention_layernorm.eps)
-                contributions = contributions * scale * (1.0 + layer.post_attention_layernorm.weight.double())
-            senders += list(contributions)
-            mlp, x = layer.mlp, read(graph.mlp_receiver(index))
-            x = self.norm(layer.pre_feedforward_layernorm if self.gemma else layer.post_attention_layernorm, x)
-            out = self.linear(mlp.down_proj, mlp.act_fn(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
-            senders.append(self.norm(layer.post_feedforward_layernorm, out) if self.gemma else out)
-        assert len(senders) == graph.n_senders
-        x = self.norm(self.model.model.norm, read(graph.logits_receiver))
-        return x @ self.model.lm_head.weight.double().T, senders
-
-    def run(self, batch: TaskBatch, ids: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
-            **patch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(the metric of every prompt, the senders) of ``ids`` (or ``embeds``) of ``batch``."""
-        if embeds is None:
-            embeds = self.model.get_input_embeddings()(ids)
-        logits, senders = self.forward(embeds, batch.mask, batch.positions, **patch)
-        return batch.metric(logits, slice(0, batch.n_prompts)), senders
 
 
 def _model_metric(model, batch: TaskBatch, ids: torch.Tensor) -> np.ndarray:
@@ -216,10 +78,11 @@ def _partial_mask(graph: Graph, seed: int) -> torch.Tensor:
     return kept
 
 
-# gate biases that close about 40% of these models' edges (the tiny Llama's attention logits stay
+# gate biases that close about 40-50% of these models' edges (the tiny Llama's attention logits stay
 # within about ±0.1: a bias of 0.5 closes none of them)
 @pytest.mark.parametrize("arch,gate_bias", [("gemma3-sliding", None), ("llama-gqa", 0.01),
-                                            ("gemma3-sliding", 0.05)])
+                                            ("gemma3-sliding", 0.05), ("gpt2", None), ("olmo", None),
+                                            ("olmo2", None), ("gpt2", 0.0)])
 def test_a_partial_circuit_equals_each_receivers_input_summed_by_hand(arch, gate_bias):
     """A random third of the edges kept: each receiver's input summed here from the live and the
     corrupted per-sender activations (Gemma-3's heads scaled by the post-norm of their block's
@@ -247,7 +110,7 @@ def test_a_partial_circuit_equals_each_receivers_input_summed_by_hand(arch, gate
         assert (want - end).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("arch", ["gemma3-sliding", "llama-gqa"])
+@pytest.mark.parametrize("arch", ["gemma3-sliding", "llama-gqa", "gpt2", "olmo", "olmo2"])
 def test_one_step_scores_equal_finite_differences_of_the_hand_forward(arch):
     """EAP (1 step): score(s → r) is d mean-metric / dt with r's input alone shifted by t (clean −
     corrupted activation of s), at the clean input. For the largest edge into a layer's query,
@@ -310,7 +173,7 @@ def _eap_ig_by_hand(hand: HandForward, batch: TaskBatch, steps: int) -> torch.Te
     return scores * graph.valid()
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa", "gemma3-sliding"])
+@pytest.mark.parametrize("arch", ["llama-gqa", "gemma3-sliding", "gpt2", "olmo", "olmo2"])
 def test_eap_ig_at_five_steps_equals_an_einsum_of_hand_differences_and_gradients(arch):
     """The whole score matrix (every sender against every query, key/value, MLP and logits
     receiver) at the default 5 steps: the interpolation, the sum over steps, the division and

@@ -66,8 +66,8 @@ def test_a_patch_made_for_another_graph_is_refused():
 def test_a_decoder_layer_without_the_parts_read_is_refused():
     model = TINY["llama-gqa"]()
     del model.model.layers[1].post_attention_layernorm
-    with pytest.raises(NotImplementedError, match=r"edge patching: decoder layer LlamaDecoderLayer has no "
-                                                  r"\['post_attention_layernorm'\]"):
+    with pytest.raises(NotImplementedError, match=r"block 1 \(LlamaDecoderLayer\) has no post_attention_layernorm, "
+                                                  r"which the llama family places there"):
         _run(model, torch.tensor([[3, 4, 5]]), EdgePatch(Graph.of(model)))
 
 
@@ -83,10 +83,10 @@ class _Scale(nn.Module):
 
 
 @pytest.mark.parametrize("norm,message", [
-    (lambda: _Scale(64), r"edge patching needs RMS norms \(with eps or variance_epsilon\); _Scale is not one"),
-    (lambda: nn.LayerNorm(64), r"LayerNorm is not an RMS norm: edge patching cannot split the block output"),
+    (lambda: _Scale(64), r"_Scale is not a 'rms_one_plus' norm as its family says"),
+    (lambda: nn.LayerNorm(64), r"LayerNorm does not compute what its family's norm kind 'rms_one_plus' says"),
 ])
-def test_a_post_norm_that_is_not_rms_is_refused(norm, message):
+def test_a_post_norm_that_is_not_its_familys_kind_is_refused(norm, message):
     """Gemma-3's post-attention norm's scale is split between heads when the patch is installed."""
     model = TINY["gemma3-sliding"]()
     model.model.layers[1].post_attention_layernorm = norm()
@@ -94,7 +94,7 @@ def test_a_post_norm_that_is_not_rms_is_refused(norm, message):
         _run(model, torch.tensor([[3, 4, 5]]), EdgePatch(Graph.of(model)))
 
 
-def test_a_pre_norm_that_is_not_rms_is_refused_when_it_is_folded_or_differentiated():
+def test_a_pre_norm_that_is_not_its_familys_kind_is_refused_when_it_is_folded_or_differentiated():
     """A query/key/value head reading a mix of its own (its pre-norm folded into the projection),
     and a receiver gradient taken back through the pre-norm."""
     model = TINY["llama-gqa"]()
@@ -104,9 +104,9 @@ def test_a_pre_norm_that_is_not_rms_is_refused_when_it_is_folded_or_differentiat
     graph = circuits.graph
     kept = graph.valid().clone()
     kept[0, graph.attention_slice(1).start] = False  # embeddings -> L1.H0.q: that query mixes
-    with pytest.raises(NotImplementedError, match="LayerNorm is not an RMS norm"):
+    with pytest.raises(NotImplementedError, match="LayerNorm does not compute what its family's norm kind 'rms'"):
         circuits.per_prompt(kept)
-    with pytest.raises(NotImplementedError, match="LayerNorm is not an RMS norm"):
+    with pytest.raises(NotImplementedError, match="LayerNorm does not compute what its family's norm kind 'rms'"):
         circuits.scores(steps=1)
 
 

@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from attnlab import anatomy
 from attnlab.curves import refined_sweep
 from attnlab.edges import EdgePatch, Graph, Plan, ReceiverGradients, Recording
 from attnlab.interventions import intervened
@@ -86,7 +87,7 @@ class EdgeCircuits:
         if steps < 1:
             raise ValueError(f"EAP-IG needs at least 1 step, not {steps}")
         graph, scores = self.graph, torch.zeros(self.graph.n_senders, self.graph.n_receivers, dtype=torch.float64)
-        embed = self.model.get_input_embeddings()
+        embed = anatomy.of(self.model).input_embeddings
         for rows in tqdm(self._chunks(), desc="edge scores", unit="batch", mininterval=10):
             points = self.batch.differing_points(rows)  # elsewhere clean − corrupted is 0
             corrupted, _ = self._record(self.batch.corrupted, rows, points)

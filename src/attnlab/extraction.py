@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from attnlab import attention, sparse
+from attnlab import anatomy, attention, sparse
 from attnlab.interventions import intervened
 from attnlab.io import atomic_path
 from attnlab.models import left_pad, padded_span_mask
@@ -45,7 +45,7 @@ def extract(model, prompts: pd.DataFrame, batch_size: int, map_layers: list[int]
     lam = [np.full((heads, n, width), np.nan, np.float32) for _ in range(layers)]
     maps = {layer: np.full((heads, n, width, width), np.nan, np.float16) for layer in map_layers}
     spans = prompts[["inserted_start", "inserted_end"]].to_numpy()
-    base = model.get_decoder()  # hidden states only: the LM head is not needed
+    base = anatomy.of(model, stages=("extraction",)).decoder  # hidden states only: the LM head is not needed
     device = next(model.parameters()).device
     for start in tqdm(range(0, n, batch_size), desc="extract", unit="batch", mininterval=5):
         rows = list(range(start, min(start + batch_size, n)))

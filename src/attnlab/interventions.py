@@ -39,7 +39,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from attnlab import fused, mlp, sparse
+from attnlab import anatomy, fused, mlp, sparse
 from attnlab.attention import BatchReduction, LayerStats
 from attnlab.edges import EdgePatch
 from attnlab.readout import Readout
@@ -87,8 +87,9 @@ def intervened(model, *, gates: sparse.GateTracker | None = None,
         if in_attention and previous != IMPLEMENTATION:
             model.set_attn_implementation(IMPLEMENTATION)
         if head_gates is not None:
-            handles += [layer.self_attn.o_proj.register_forward_pre_hook(head_gates.hook(index))
-                        for index, layer in enumerate(model.get_decoder().layers)]
+            parts = anatomy.of(model)
+            handles += [parts.out_projection(index).register_forward_pre_hook(head_gates.hook(index))
+                        for index in range(parts.n_layers)]
         if arm is not None or activations is not None:
             handles += mlp.hooks(model, arm, activations)
         if record is not None:
@@ -101,7 +102,7 @@ def intervened(model, *, gates: sparse.GateTracker | None = None,
             handles.append(edges.install(model))
         yield inside
     finally:
-        for handle in handles:
+        for handle in reversed(handles):  # last in, first out: parts that replace the same module nest
             handle.remove()
         if model.config._attn_implementation != previous:
             model.set_attn_implementation(previous)
@@ -153,7 +154,8 @@ def refuse_unimplemented(dropout: float, kwargs: dict) -> None:
             "biases), which this model uses; its attention cannot be reduced or gated here")
     if dropout:
         raise NotImplementedError(f"{IMPLEMENTATION} attention does not implement attention dropout "
-                                  f"({dropout}); set the model config's attention_dropout to 0")
+                                  f"({dropout}); set the model config's attention dropout field to 0 "
+                                  "(attention_dropout; GPT-2: attn_pdrop), or call model.eval()")
 
 
 def attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -176,13 +178,14 @@ def attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: tor
         raise RuntimeError(f"{IMPLEMENTATION} attention on a dense model outside intervened(reduce=...): "
                            "load sparse models with attnlab.models.load_model")
     if scaling is None:
-        scaling = module.head_dim ** -0.5
+        scaling = query.shape[-1] ** -0.5
     output = fused.attend(module, query, key, value, attention_mask, scaling, softcap, bias, inside.gates,
                           inside.reduce, kwargs.get("sliding_window"))
     if output is not None:  # the kernels took the layer (on GPUs: attnlab.fused)
         return output, None
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
+    groups = query.shape[1] // key.shape[1]  # grouped-query attention: query heads per key/value head
+    key = repeat_kv(key, groups)
+    value = repeat_kv(value, groups)
     batch, heads, length, _ = query.shape
     stats = None
     if inside.reduce is not None:

@@ -1,9 +1,9 @@
 """The MLP side of the meaningless-token effect: activation statistics and ARM.
 
 Both work on one decoder layer's MLP activation ``a = act_fn(gate_proj(x))``
-(SiLU in Llama/Qwen2, GELU-tanh in Gemma-3), reached with a forward hook on
-the layer's ``mlp.act_fn`` module: its input is the gate pre-activation
-``g = gate_proj(x)`` and its output is ``a``.
+(SiLU in Llama/Qwen2/OLMo, GELU-tanh in Gemma-3; GPT-2's plain MLP: ``a = act(c_fc(x))``,
+GELU), reached with a forward hook on the layer's activation module (``anatomy``): its input
+is the pre-activation ``g = gate_proj(x)`` (``c_fc(x)``) and its output is ``a``.
 
 ARM (Activation Redistribution Module, arXiv 2510.01032), per token, i.e. on
 each token's activation vector ``a`` of the intermediate size ``d``:
@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attnlab import anatomy
 from attnlab.checks import HeadRangeError
 
 log = logging.getLogger(__name__)
@@ -146,18 +147,16 @@ def redistribute(a: torch.Tensor, settings: ArmSettings, positions: torch.Tensor
 
 
 def _act_fn(model, layer: int) -> torch.nn.Module:
-    layers = model.get_decoder().layers
-    if not 0 <= layer < len(layers):
-        raise HeadRangeError(f"MLP layer {layer}: the model has {len(layers)} layers "
-                             f"(0-based: 0..{len(layers) - 1})")
-    mlp = layers[layer].mlp
-    if not hasattr(mlp, "act_fn") or not hasattr(mlp, "gate_proj"):
-        raise TypeError(f"layer {layer}'s MLP ({type(mlp).__name__}) is not a gated MLP with "
-                        "gate_proj and act_fn; ARM and the MLP analysis need one")
-    if any(other.mlp.act_fn is mlp.act_fn for i, other in enumerate(layers) if i != layer):
-        raise TypeError(f"layer {layer} shares its act_fn module with another layer; "
+    """Layer ``layer``'s MLP activation module (``anatomy``: act_fn, GPT-2's act)."""
+    parts = anatomy.of(model, stages=("MLP analysis and ARM",))
+    if not 0 <= layer < parts.n_layers:
+        raise HeadRangeError(f"MLP layer {layer}: the model has {parts.n_layers} layers "
+                             f"(0-based: 0..{parts.n_layers - 1})")
+    act_fn = parts.mlp_activation(layer)
+    if any(parts.mlp_activation(other) is act_fn for other in range(parts.n_layers) if other != layer):
+        raise TypeError(f"layer {layer} shares its MLP activation module with another layer; "
                         "a hook on it would fire for both")
-    return mlp.act_fn
+    return act_fn
 
 
 def hooks(model, arm: ArmSettings | None, recorder: ActivationRecorder | None) -> list:
@@ -192,7 +191,7 @@ def _arm_hooks(model, settings: ArmSettings) -> list:
 
     act_fn = _act_fn(model, settings.layer)
     handles = []
-    for module in dict.fromkeys([model, model.get_decoder()]):
+    for module in dict.fromkeys([model, anatomy.of(model).decoder]):
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
     handles.append(act_fn.register_forward_hook(hook))
@@ -231,7 +230,8 @@ STATISTICS = {
     "l1": "sum of |a| over the intermediate units",
     "l2": "Euclidean norm of a",
     "gini": "Gini coefficient of |a| (0: all equal, 1: one unit holds everything)",
-    "gate_variance": "variance of g = gate_proj(x) over the prompt's question tokens, mean over units",
+    "gate_variance": "variance of the pre-activation g = gate_proj(x) (GPT-2: c_fc(x)) over the prompt's "
+                     "question tokens, mean over units",
 }
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attnlab import anatomy
 from attnlab.interventions import intervened
 from attnlab.mlp import ActivationRecorder, LayerRecorded
 from attnlab.models import left_pad, padded_span_mask
@@ -20,7 +21,7 @@ def record_activations(model, prompts: pd.DataFrame, layer: int, threshold: floa
     (an insertion inside the question excluded). Each forward stops at the recorded layer's
     activation (``LayerRecorded``): nothing after it in a causal model can change it."""
     recorder = ActivationRecorder(layer, threshold, edges, stop_forward=True)
-    base = model.get_decoder()
+    base = anatomy.of(model).decoder
     device = next(model.parameters()).device
     with intervened(model, activations=recorder):
         for start in range(0, len(prompts), batch_size):

@@ -257,9 +257,10 @@ def plot_length_sweep(table: pd.DataFrame, families: dict[str, str | None], mode
 
 def plot_mlp_histograms(histograms: dict[str, pd.DataFrame], table: pd.DataFrame, baseline: str,
                         model: str, dataset: str, layer: int, near_zero: float, out_path,
-                        dpi: int = 150) -> None:
-    """One panel per condition: its histogram of a = act_fn(gate_proj(x)) over the question
-    tokens overlaid on the baseline's, log-scale counts, near-zero band shaded."""
+                        dpi: int = 150, activation: str = "act_fn(gate_proj(x))") -> None:
+    """One panel per condition: its histogram of a = ``activation`` (the family's MLP activation,
+    ``anatomy.Family.activation_formula``) over the question tokens overlaid on the baseline's,
+    log-scale counts, near-zero band shaded."""
     others = [c for c in histograms if c != baseline] or [baseline]
     columns = min(3, len(others))
     rows = -(-len(others) // columns)
@@ -286,7 +287,7 @@ def plot_mlp_histograms(histograms: dict[str, pd.DataFrame], table: pd.DataFrame
     for ax in axes.flat[len(others):]:
         ax.set_visible(False)
     for ax in axes[-1]:
-        ax.set_xlabel("a = act_fn(gate_proj(x))")
+        ax.set_xlabel(f"a = {activation}")
     for ax in axes[:, 0]:
         ax.set_ylabel("count (question tokens x units)")
     fitted_suptitle(fig, f"{model} on {dataset}: layer {layer} (0-based) MLP activations; "

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attnlab import anatomy
+
 
 @dataclass(frozen=True, eq=False)
 class Readout:
@@ -33,13 +35,14 @@ class Readout:
     fast: bool = False
 
     def install(self, model) -> "_Restore":
-        last = model.get_decoder().layers[-1]
-        head = model.get_output_embeddings()
-        restore = _Restore(model, last, last.mlp, head)
+        parts = anatomy.of(model)
+        last = parts.mlp_slot(parts.n_layers - 1)
+        head = parts.output_embeddings
+        restore = _Restore(parts, last, last.get(), head)
         if self.fast:
-            last.mlp = _LastPositionsMLP(restore.mlp, self.positions)
+            last.set(_LastPositionsMLP(restore.mlp, self.positions))
         if self.tokens is not None and type(head) is nn.Linear:
-            model.set_output_embeddings(_SelectedLogits(head, self.tokens.to(head.weight.device), self.fast))
+            parts.set_output_embeddings(_SelectedLogits(head, self.tokens.to(head.weight.device), self.fast))
         elif self.fast:
             restore.hook = head.register_forward_pre_hook(contiguous_input)
         return restore
@@ -49,8 +52,8 @@ class Readout:
 class _Restore:
     """Puts back what ``Readout.install`` replaced (a handle, like a hook's)."""
 
-    model: nn.Module
-    last: nn.Module
+    parts: anatomy.Anatomy
+    last: anatomy.Slot
     mlp: nn.Module
     head: nn.Module
     hook: object = None
@@ -58,8 +61,8 @@ class _Restore:
     def remove(self) -> None:
         if self.hook is not None:
             self.hook.remove()
-        self.model.set_output_embeddings(self.head)
-        self.last.mlp = self.mlp
+        self.parts.set_output_embeddings(self.head)
+        self.last.set(self.mlp)
 
 
 class _LastPositionsMLP(nn.Module):

@@ -24,9 +24,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-
-def decoder_layers(model) -> nn.ModuleList:
-    return model.get_decoder().layers
+from attnlab import anatomy
 
 
 @dataclass
@@ -40,10 +38,10 @@ class LayerInputs:
     cache: Cache | None = None
 
     def hooks(self, model) -> list:
-        handles = []
-        for index, layer in enumerate(decoder_layers(model)):
-            handles.append(layer.register_forward_pre_hook(self._record_hidden(index), with_kwargs=True))
-            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(self._record_attention(index)))
+        parts, handles = anatomy.of(model), []
+        for index in range(parts.n_layers):
+            handles.append(parts.block(index).register_forward_pre_hook(self._record_hidden(index), with_kwargs=True))
+            handles.append(parts.out_projection(index).register_forward_pre_hook(self._record_attention(index)))
         return handles
 
     def _record_hidden(self, index: int):
@@ -96,14 +94,15 @@ class ResumeAt:
     attention: torch.Tensor
 
     def install(self, model) -> "_Restore":
-        layers = decoder_layers(model)
+        parts = anatomy.of(model)
+        layers = parts.blocks
         if not 0 <= self.layer < len(layers):
             raise ValueError(f"cannot resume at layer {self.layer}: the model has {len(layers)} layers")
-        restore = _Restore(layers, {index: layers[index] for index in range(self.layer)},
-                           layers[self.layer], layers[self.layer].self_attn)
+        slot = parts.attention_slot(self.layer)
+        restore = _Restore(layers, {index: layers[index] for index in range(self.layer)}, slot, slot.get())
         for index in range(self.layer):
             layers[index] = _RecordedOutput(self.hidden)
-        layers[self.layer].self_attn = _RecordedAttention(restore.attention.o_proj, self.attention)
+        slot.set(_RecordedAttention(parts.out_projection(self.layer), self.attention))
         return restore
 
 
@@ -113,13 +112,13 @@ class _Restore:
 
     layers: nn.ModuleList
     below: dict[int, nn.Module]
-    resumed: nn.Module
+    slot: anatomy.Slot
     attention: nn.Module
 
     def remove(self) -> None:
         for index, layer in self.below.items():
             self.layers[index] = layer
-        self.resumed.self_attn = self.attention
+        self.slot.set(self.attention)
 
 
 def cached_positions(cache: Cache) -> int:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from attnlab import anatomy
+
 CONFIG_KEY = "attnlab_sparse"  # in config.json: {"gate_bias": b, "base": ..., ...}
 IMPLEMENTATION = "attnlab"  # the attention implementation that gates (registered by attnlab.interventions)
 
@@ -191,7 +193,9 @@ def is_sparse(model) -> bool:
 
 
 def make_sparse(model, gate_bias: GateBias, **provenance) -> None:
-    """Mark ``model`` as sparse (its config carries the gate bias) and select the gated attention."""
+    """Mark ``model`` as sparse (its config carries the gate bias) and select the gated attention;
+    a model of a family the anatomy does not know is refused."""
+    anatomy.of(model, stages=("sparse post-training",))
     settings = {"gate_bias": checked_bias(model, gate_bias), "implementation": IMPLEMENTATION, **provenance}
     for config in _configs(model):
         setattr(config, CONFIG_KEY, settings)

@@ -1,5 +1,6 @@
 """The receivers' gradients: the metric's gradient with respect to each receiver's input, summed
-over backward passes (edge attribution), and the closed-form gradient through an RMS pre-norm."""
+over backward passes (edge attribution). The closed-form gradient through a pre-norm is the norm's
+own (``anatomy.NormSpec.input_gradient``)."""
 
 from __future__ import annotations
 
@@ -39,15 +40,3 @@ class ReceiverGradients:
 
     def gradient(self, first: int) -> torch.Tensor:
         return self.groups[first]
-
-
-def rms_input_gradient(x: torch.Tensor, eps: float, weighted: torch.Tensor) -> torch.Tensor:
-    """The vector-Jacobian product of y = x · rsqrt(mean(x²) + eps) · w at ``x`` [..., hidden]
-    for a stack of output gradients g given as ``weighted`` = w ∘ g [n, ..., hidden] (the weight
-    folded into whatever produced g), in float32 at least, as the norms compute:
-    r · (w ∘ g) − x · r³ · mean(x ∘ w ∘ g), with r = rsqrt(mean(x²) + eps)."""
-    dtype = at_least_float32(x)
-    x, weighted = x.to(dtype), weighted.to(dtype)
-    inverse = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    projection = torch.einsum("n...d,...d->n...", weighted, x)[..., None] / x.shape[-1]
-    return (weighted * inverse).addcmul_(x * inverse.pow(3), projection, value=-1)

@@ -8,6 +8,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from attnlab import anatomy
+
 
 @dataclass(frozen=True)
 class Graph:
@@ -20,9 +22,8 @@ class Graph:
 
     @classmethod
     def of(cls, model) -> "Graph":
-        config = model.config.get_text_config()
-        return cls(config.num_hidden_layers, config.num_attention_heads,
-                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        parts = anatomy.of(model, stages=("edge circuits",))
+        return cls(parts.n_layers, parts.n_heads, parts.n_kv_heads)
 
     @property
     def n_senders(self) -> int:

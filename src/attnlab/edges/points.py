@@ -1,9 +1,13 @@
 """Tensors at points: the flat (row × tokens + position) indices of the tokens a pass patches,
-records or keeps gradients at, and the dtype the RMS norms compute in."""
+records or keeps gradients at, and the dtype the norms compute in."""
 
 from __future__ import annotations
 
 import torch
+
+from attnlab.anatomy.norms import at_least_float32
+
+__all__ = ["at_least_float32", "contiguous", "select_points"]
 
 
 def select_points(x: torch.Tensor, points: torch.Tensor | None) -> torch.Tensor:
@@ -11,11 +15,6 @@ def select_points(x: torch.Tensor, points: torch.Tensor | None) -> torch.Tensor:
     [..., points, hidden]."""
     flat = x.flatten(-3, -2)
     return flat if points is None else flat.index_select(-2, points.to(x.device))
-
-
-def at_least_float32(x: torch.Tensor) -> torch.dtype:
-    """The dtype RMS norms compute in: float32, or the input's if wider."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def contiguous(indices: list[int]) -> list[int] | slice:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attnlab import anatomy
 from attnlab.edges.points import select_points
 from attnlab.edges.state import PassState
 
@@ -46,12 +47,12 @@ class SenderHooks:
         the table (one product instead of a product and a difference)."""
         n_heads = self.state.graph.n_heads
         difference = (z - corrupted_z).view(len(z), n_heads, -1).transpose(0, 1)  # [heads, points, e]
-        weight = o_proj.weight.view(o_proj.out_features, n_heads, -1).permute(1, 2, 0)  # [heads, e, hidden]
+        weight = anatomy.heads_out(o_proj, n_heads)  # [heads, e, hidden]
         torch.bmm(difference, weight.to(difference.dtype), out=self.state.table()[first:first + n_heads])
 
-    def heads(self, index: int, scale):
-        """The forward hook on layer ``index``'s o_proj (its stand-in) that keeps its heads'
-        contributions; ``scale``: (w, eps) of a post-norm of the attention block's output."""
+    def heads(self, index: int, scale: anatomy.NormSpec | None):
+        """The forward hook on layer ``index``'s output projection (its stand-in) that keeps its
+        heads' contributions; ``scale``: a post-norm of the attention block's output (RMS)."""
         state = self.state
         n_heads = state.graph.n_heads
         first = state.graph.head_sender(index, 0)
@@ -90,15 +91,15 @@ class SenderHooks:
         state.heads_written.add(index)
         return torch.sum(state.table()[first:first + n_heads], 0).add_(corrupted.attention_outputs[index])
 
-    def head_outputs(self, o_proj: nn.Module, z: torch.Tensor, output: torch.Tensor, scale) -> torch.Tensor:
-        """Each head's contribution [heads, ..., hidden] from o_proj's input ``z`` [..., heads · e]
-        and output ``output`` [..., hidden]."""
+    def head_outputs(self, o_proj: nn.Module, z: torch.Tensor, output: torch.Tensor,
+                     scale: anatomy.NormSpec | None) -> torch.Tensor:
+        """Each head's contribution [heads, ..., hidden] from the output projection's input ``z``
+        [..., heads · e] and output ``output`` [..., hidden] (a bias is no head's)."""
         n_heads = self.state.graph.n_heads
-        weight = o_proj.weight.view(o_proj.out_features, n_heads, -1)
-        heads = torch.einsum("...he,dhe->h...d", z.view(*z.shape[:-1], n_heads, -1), weight)
+        heads = torch.einsum("...he,hed->h...d", z.view(*z.shape[:-1], n_heads, -1), anatomy.heads_out(o_proj, n_heads))
         if scale is not None:  # a post-norm of the block's output: the same scale for every head
-            weight_norm, eps = scale
-            heads = heads * (torch.rsqrt(output.float().pow(2).mean(-1, keepdim=True) + eps) * weight_norm)
+            _, inverse = scale.normalise(output)
+            heads = heads * (inverse * scale.weight)
         return heads
 
     def mlp_output(self, index: int):

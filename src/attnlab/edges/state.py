@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab.edges.norms import norm_weight
+from attnlab.anatomy import NormSpec
 from attnlab.edges.points import select_points
 
 
@@ -30,14 +30,14 @@ class PassState:
     """The state of one ``EdgePatch`` (``patch``) installed on one model, read and written by its
     sender hooks, receiver hooks and stand-ins."""
 
-    def __init__(self, patch, model):
+    def __init__(self, patch, model, parts):
         self.patch, self.graph, self.plan = patch, patch.graph, patch.plan
-        self.layers = model.get_decoder().layers
+        self.parts = parts  # the model's anatomy
         # the receivers' inputs of the layer under way (its query/key/value heads)
         self.attention_inputs: dict[int, GroupInputs] = {}
         self.live_inputs: dict[int, torch.Tensor] = {}  # each layer's input, kept for receiver gradients
         self.heads_written: set[int] = set()  # layers whose heads' differences this pass has written
-        self.hidden, self.device = model.config.get_text_config().hidden_size, model.device
+        self.hidden, self.device = parts.hidden, model.device
         self.points = None if patch.plan is None else patch.corrupted.points
         self.unpatched_points = None  # the other tokens of the pass
         if self.points is not None:
@@ -54,10 +54,16 @@ class PassState:
         self.live_inputs.clear()
         self.heads_written.clear()
 
-    def input_norm(self, layer: int) -> tuple[torch.Tensor, float]:
-        """(w, eps) of a layer's input_layernorm (``norm_weight`` keeps it while the norm's
-        parameters stay as they are)."""
-        return norm_weight(self.layers[layer].input_layernorm, self.hidden, self.device)
+    def input_norm(self, layer: int) -> NormSpec | None:
+        """What the norm before a layer's attention computes (``anatomy.norm_spec`` keeps it while
+        the norm's parameters stay as they are); None where the family has none (OLMo-2)."""
+        norm = self.parts.norm(layer, "attention_in")
+        return None if norm is None else self.parts.spec(norm, self.device)
+
+    def input_normed(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The norm before a layer's attention (the module itself) applied to ``x``."""
+        norm = self.parts.norm(layer, "attention_in")
+        return x if norm is None else norm(x)
 
     def table(self) -> torch.Tensor:
         """The corrupted recording's table (``Recording.table``), made at the first pass patched

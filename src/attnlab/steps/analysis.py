@@ -106,6 +106,7 @@ def mlp_activations(model_dir: str, prompts_path: str, stats_path: str, histogra
                     settings: dict, threads: int, arm: dict | None = None,
                     batch_size: int | None = None) -> None:
     """Statistics and a histogram of one layer's MLP activation over the question tokens."""
+    from attnlab import anatomy
     from attnlab.interventions import intervened
     from attnlab.mlp_recording import record_activations
 
@@ -120,6 +121,7 @@ def mlp_activations(model_dir: str, prompts_path: str, stats_path: str, histogra
         stats, histogram = record_activations(model, prompts, settings.layer, settings.near_zero,
                                               edges, batch_size)
     stats.insert(0, "id", prompts["id"].values)
+    stats.insert(1, "activation", anatomy.of(model).family.activation_formula())  # what ``a`` is, for the figure
     outside = histogram["count"].iloc[[0, -1]].sum() / histogram["count"].sum()
     log.info("near-zero share %.4f, L1 %.2f, Gini %.3f; %.2f%% of values outside the histogram range",
              stats["near_zero"].mean(), stats["l1"].mean(), stats["gini"].mean(), 100 * outside)
@@ -136,8 +138,10 @@ def mlp_summary(stats_paths: dict[str, str], histogram_paths: dict[str, str], ta
     stats = {c: pd.read_csv(path) for c, path in stats_paths.items()}
     histograms = {c: pd.read_csv(path) for c, path in histogram_paths.items()}
     table = summarise_statistics(stats, baseline)
-    for key, value in reversed(list({**keys, "layer": layer, "near_zero_threshold": near_zero}.items())):
+    activation = next(iter(stats.values())).get("activation", pd.Series(["act_fn(gate_proj(x))"])).iloc[0]
+    for key, value in reversed(list({**keys, "layer": layer, "activation": activation,
+                                     "near_zero_threshold": near_zero}.items())):
         table.insert(0, key, value)
     io.write_csv(table, table_path)
     plot_mlp_histograms(histograms, table, baseline, keys["model"], keys["dataset"], layer,
-                        near_zero, figure_path, dpi)
+                        near_zero, figure_path, dpi, activation)

@@ -1,0 +1,143 @@
+"""The model families attnlab knows, as data (pure standard library: Snakemake reads this while it
+parses the workflow, to refuse a model no stage can run before any job starts).
+
+A family says where each part of a decoder sits, as attribute names under transformers' own
+modules, and how its config names what the stages read. ``attnlab.anatomy.parts`` turns these
+names into modules of a loaded model; no other module of the library names a submodule.
+
+Block layouts (``norm_places``):
+
+- ``pre``: x + attn(norm1(x)), then + mlp(norm2(·)) (Llama, Qwen2, GPT-2, OLMo);
+- ``sandwich``: x + norm_a(attn(norm1(x))), then + norm_m(mlp(norm2(·))) (Gemma-3);
+- ``post``: x + norm_a(attn(x)), then + norm_m(mlp(·)) (OLMo-2): no norm before a sublayer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# What each kind of norm computes (w: weight, b: bias, both per unit):
+NORM_KINDS = {
+    "rms": "x · rsqrt(mean(x²) + eps) · w",
+    "rms_one_plus": "x · rsqrt(mean(x²) + eps) · (1 + w)  (Gemma: w stored as w − 1)",
+    "layer": "(x − mean(x)) · rsqrt(var(x) + eps) · w + b  (torch LayerNorm)",
+    "layer_no_params": "(x − mean(x)) · rsqrt(var(x) + eps)  (OLMo-1: no weight, no bias)",
+}
+
+STAGES = ("generation", "extraction", "head patching", "edge circuits", "MLP analysis and ARM",
+          "sparse post-training", "fused kernels")
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family's parts sit (attribute names) and how its config names its shape."""
+
+    name: str
+    classes: tuple[str, ...]  # the transformers classes of the family's causal LMs
+    model_types: tuple[str, ...]  # config.json's model_type (of the text config, for wrappers)
+    blocks: str  # the decoder's ModuleList of blocks
+    attention: str  # a block's attention module
+    projections: dict  # "q", "k", "v", "o" -> attribute of the attention; fused: "qkv"
+    norm_kind: str  # one of NORM_KINDS, for every norm of the residual stream
+    norm_places: str  # "pre", "sandwich" or "post" (module docstring)
+    norms: dict  # "attention_in", "attention_out", "mlp_in", "mlp_out" -> attribute of the block
+    final_norm: str  # attribute of the decoder
+    mlp: str  # a block's MLP
+    mlp_parts: dict  # "in" (the activation's input projection), "activation", "up" (gated), "out"
+    embeddings: str  # the decoder's token embeddings
+    positions: str  # "rope" or "learned" (absolute, added to the token embeddings)
+    qk_norm: str | None = None  # None; "head": per head over head_dim; "all": over every head at once
+    qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # attributes of the attention
+    dropout: tuple[str, ...] = ("attention_dropout",)  # config fields of dropout, attention first
+    config_fields: dict = field(default_factory=lambda: dict(CONFIG_FIELDS))
+
+    @property
+    def gated_mlp(self) -> bool:
+        return "up" in self.mlp_parts
+
+    @property
+    def fused_qkv(self) -> bool:
+        return "qkv" in self.projections
+
+    def activation_formula(self) -> str:
+        """The MLP activation the MLP analysis and ARM read, in the family's own names."""
+        parts = self.mlp_parts
+        return f"{parts['activation']}({parts['in']}(x))"
+
+    def pre_activation_formula(self) -> str:
+        return f"{self.mlp_parts['in']}(x)"
+
+
+CONFIG_FIELDS = {"layers": "num_hidden_layers", "heads": "num_attention_heads",
+                 "kv_heads": "num_key_value_heads", "hidden": "hidden_size"}
+_LLAMA_PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+_GATED_MLP = {"in": "gate_proj", "activation": "act_fn", "up": "up_proj", "out": "down_proj"}
+_PRE_NORMS = {"attention_in": "input_layernorm", "attention_out": None,
+              "mlp_in": "post_attention_layernorm", "mlp_out": None}
+
+
+def _llama_like(name: str, classes: tuple[str, ...], model_types: tuple[str, ...], **changes) -> Family:
+    settings = dict(name=name, classes=classes, model_types=model_types, blocks="layers", attention="self_attn",
+                    projections=_LLAMA_PROJECTIONS, norm_kind="rms", norm_places="pre", norms=_PRE_NORMS,
+                    final_norm="norm", mlp="mlp", mlp_parts=_GATED_MLP, embeddings="embed_tokens", positions="rope")
+    return Family(**{**settings, **changes})
+
+
+FAMILIES = (
+    _llama_like("llama", ("LlamaForCausalLM",), ("llama",)),
+    _llama_like("qwen2", ("Qwen2ForCausalLM",), ("qwen2",)),
+    _llama_like("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3"),
+                norm_kind="rms_one_plus", norm_places="sandwich", qk_norm="head",
+                norms={"attention_in": "input_layernorm", "attention_out": "post_attention_layernorm",
+                       "mlp_in": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"}),
+    _llama_like("olmo", ("OlmoForCausalLM",), ("olmo",), norm_kind="layer_no_params"),
+    _llama_like("olmo2", ("Olmo2ForCausalLM",), ("olmo2",), norm_places="post", qk_norm="all",
+                norms={"attention_in": None, "attention_out": "post_attention_layernorm",
+                       "mlp_in": None, "mlp_out": "post_feedforward_layernorm"}),
+    Family(name="gpt2", classes=("GPT2LMHeadModel",), model_types=("gpt2",), blocks="h", attention="attn",
+           projections={"qkv": "c_attn", "o": "c_proj"}, norm_kind="layer", norm_places="pre",
+           norms={"attention_in": "ln_1", "attention_out": None, "mlp_in": "ln_2", "mlp_out": None},
+           final_norm="ln_f", mlp="mlp", mlp_parts={"in": "c_fc", "activation": "act", "out": "c_proj"},
+           embeddings="wte", positions="learned", dropout=("attn_pdrop", "resid_pdrop", "embd_pdrop"),
+           config_fields={"layers": "n_layer", "heads": "n_head", "kv_heads": "n_head", "hidden": "n_embd"}),
+)
+BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
+# GGUF's general.architecture -> transformers' model_type, where they differ
+GGUF_ARCHITECTURES = {"gemma3": "gemma3_text"}
+
+
+class UnknownFamily(ValueError):
+    """A model whose family attnlab's anatomy does not know (the message says what to do)."""
+
+
+def known_model_types() -> list[str]:
+    return sorted(BY_MODEL_TYPE)
+
+
+def family_of(model_type: str, model: str = "the model", stages=STAGES) -> Family:
+    """The family of a config's ``model_type``; refused, naming the stages and what is missing."""
+    family = BY_MODEL_TYPE.get(model_type)
+    if family is None:
+        raise UnknownFamily(
+            f"{model} is of model_type '{model_type}', a family attnlab's model anatomy "
+            f"(attnlab.anatomy.families) does not know; it knows {', '.join(known_model_types())}. "
+            f"The stages this config runs on it ({', '.join(stages)}) need its blocks, attention "
+            "projections (q, k, v, o), norms and their places, MLP and activation located. Use a model "
+            "of a known family, or add a Family for it (docs/pipeline.md, \"Model families\")")
+    return family
+
+
+def text_config(config: dict) -> dict:
+    """The text model's part of a config.json (a multimodal wrapper keeps it under text_config)."""
+    return config.get("text_config") or config
+
+
+def config_shape(config: dict) -> tuple[int, int]:
+    """(layers, attention heads) of a config.json, in its family's own field names."""
+    config = text_config(config)
+    family = BY_MODEL_TYPE.get(config.get("model_type", ""))
+    fields = family.config_fields if family else CONFIG_FIELDS
+    for key in ("layers", "heads"):  # a config written without aliases still names the standard field
+        if fields[key] not in config and CONFIG_FIELDS[key] in config:
+            fields = CONFIG_FIELDS
+    return int(config[fields["layers"]]), int(config[fields["heads"]])
