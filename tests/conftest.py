@@ -97,14 +97,16 @@ def copy_config(name: str, workdir: Path) -> Path:
     return target
 
 
-def fake_prepared_model(folder: Path, layers: int = 30, heads: int = 9, chat_template: bool = True) -> Path:
+def fake_prepared_model(folder: Path, layers: int = 30, heads: int = 9, chat_template: bool = True,
+                        model_type: str = "llama") -> Path:
     """A small stand-in for a prepared model folder (validation reads only these): its config,
     its tokenizer config (with or without a chat template) and one whole safetensors file."""
     import json
     import struct
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "num_attention_heads": heads}))
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "num_hidden_layers": layers,
+                                                    "num_attention_heads": heads}))
     tokenizer = {"chat_template": "{{ messages }}"} if chat_template else {"tokenizer_class": "GPT2Tokenizer"}
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer))
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()

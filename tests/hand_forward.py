@@ -14,7 +14,9 @@ the output-projection biases of the blocks below it (no sender's: the same in ev
 optional shift of its own (finite differences, gradients). Its pre-norm is applied to that sum
 alone; a query/key norm over every head normalises the whole projection of the head's own input,
 of which the head keeps its slice. A sparse copy's heads gate the softmax weights with
-1[s + b > 0], not renormalised. Nothing here goes through ``attnlab`` but the ``Graph``'s
+1[s + b > 0], not renormalised; in training (``training``), with the straight-through gate
+1[s + b > 0] + σ(s + b) − stopgrad(σ(s + b)) (the sampled gate with its logistic noise at 0), and
+the expected density Σ σ(s + b) over the allowed edges of every layer and head, over their count. Nothing here goes through ``attnlab`` but the ``Graph``'s
 numbering of senders and receivers.
 """
 
@@ -39,8 +41,9 @@ def _linear(module, x: torch.Tensor, transposed: bool = False) -> torch.Tensor:
 class HandForward:
     """The forward of the module docstring; ``gate_bias``: a sparse copy's deterministic gate."""
 
-    def __init__(self, model, gate_bias: float | None = None):
-        self.model, self.gate_bias = model, gate_bias
+    def __init__(self, model, gate_bias: float | None = None, training: bool = False):
+        self.model, self.gate_bias, self.training = model, gate_bias, training
+        self.expected: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: (Σ σ(s + b), edges)
         config = model.config
         self.kind = config.model_type  # llama, qwen2, gemma3_text, gpt2, olmo, olmo2
         self.graph = Graph.of(model)
@@ -109,9 +112,18 @@ class HandForward:
             allowed = allowed & (query - key < window)
         # a finite fill: a padded query with no key to read gets a uniform row, not NaN
         weights = logits.masked_fill(~allowed, torch.finfo(torch.float64).min).softmax(-1)
-        if self.gate_bias is not None:
+        if self.gate_bias is not None and self.training:
+            expected = torch.sigmoid(logits + self.gate_bias)
+            allowed = allowed.expand_as(expected)
+            self.expected.append(((expected * allowed).sum(), allowed.sum()))
+            weights = weights * ((logits + self.gate_bias > 0) + expected - expected.detach())
+        elif self.gate_bias is not None:
             weights = weights * (logits + self.gate_bias > 0)
         return weights @ v
+
+    def expected_density(self) -> torch.Tensor:
+        """The expected density of the last forward (``training``)."""
+        return sum(total for total, _ in self.expected) / sum(count for _, count in self.expected)
 
     def projections(self, attention):
         """Per kind ("q", "k", "v"): a function of a normed input [rows, tokens, d] giving every
@@ -147,6 +159,7 @@ class HandForward:
         ``kept[s, r]`` (or ``kept`` is None), else ``corrupted[s]``, plus the constant biases
         below it, plus ``shifts[r]``."""
         graph = self.graph
+        self.expected = []
         if self.gpt2:  # learned positions join the token embeddings: the embeddings' sender
             embeds = embeds.double() + self.model.transformer.wpe(positions).double()
         senders, constants = [embeds.double()], []  # constants: the output-projection biases so far

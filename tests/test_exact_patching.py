@@ -18,7 +18,7 @@ from attnlab.readout import Readout
 from attnlab.resume import LayerInputs, ResumeAt
 from attnlab.tasks import TaskPrompts
 from test_attention import TINY, _tiny
-from test_pruning import WordTokenizer
+from test_pruning import WordTokenizer, _out_projection
 
 LENGTHS = [9, 7, 9, 7, 8, 8]  # templates 0, 1, 0, 1, 2, 2: equal lengths within a template
 SHARED = 3  # clean and corrupted prompts agree on their first 3 tokens
@@ -38,7 +38,7 @@ def _prompts(seed=0) -> TaskPrompts:
 
 def _o_proj_input(model, ids: list[int], layer: int) -> torch.Tensor:
     seen = {}
-    handle = model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(
+    handle = _out_projection(model, layer).register_forward_pre_hook(
         lambda module, args: seen.__setitem__("z", args[0].detach().clone()))
     with torch.no_grad():
         model(torch.tensor([ids]))
@@ -47,14 +47,14 @@ def _o_proj_input(model, ids: list[int], layer: int) -> torch.Tensor:
 
 
 def _last_logits(model, ids: list[int], layer=None, head=None, reference=None) -> torch.Tensor:
-    head_dim = model.config.head_dim
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
     handles = []
     if layer is not None:
         def patch(module, args):
             z = args[0].clone()
             z[0, :, head * head_dim:(head + 1) * head_dim] = reference[:, head * head_dim:(head + 1) * head_dim]
             return (z,)
-        handles.append(model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(patch))
+        handles.append(_out_projection(model, layer).register_forward_pre_hook(patch))
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, -1]
     for handle in handles:
@@ -105,11 +105,13 @@ def _model(arch: str, sparse_copy: bool):
 
 
 @pytest.mark.parametrize("arch,sparse_copy", [("llama-gqa", False), ("qwen2", False), ("gemma3-sliding", False),
-                                              ("llama-gqa", True)])
+                                              ("llama-gqa", True), ("gpt2", False), ("olmo", False),
+                                              ("olmo2", False), ("gpt2", True)])
 @pytest.mark.parametrize("ablation", ["corrupted", "mean", "zero"])
 def test_exact_patching_equals_one_head_of_one_prompt_at_a_time(arch, sparse_copy, ablation):
     """Gemma-3 (sliding window 5 on layers 0 and 2, shorter than the prompts; sandwich and q/k
-    norms) beside Llama (GQA), Qwen2 (q/k/v biases) and a sparse copy."""
+    norms) beside Llama (GQA), Qwen2 (q/k/v biases), GPT-2 (c_proj, learned positions), OLMo,
+    OLMo-2 (post-norms) and sparse copies."""
     model = _model(arch, sparse_copy)
     prompts = _prompts()
     patcher = Patcher(model, build_batch(prompts, WordTokenizer()), ablation, batch_size=4)

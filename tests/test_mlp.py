@@ -6,7 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, LlamaConfig, Olmo2Config, OlmoConfig,
+                          Qwen2Config)
 
 from attnlab.interventions import intervened
 from attnlab.mlp import (ActivationRecorder, ArmSettings, gini, prompt_statistics,
@@ -158,6 +159,13 @@ def _tiny(kind: str):
     elif kind == "qwen2":
         config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    elif kind == "gpt2":
+        config = GPT2Config(vocab_size=64, n_embd=32, n_inner=48, n_layer=2, n_head=4, n_positions=64,
+                            bos_token_id=1, eos_token_id=2)
+    elif kind in ("olmo", "olmo2"):
+        config = (OlmoConfig if kind == "olmo" else Olmo2Config)(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=2)
     else:
         config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=1, head_dim=8,
@@ -165,15 +173,25 @@ def _tiny(kind: str):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
+def _mlp_parts(model, layer: int):
+    """(the pre-activation projection, the activation module) of a block's MLP, found here by
+    hand: gate_proj and act_fn; GPT-2's c_fc and act."""
+    if model.config.model_type == "gpt2":
+        mlp = model.transformer.h[layer].mlp
+        return mlp.c_fc, mlp.act
+    mlp = model.model.layers[layer].mlp
+    return mlp.gate_proj, mlp.act_fn
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gpt2", "olmo", "olmo2"])
 def test_recorder_sees_act_fn_of_gate_proj(kind):
     model = _tiny(kind)
-    mlp = model.get_decoder().layers[1].mlp
+    pre_activation, act_fn = _mlp_parts(model, 1)
     ids = torch.randint(3, 64, (2, 7))
     mask = torch.zeros(2, 7, dtype=torch.bool)
     mask[0, 2:6], mask[1, 1:7] = True, True
     captured = {}
-    handle = mlp.gate_proj.register_forward_hook(lambda m, args, out: captured.update(g=out))
+    handle = pre_activation.register_forward_hook(lambda m, args, out: captured.update(g=out))
     edges = np.linspace(-0.5, 0.5, 11)
     recorder = ActivationRecorder(1, 0.01, edges)
     recorder.mask = mask
@@ -181,21 +199,22 @@ def test_recorder_sees_act_fn_of_gate_proj(kind):
         model(ids)
     handle.remove()
     g = captured["g"]
-    expected = prompt_statistics(mlp.act_fn(g), g, mask, 0.01)
+    expected = prompt_statistics(act_fn(g), g, mask, 0.01)
     table = recorder.table()
     for name in ("near_zero", "l1", "gini", "gate_variance"):
         np.testing.assert_allclose(table[name], expected[name].numpy(), rtol=1e-5)
     histogram = recorder.histogram()
     assert histogram["count"].sum() == mask.sum().item() * 48
-    values = mlp.act_fn(g)[mask].flatten().numpy()
+    values = act_fn(g)[mask].flatten().numpy()
     assert histogram["count"].iloc[0] == (values < -0.5).sum()
     assert histogram["count"].iloc[-1] == (values >= 0.5).sum()
 
 
-def test_arm_runs_on_prefill_and_every_decoding_step():
-    model = _tiny("llama")
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "olmo2"])
+def test_arm_runs_on_prefill_and_every_decoding_step(kind):
+    model = _tiny(kind)
     calls = []
-    act = model.get_decoder().layers[0].mlp.act_fn
+    act = _mlp_parts(model, 0)[1]
     counter = act.register_forward_hook(lambda m, args, out: calls.append(out.shape[1]))
     ids = torch.randint(3, 64, (1, 5))
     with torch.no_grad():

@@ -51,6 +51,13 @@ def test_ablating_a_head_changes_only_its_slice():
     assert torch.all(ablated[:, :, 2] == 7.0) and not torch.equal(kept[:, :, 2], ablated[:, :, 2])
 
 
+def _out_projection(model, layer: int):
+    """The attention's output projection of a block, found here by hand (GPT-2: c_proj)."""
+    if model.config.model_type == "gpt2":
+        return model.transformer.h[layer].attn.c_proj
+    return model.model.layers[layer].self_attn.o_proj
+
+
 def _metric_by_hand(model, batch, layers_patched: dict | None) -> float:
     """Mean logit difference, each prompt alone, with every head of each layer in
     ``layers_patched`` given that layer's reference (per prompt) by a hook written here."""
@@ -60,7 +67,7 @@ def _metric_by_hand(model, batch, layers_patched: dict | None) -> float:
         for layer, reference in (layers_patched or {}).items():
             def replace(module, args, reference=reference[row]):
                 return (reference[None].expand_as(args[0]).clone(),)
-            handles.append(model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(replace))
+            handles.append(_out_projection(model, layer).register_forward_pre_hook(replace))
         with torch.no_grad():
             last = model(batch.clean[row:row + 1]).logits[0, -1]
         for handle in handles:
@@ -78,7 +85,7 @@ def _references_by_hand(model, batch, ablation: str) -> dict:
         def hook(module, args):
             captured.setdefault(layer, []).append(args[0][0].detach().clone())
         return hook
-    handles = [model.model.layers[l].self_attn.o_proj.register_forward_pre_hook(capture(l)) for l in range(3)]
+    handles = [_out_projection(model, l).register_forward_pre_hook(capture(l)) for l in range(3)]
     source = batch.corrupted if ablation == "corrupted" else batch.clean
     with torch.no_grad():
         for row in range(len(source)):
@@ -93,12 +100,13 @@ def _references_by_hand(model, batch, ablation: str) -> dict:
     return stacked
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2", "olmo2"])
 @pytest.mark.parametrize("ablation", ["corrupted", "mean", "zero"])
-def test_the_sweeps_ends_are_the_model_with_every_head_and_with_none(ablation):
+def test_the_sweeps_ends_are_the_model_with_every_head_and_with_none(arch, ablation):
     """m(all) is the unpatched model's metric and m(0) the metric with every head's o_proj input
     replaced by the reference, each computed here one prompt at a time with hooks of its own (the
     template mean taken by hand); in between, each prompt's metric averages to the curve's."""
-    model = TINY["qwen2"]()
+    model = TINY[arch]()
     batch = _toy_batch()  # one template, equal lengths: no padding
     patcher = Patcher(model, batch, ablation, batch_size=4)
     heads = [(l, h) for l in range(3) for h in range(4)]
@@ -111,8 +119,9 @@ def test_the_sweeps_ends_are_the_model_with_every_head_and_with_none(ablation):
     np.testing.assert_allclose([per_prompt[k].mean() for k in range(13)], sweep["metric"], atol=1e-6)
 
 
-def test_attribution_is_the_gradient_of_the_gates():
-    model = TINY["llama-gqa"]()
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "olmo", "olmo2"])
+def test_attribution_is_the_gradient_of_the_gates(arch):
+    model = TINY[arch]()
     patcher = Patcher(model, _toy_batch(), "corrupted", batch_size=4)
     attribution = patcher.attribution()
     assert attribution.shape == (3, 4)

@@ -75,14 +75,10 @@ def damaged_model_files(folder: str | Path) -> list[str]:
     return problems
 
 
-def prepared_model_shape(folder: str | Path) -> tuple[int, int] | None:
-    """(layers, attention heads) of a prepared model folder, None before it exists."""
+def prepared_model_config(folder: str | Path) -> dict | None:
+    """A prepared model folder's config.json, None before it exists."""
     path = Path(folder) / "config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text())
-    config = config.get("text_config", config)
-    return int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def prepared_has_chat_template(folder: str | Path) -> bool | None:

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.initialization import no_init_weights
 
+from attnlab.anatomy.families import family_of
 from attnlab.checks import check_chat_template
 from attnlab.io import atomic_path
 from attnlab.sources import check_model_source, package_folder
@@ -116,6 +117,9 @@ def prepare_model(name: str, source: dict, out_dir: str | Path, prompt_format: s
         else:
             model, tokenizer = _load_from_gguf(source, Path(scratch))
         check_chat_template(name, prompt_format, bool(tokenizer.chat_template))
+        # a hub model whose config was not at hand when the workflow was checked: refused here,
+        # before any job reads it, if its family is one the anatomy does not know
+        family_of(model.config.get_text_config().model_type, f"model '{name}' ({type(model).__name__})")
         with atomic_path(out_dir, directory=True) as tmp:
             model.save_pretrained(tmp)
             save_tokenizer(tokenizer, tmp)

@@ -31,6 +31,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from attnlab import anatomy
 from attnlab.curves import refined_sweep
 from attnlab.interventions import intervened
 from attnlab.models import left_pad
@@ -53,9 +54,8 @@ class HeadGates:
     pre-hooks that apply them are ``hook(layer)``, installed by ``intervened(head_gates=...)``."""
 
     def __init__(self, model):
-        config = model.config.get_text_config()
-        self.n_layers, self.n_heads = config.num_hidden_layers, config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        parts = anatomy.of(model, stages=("head patching",))
+        self.n_layers, self.n_heads, self.head_dim = parts.n_layers, parts.n_heads, parts.head_dim
         self.gates = torch.ones(self.n_layers, self.n_heads, device=model.device)
         self.reference: list[torch.Tensor] | None = None  # per layer, like o_proj's input
         self.captured: list[torch.Tensor | None] = [None] * self.n_layers

@@ -42,7 +42,7 @@ class Readout:
         if self.fast:
             last.set(_LastPositionsMLP(restore.mlp, self.positions))
         if self.tokens is not None and type(head) is nn.Linear:
-            parts.set_output_embeddings(_SelectedLogits(head, self.tokens.to(head.weight.device), self.fast))
+            parts.replace_output_embeddings(_SelectedLogits(head, self.tokens.to(head.weight.device), self.fast))
         elif self.fast:
             restore.hook = head.register_forward_pre_hook(contiguous_input)
         return restore
@@ -61,7 +61,7 @@ class _Restore:
     def remove(self) -> None:
         if self.hook is not None:
             self.hook.remove()
-        self.parts.set_output_embeddings(self.head)
+        self.parts.replace_output_embeddings(self.head)
         self.last.set(self.mlp)
 
 

@@ -74,13 +74,13 @@ class _RecordedOutput(nn.Module):
 class _RecordedAttention(nn.Module):
     """Stands in for the resumed layer's attention: o_proj of its recorded input."""
 
-    def __init__(self, o_proj: nn.Module, attention: torch.Tensor):
+    def __init__(self, projection: nn.Module, attention: torch.Tensor):
         super().__init__()
-        self.o_proj = o_proj
+        self.projection = projection  # the attention's output projection
         self.attention = attention
 
     def forward(self, *args, **kwargs):
-        return self.o_proj(self.attention), None
+        return self.projection(self.attention), None
 
 
 @dataclass(eq=False)
@@ -110,14 +110,14 @@ class ResumeAt:
 class _Restore:
     """Puts back what ``ResumeAt.install`` replaced (a handle, like a hook's)."""
 
-    layers: nn.ModuleList
+    blocks: nn.ModuleList
     below: dict[int, nn.Module]
     slot: anatomy.Slot
     attention: nn.Module
 
     def remove(self) -> None:
         for index, layer in self.below.items():
-            self.layers[index] = layer
+            self.blocks[index] = layer
         self.slot.set(self.attention)
 
 

@@ -54,13 +54,13 @@ def prefilled_cache(model, rows: list[list[int]]) -> tuple[DynamicCache | None, 
     sliding window is shorter than the prefix. The batch is ``rows`` left-padded to the longest."""
     length = shared_prefix_length(rows)
     width = max(len(row) for row in rows)
-    single = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([rows[0][:length]], device=model.device), past_key_values=single,
+    single_cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([rows[0][:length]], device=model.device), past_key_values=single_cache,
           use_cache=True, logits_to_keep=1)
-    if any(layer.keys.shape[-2] != length for layer in single.layers):
+    if any(layer.keys.shape[-2] != length for layer in single_cache.layers):
         return None, 0  # a sliding-window layer kept only its window
     cache = DynamicCache(config=model.config)
-    for index, layer in enumerate(single.layers):
+    for index, layer in enumerate(single_cache.layers):
         cache.update(*(_laid_out(states, rows, width, length) for states in (layer.keys, layer.values)), index)
     return cache, length
 

@@ -96,13 +96,16 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def gguf_shape(path: str | Path) -> tuple[int, int] | None:
-    """(layers, attention heads) from a GGUF file's header ({arch}.block_count and
-    {arch}.attention.head_count), read key by key up to them (the tensors are never read, nor the
-    tokenizer's vocabulary that follows); None when the header lacks them. Not ``gguf.GGUFReader``:
-    it parses the whole header and tensor table (2.9 s for SmolLM2 here, most of the default dry
-    run's 5 s) and cannot read the first part of a GGUF split into packages."""
+def gguf_config(path: str | Path) -> dict | None:
+    """A config-like dict of a GGUF file's header: its model_type (general.architecture, in
+    transformers' name), layers ({arch}.block_count) and attention heads
+    ({arch}.attention.head_count), read key by key up to them (the tensors are never read, nor the
+    tokenizer's vocabulary that follows); None when the header lacks them. Not
+    ``gguf.GGUFReader``: it parses the whole header and tensor table (2.9 s for SmolLM2 here, most
+    of the default dry run's 5 s) and cannot read the first part of a GGUF split into packages."""
     import struct
+
+    from attnlab.anatomy.families import GGUF_ARCHITECTURES
 
     def read(handle, fmt):
         size = struct.calcsize(fmt)
@@ -124,6 +127,7 @@ def gguf_shape(path: str | Path) -> tuple[int, int] | None:
         else:
             handle.seek(struct.calcsize(_GGUF_SCALARS[kind]), 1)
 
+    fields = {".block_count": "num_hidden_layers", ".attention.head_count": "num_attention_heads"}
     found = {}
     with open(path, "rb") as handle:
         if handle.read(4) != b"GGUF":
@@ -132,44 +136,42 @@ def gguf_shape(path: str | Path) -> tuple[int, int] | None:
         read(handle, "<Q")  # tensors
         for _ in range(read(handle, "<Q")):
             key, kind = string(handle), read(handle, "<I")
-            if key.endswith((".block_count", ".attention.head_count")) and kind in _GGUF_SCALARS:
-                found[key.rsplit(".", 1)[-1] if key.endswith("block_count") else "head_count"] = read(
-                    handle, _GGUF_SCALARS[kind])
-                if len(found) == 2:
-                    return int(found["block_count"]), int(found["head_count"])
+            name = next((field for suffix, field in fields.items() if key.endswith(suffix)), None)
+            if key == "general.architecture" and kind == _GGUF_STRING:
+                architecture = string(handle)
+                found["model_type"] = GGUF_ARCHITECTURES.get(architecture, architecture)
+            elif name is not None and kind in _GGUF_SCALARS:
+                found[name] = int(read(handle, _GGUF_SCALARS[kind]))
             else:
                 skip(handle, kind)
+            if len(found) == 3:
+                return found
     return None
 
 
-def source_shape(source: dict) -> tuple[int, int] | None:
-    """(layers, attention heads) of a model from its configured source without loading it: a
-    local folder's config.json, a hub model's config.json in the local cache, a GGUF header
-    (for a GGUF split into part packages, the first part's); None where none is at hand (a hub
-    model not downloaded yet, a sparse copy: its base's)."""
+def source_config(source: dict) -> dict | None:
+    """A model's config.json (or, from a GGUF header, its model_type, layers and heads) from its
+    configured source without loading it: a local folder's, a hub model's in the local cache, a
+    GGUF header (for a GGUF split into part packages, the first part's); None where none is at
+    hand (a hub model not downloaded yet, a sparse copy: its base's)."""
     import json
-
-    def from_config(path: Path) -> tuple[int, int] | None:
-        config = json.loads(path.read_text())
-        config = config.get("text_config", config)
-        return int(config["num_hidden_layers"]), int(config["num_attention_heads"])
 
     if "local" in source:
         path = Path(source["local"]).expanduser() / "config.json"
-        return from_config(path) if path.is_file() else None
+        return json.loads(path.read_text()) if path.is_file() else None
     if "hub" in source:
         try:
             from huggingface_hub import try_to_load_from_cache
         except ImportError:
             return None
         cached = try_to_load_from_cache(source["hub"], "config.json", revision=source.get("revision"))
-        return from_config(Path(cached)) if isinstance(cached, str) else None
+        return json.loads(Path(cached).read_text()) if isinstance(cached, str) else None
     if "gguf_path" in source:
-        return gguf_shape(Path(source["gguf_path"]).expanduser())
+        return gguf_config(Path(source["gguf_path"]).expanduser())
     if "gguf_package" in source:
         if source.get("assemble"):  # the header lies at the start of the first part
             spec = importlib.util.find_spec(f"{source['gguf_package']}_part1")
             parts = sorted(Path(spec.origin).parent.glob("data/*.part00")) if spec and spec.origin else []
-            return gguf_shape(parts[0]) if parts else None
-        return gguf_shape(package_folder(source["gguf_package"], "model") / source["gguf_file"])
+            return gguf_config(parts[0]) if parts else None
+        return gguf_config(package_folder(source["gguf_package"], "model") / source["gguf_file"])
     return None

@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from attnlab.anatomy.families import UnknownFamily, config_shape, family_of, text_config
 from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_template, check_heads,
                             check_layer, check_raw_template, damaged_model_files,
-                            prepared_has_chat_template, prepared_model_shape)
+                            prepared_has_chat_template, prepared_model_config)
 from attnlab.config import validate_config
 from attnlab.plan import check_attention_figures, check_fewshot, comparison_pairs, figure_panels, selections
-from attnlab.sources import check_model_source, check_sparse_models, source_shape
+from attnlab.sources import check_model_source, check_sparse_models, source_config
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
@@ -96,19 +97,22 @@ def _check_names(config: dict, chosen: dict) -> None:
 
 
 def _check_models(config: dict, chosen: dict, models_dir: Path, rebuilding: frozenset[str]) -> None:
-    """Against each model: its chat template, layers and heads, from the prepared folder (which
-    must be whole) or, before it is prepared, from the source's own metadata (``source_shape``)."""
+    """Against each model: its family (one attnlab's anatomy knows), chat template, layers and
+    heads, from the prepared folder (which must be whole) or, before it is prepared, from the
+    source's own metadata (``source_config``)."""
     arm_used = any(spec["arm"] for spec in config["conditions"].values())
     for name, model in config["models"].items():
         prepared = models_dir / name
         if prepared.exists() and not _rebuilt(prepared, rebuilding):
             _check_whole(prepared)
             check_chat_template(name, model["prompt_format"], prepared_has_chat_template(prepared))
-            shape, where = prepared_model_shape(prepared), f"{prepared}/config.json"
+            metadata, where = prepared_model_config(prepared), f"{prepared}/config.json"
         else:
-            shape, where = _shape_before_preparing(config["models"], name), "its source's metadata"
-        if not shape:
+            metadata, where = _config_before_preparing(config["models"], name), "its source's metadata"
+        if not metadata:
             continue
+        _check_family(name, metadata, where, model_stages(config, chosen, name))
+        shape = config_shape(metadata)
         try:
             if chosen["attention_datasets"]:
                 check_heads(config["attention"]["heads"], *shape, name)
@@ -119,6 +123,27 @@ def _check_models(config: dict, chosen: dict, models_dir: Path, rebuilding: froz
                 check_layer(config["mlp"]["layer"], shape[0], name, "mlp.layer")
         except ConfigError as error:
             raise type(error)(f"{error} (layers and heads read from {where})") from None
+
+
+def model_stages(config: dict, chosen: dict, name: str) -> list[str]:
+    """The stages (``anatomy.families.STAGES``) this config runs on model ``name``."""
+    bases = {spec["source"]["sparsify"]["base"] for spec in config["models"].values() if "sparsify" in spec["source"]}
+    wanted = {"generation": bool(config["datasets"]), "extraction": bool(chosen["attention_datasets"]),
+              "head patching": name in chosen["pruning_models"],
+              "edge circuits": name in chosen["edge_models"] and any(
+                  task in config["pruning"]["tasks"] for task in config["pruning"]["edges"]["tasks"]),
+              "MLP analysis and ARM": bool(chosen["mlp_datasets"]) or any(
+                  spec["arm"] for spec in config["conditions"].values()),
+              "sparse post-training": name in bases or "sparsify" in config["models"][name]["source"]}
+    return [stage for stage, used in wanted.items() if used]
+
+
+def _check_family(name: str, metadata: dict, where: str, stages: list[str]) -> None:
+    """A model whose family the anatomy does not know is refused before any job runs."""
+    try:
+        family_of(text_config(metadata).get("model_type", "unknown"), f"model '{name}'", stages or ["none"])
+    except UnknownFamily as error:
+        raise ConfigError(f"{error} (model_type read from {where})") from None
 
 
 def rebuild_requests(argv: list[str], dag_settings=None) -> frozenset[str]:
@@ -154,12 +179,12 @@ def _check_whole(folder: Path) -> None:
                           "--configfile), or delete the folder")
 
 
-def _shape_before_preparing(models: dict, name: str) -> tuple[int, int] | None:
-    """A model's (layers, heads) from its source; a sparse copy has its base's."""
+def _config_before_preparing(models: dict, name: str) -> dict | None:
+    """A model's config from its source (``source_config``); a sparse copy has its base's."""
     source = models[name]["source"]
     if "sparsify" in source:
         source = models[source["sparsify"]["base"]]["source"]
     try:
-        return source_shape(source)
+        return source_config(source)
     except (OSError, ValueError, KeyError):  # unreadable metadata: checked once the model is prepared
         return None

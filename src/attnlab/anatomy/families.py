@@ -127,17 +127,30 @@ def family_of(model_type: str, model: str = "the model", stages=STAGES) -> Famil
     return family
 
 
+def dropout_off(config) -> dict[str, float]:
+    """Set the dropout fields of a transformers config (its text model's) to 0 before a model is
+    built from it: the gated attention implements no dropout, and the sparse post-training
+    compares the student with a frozen copy that has none. Returns the fields with the values
+    they had."""
+    text = config.get_text_config()
+    family = family_of(text.model_type, stages=("sparse post-training",))
+    before = {name: float(getattr(text, name, 0.0) or 0.0) for name in family.dropout}
+    for name in family.dropout:
+        setattr(text, name, 0.0)
+    return before
+
+
 def text_config(config: dict) -> dict:
     """The text model's part of a config.json (a multimodal wrapper keeps it under text_config)."""
     return config.get("text_config") or config
 
 
 def config_shape(config: dict) -> tuple[int, int]:
-    """(layers, attention heads) of a config.json, in its family's own field names."""
+    """(layers, attention heads) of a config.json (or a GGUF header's ``sources.gguf_config``), in
+    its family's own field names (GPT-2: n_layer, n_head) or the standard ones."""
     config = text_config(config)
     family = BY_MODEL_TYPE.get(config.get("model_type", ""))
-    fields = family.config_fields if family else CONFIG_FIELDS
-    for key in ("layers", "heads"):  # a config written without aliases still names the standard field
-        if fields[key] not in config and CONFIG_FIELDS[key] in config:
-            fields = CONFIG_FIELDS
-    return int(config[fields["layers"]]), int(config[fields["heads"]])
+    for fields in ([family.config_fields] if family else []) + [CONFIG_FIELDS]:
+        if fields["layers"] in config and fields["heads"] in config:
+            return int(config[fields["layers"]]), int(config[fields["heads"]])
+    raise KeyError(f"a config with neither {CONFIG_FIELDS['layers']} nor its family's name for the layers")

@@ -144,7 +144,7 @@ class Anatomy:
     def output_embeddings(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
-    def set_output_embeddings(self, module: nn.Module) -> None:
+    def replace_output_embeddings(self, module: nn.Module) -> None:
         self.model.set_output_embeddings(module)
 
     # ---- training ----

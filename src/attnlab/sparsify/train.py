@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from attnlab import interventions, io, sparse
+from attnlab import anatomy, interventions, io, sparse
 from attnlab.interventions import intervened
 from attnlab.sparsify import losses
 from attnlab.sparsify.errors import SparsifyError
@@ -20,8 +20,8 @@ from attnlab.sparsify.settings import SparsifySettings
 
 log = logging.getLogger(__name__)
 
-QK = ("q_proj", "k_proj")
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+# the attention projections each ``train`` setting trains (anatomy parts: a family's own modules)
+TRAINED_PARTS = {"qk": ("q", "k"), "attention": ("q", "k", "v", "o")}
 
 
 def sparsify_device(preference: str) -> torch.device:
@@ -39,11 +39,24 @@ def sparsify_device(preference: str) -> torch.device:
 
 
 def trainable_parameters(model, train: str) -> list[str]:
-    """Names of the parameters that train: all, attention q/k only, or attention projections."""
+    """Names of the parameters that train: all, attention q/k only, or attention projections
+    (their modules from the model's anatomy; GPT-2's q, k and v share one c_attn, so ``qk``
+    cannot train q and k alone there)."""
+    parts = anatomy.of(model, stages=("sparse post-training",))
+    if train == "all":
+        chosen = None
+    else:
+        wanted = TRAINED_PARTS[train]
+        if parts.family.fused_qkv and train == "qk":
+            raise SparsifyError(f"train: qk trains the query and key projections alone, but {parts.family.name}'s "
+                                "query, key and value share one projection (c_attn): set train to attention, all "
+                                "or lora")
+        which = [w for w in parts.family.projections if w in wanted or w == "qkv"]  # qk with a fused qkv: refused
+        chosen = {id(p) for layer in range(parts.n_layers) for w in which
+                  for p in parts.projection(layer, w).parameters()}
     names = []
     for name, parameter in model.named_parameters():
-        leaf = name.split(".")[-2] if name.endswith(("weight", "bias")) else name
-        keep = {"all": True, "qk": leaf in QK, "attention": leaf in ATTENTION}[train]
+        keep = chosen is None or id(parameter) in chosen
         parameter.requires_grad_(keep)
         if keep:
             names.append(name)
@@ -52,12 +65,27 @@ def trainable_parameters(model, train: str) -> list[str]:
     return names
 
 
+def lora_targets(model, modules) -> list[str]:
+    """peft target modules: each of ``modules`` that names an attention part (q, k, v, o) as the
+    family's own module (GPT-2: attn.c_attn for q, k and v, attn.c_proj for o); other names as
+    they are (peft matches them against module names' ends)."""
+    parts = anatomy.of(model, stages=("sparse post-training",))
+    targets = []
+    for name in modules:
+        if name in ("q", "k", "v", "o"):
+            which = "qkv" if parts.family.fused_qkv and name != "o" else name
+            name = parts.module_names((which,))[0]
+        if name not in targets:
+            targets.append(name)
+    return targets
+
+
 def with_lora(model, lora: dict):
     """Wrap ``model`` with LoRA adapters (peft) on the configured modules."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
-                        target_modules=list(lora.modules), bias="none")
+                        target_modules=lora_targets(model, lora.modules), bias="none")
     return get_peft_model(model, config)
 
 
@@ -97,6 +125,18 @@ def learning_rate(settings: SparsifySettings, step: int) -> float:
     return rate
 
 
+def _trainable_copy(base_dir: str, dtype: torch.dtype, device: torch.device):
+    """The base model as a copy to train, built with its family's dropout fields at 0 (the log says
+    which fields, and what they were)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base_dir)
+    before = anatomy.families.dropout_off(config)
+    log.info("dropout off for training, through the family's config fields: %s",
+             ", ".join(f"{name} {value:g} -> 0" for name, value in before.items()))
+    return AutoModelForCausalLM.from_pretrained(base_dir, config=config, dtype=dtype).to(device)
+
+
 def _autocast(device: torch.device, dtype: str, training: bool = True):
     """bfloat16 autocast (the weights stay float32): with ``auto`` on CUDA only; with
     ``bfloat16`` also for the training steps on a CPU, where bf16 matrix units make a
@@ -114,7 +154,6 @@ class Trainer:
     """The student, its references, the optimiser(s), and the GECO multiplier."""
 
     def __init__(self, base_dir: str, settings: SparsifySettings, device: torch.device):
-        from transformers import AutoModelForCausalLM
 
         from attnlab.models import load_model
 
@@ -128,8 +167,7 @@ class Trainer:
         self.dense = load_model(base_dir, device, frozen).requires_grad_(False)
         if sparse.is_sparse(self.dense):
             raise SparsifyError(f"base model {base_dir} is itself sparse: sparsify a dense model")
-        student = AutoModelForCausalLM.from_pretrained(
-            base_dir, dtype=frozen if lora else torch.float32).to(device)
+        student = _trainable_copy(base_dir, frozen if lora else torch.float32, device)
         sparse.make_sparse(student, settings.gate_bias, base=settings.base)
         if settings.gradient_checkpointing:
             # the recomputation in the backward pass replays the forward's gates (intervened)
@@ -141,8 +179,7 @@ class Trainer:
         self.control = self.control_optimizer = None
         if settings.constraint.type == "ce_control":
             # The dense control trains the same weights (or adapters) on the same batches.
-            control = AutoModelForCausalLM.from_pretrained(
-                base_dir, dtype=frozen if lora else torch.float32).to(device)
+            control = _trainable_copy(base_dir, frozen if lora else torch.float32, device)
             self.control = self._trainable(control).train()
             self.control_optimizer = self._optimizer(self.control)
         self.generator = torch.Generator(device=device).manual_seed(settings.seed)
