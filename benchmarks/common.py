@@ -29,11 +29,36 @@ SYSTEM = r"You are an expert mathematician. Solve the following problem carefull
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+# Random models of the sparse-attention paper's families, SmolLM2's size in width and heads but 8
+# layers, with SmolLM2's tokenizer (tasks need a real one): what their stages cost per forward.
+TINY_FAMILIES = {"tiny-gpt2": "gpt2", "tiny-olmo2": "olmo2"}
+
+
+def _tiny_family_model(name: str, folder: Path) -> None:
+    """A random model of ``TINY_FAMILIES[name]``'s class saved in ``folder`` with SmolLM2's tokenizer."""
+    from transformers import AutoModelForCausalLM, GPT2Config, Olmo2Config
+
+    torch.manual_seed(0)
+    if TINY_FAMILIES[name] == "gpt2":
+        config = GPT2Config(vocab_size=49152, n_embd=576, n_inner=1536, n_layer=8, n_head=9, n_positions=2048,
+                            bos_token_id=1, eos_token_id=2, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    else:
+        config = Olmo2Config(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
+                             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                             pad_token_id=2, bos_token_id=1, eos_token_id=2)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    load_tokenizer(embedded_model("smollm2-135m")).save_pretrained(folder)
+
+
 def embedded_model(name: str) -> Path:
-    """Folder of an embedded model in Hugging Face format, converted on first use."""
+    """Folder of an embedded model (or a ``TINY_FAMILIES`` model) in Hugging Face format, made on
+    first use."""
     folder = OUT / name
     if not folder.exists():
-        prepare_model(name, EMBEDDED_MODELS[name], folder)
+        if name in TINY_FAMILIES:
+            _tiny_family_model(name, folder)
+        else:
+            prepare_model(name, EMBEDDED_MODELS[name], folder)
     return folder
 
 

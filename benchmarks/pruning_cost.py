@@ -30,7 +30,7 @@ from attnlab.curves import k_grid
 from attnlab.pruning import Patcher, build_batch
 from attnlab.readout import contiguous_input
 from attnlab.tasks import GENERATORS, generate_task
-from common import (EMBEDDED_MODELS, OUT, add_device_arguments, device_and_dtype, load_embedded, median_seconds,
+from common import (EMBEDDED_MODELS, OUT, TINY_FAMILIES, add_device_arguments, device_and_dtype, load_embedded, median_seconds,
                     run_fields, timed, versions)
 
 
@@ -63,7 +63,7 @@ def by_hand(model, prompts, tokenizer, layers: list[int]) -> torch.Tensor:
         with torch.no_grad():
             full = metric(model(clean_ids).logits)
             for layer in layers:
-                o_proj = model.get_decoder().layers[layer].self_attn.o_proj
+                o_proj = _out_projection(model, layer)
                 seen = {}
                 handle = o_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0].clone()))
                 model(corrupted_ids)
@@ -79,6 +79,13 @@ def by_hand(model, prompts, tokenizer, layers: list[int]) -> torch.Tensor:
                     scores[layer, head] += full - metric(model(clean_ids).logits)
                     handle.remove()
     return scores / len(prompts.clean)
+
+
+def _out_projection(model, layer: int):
+    """The attention's output projection of a block, found here by hand (GPT-2: c_proj)."""
+    if model.config.model_type == "gpt2":
+        return model.transformer.h[layer].attn.c_proj
+    return model.get_decoder().layers[layer].self_attn.o_proj
 
 
 def measure(name: str, model, tokenizer, task: str, n: int, hand_layers: list[int]) -> dict:
@@ -120,7 +127,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--tasks", nargs="+", default=list(GENERATORS))
-    parser.add_argument("--models", nargs="+", default=list(EMBEDDED_MODELS))
+    parser.add_argument("--models", nargs="+", default=list(EMBEDDED_MODELS),
+                        help=f"embedded models, or random ones of the paper's families: {list(TINY_FAMILIES)}")
     parser.add_argument("--hand-layers", nargs="*", type=int, default=[0],
                         help="layers whose heads are also patched by hand, one prompt at a time")
     add_device_arguments(parser)

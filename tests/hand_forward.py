@@ -3,7 +3,8 @@ reads its own input (the edge-circuit reference of test_edges_references.py).
 
 It runs a tiny Llama, Qwen2, Gemma-3 (sandwich norms, per-head q/k norms, sliding window), GPT-2
 (fused c_attn stored [in, out], learned positions, LayerNorms with biases, a plain GELU MLP,
-output-projection biases), OLMo (LayerNorms without parameters) or OLMo-2 (no pre-norms: RMS
+output-projection biases), OLMo (LayerNorms without parameters; its q, k and v clamped to ±clip_qkv where the config sets
+it) or OLMo-2 (no pre-norms: RMS
 post-norms after each sublayer; q/k norms over every head at once) without the model's modules,
 keeping every sender's contribution to the residual stream (the embeddings with any learned
 positions, each head's output-projection slice, times a post-attention norm's scale of the whole
@@ -56,7 +57,7 @@ class HandForward:
         self.head_dim = config.hidden_size // self.heads if self.gpt2 else config.head_dim
         assert getattr(config, "final_logit_softcapping", None) is None
         assert getattr(config, "attn_logit_softcapping", None) is None
-        assert getattr(config, "clip_qkv", None) is None
+        self.clip = getattr(config, "clip_qkv", None)  # OLMo's clamp of every q, k and v
 
     # ---- pieces ----
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +137,8 @@ class HandForward:
         if self.kind == "olmo2":  # q_norm, k_norm over every head's projection at once
             return {kind: (lambda x, p=p, n=getattr(attention, f"{kind}_norm", None):
                            _linear(p, x) if n is None else self.norm(n, _linear(p, x))) for kind, p in whole.items()}
+        if self.clip is not None:
+            return {kind: (lambda x, p=p: _linear(p, x).clamp(-self.clip, self.clip)) for kind, p in whole.items()}
         return {kind: (lambda x, p=p: _linear(p, x)) for kind, p in whole.items()}
 
     def mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:

@@ -186,26 +186,28 @@ def test_composite_figures_are_checked_before_any_job(tmp_path):
 
 
 def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
-    """5 hub models (no weights here) and 2 sparse copies of them, 2 datasets, 13 conditions
-    (length and placement sweeps, ARM), 5 plotted heads, 3 composite attention figures, 4 pruning
-    tasks, one heads-vs-density table over the sparse pairs: one job per model x dataset x
-    condition at most."""
+    """4 hub models of 2510.01032 on 2 datasets x 13 conditions (length and placement sweeps, ARM),
+    5 plotted heads, 3 composite attention figures; 2512.05865's GPT-2 and OLMo-7B (no datasets:
+    kept for their circuits) with their sparse copies; 4 pruning tasks for all 8 models, edge
+    circuits of GPT-2 and its copy on 2 tasks, the heads- and edges-vs-density tables: one job per
+    model x dataset x condition at most."""
     started = time.perf_counter()
     result = snakemake("-n", "--cores", "1", "--configfile", str(REPO / "config/paper.yaml"),
                        workdir=tmp_path)
     elapsed = time.perf_counter() - started
     assert result.returncode == 0, result.stdout
-    models = 7
-    cells = models * 2 * 13  # models x datasets x conditions
+    on_datasets, swept = 4, 8
+    cells = on_datasets * 2 * 13  # models x datasets x conditions
     assert job_counts(result.stdout) == {
-        "prepare_model": 5, "sparsify_model": 2, "plot_sparsify": 2, "prepare_dataset": 2,
+        "prepare_model": 6, "sparsify_model": 2, "plot_sparsify": 2, "prepare_dataset": 2,
         "make_prompts": cells, "generate": cells,
-        "grade": cells, "accuracy_table": 1, "plot_accuracy": 2, "plot_length_sweep": models * 2,
+        "grade": cells, "accuracy_table": 1, "plot_accuracy": 2, "plot_length_sweep": on_datasets * 2,
         "placement_table": 2, "plot_placement": 2,
-        "extract_attention": models * 13, "plot_attention_head": models * 5, "plot_attention_figure": 3,
-        "rank_attention_heads": models, "lambda_summary": models, "mlp_activations": models * 13,
-        "mlp_summary": models, "score_heads": models * 4, "sweep_heads": models * 4, "plot_pruning": 4,
-        "heads_vs_density": 1, "all": 1, "total": 881}
+        "extract_attention": on_datasets * 13, "plot_attention_head": on_datasets * 5, "plot_attention_figure": 3,
+        "rank_attention_heads": on_datasets, "lambda_summary": on_datasets, "mlp_activations": on_datasets * 13,
+        "mlp_summary": on_datasets, "score_heads": swept * 4, "sweep_heads": swept * 4, "plot_pruning": 4,
+        "heads_vs_density": 1, "edge_circuit": 2 * 2, "plot_circuit": 2 * 2, "plot_edges": 2,
+        "edges_vs_density": 1, "all": 1, "total": 559}
     assert elapsed < 10, f"dry run of the paper config took {elapsed:.1f} s"
 
 

@@ -17,7 +17,7 @@ from attnlab.edges import Graph
 from attnlab.interventions import intervened
 from attnlab.pruning import TaskBatch
 from hand_forward import HandForward
-from test_attention import TINY
+from test_attention import TINY, _tiny
 from test_pruning import _toy_batch
 
 
@@ -41,10 +41,19 @@ def _batch(padding: bool = True) -> TaskBatch:
 
 
 def _model(arch: str, gate_bias: float | None = None):
-    model = TINY[arch]()
+    model = _olmo_clipped() if arch == "olmo-clip_qkv" else TINY[arch]()
     if gate_bias is not None:
         sparse.make_sparse(model, gate_bias)
     return model.to(torch.float64).requires_grad_(False)
+
+
+def _olmo_clipped():
+    """OLMo with its q, k and v clamped (OLMo-7B-0424 and later: clip_qkv 8): at ±0.15 here, about
+    a third of the tiny model's query values are clamped (the model clamps its projections' outputs
+    in place, here the stand-ins' own, per head)."""
+    from transformers import OlmoConfig
+
+    return _tiny(OlmoConfig, pad_token_id=0, eos_token_id=2, clip_qkv=0.15)
 
 
 def _model_metric(model, batch: TaskBatch, ids: torch.Tensor) -> np.ndarray:
@@ -81,8 +90,8 @@ def _partial_mask(graph: Graph, seed: int) -> torch.Tensor:
 # gate biases that close about 40-50% of these models' edges (the tiny Llama's attention logits stay
 # within about ±0.1: a bias of 0.5 closes none of them)
 @pytest.mark.parametrize("arch,gate_bias", [("gemma3-sliding", None), ("llama-gqa", 0.01),
-                                            ("gemma3-sliding", 0.05), ("gpt2", None), ("olmo", None),
-                                            ("olmo2", None), ("gpt2", 0.0)])
+                                            ("gemma3-sliding", 0.05), ("qwen2", None), ("gpt2", None), ("olmo", None),
+                                            ("olmo2", None), ("gpt2", 0.0), ("olmo-clip_qkv", None)])
 def test_a_partial_circuit_equals_each_receivers_input_summed_by_hand(arch, gate_bias):
     """A random third of the edges kept: each receiver's input summed here from the live and the
     corrupted per-sender activations (Gemma-3's heads scaled by the post-norm of their block's
@@ -110,7 +119,7 @@ def test_a_partial_circuit_equals_each_receivers_input_summed_by_hand(arch, gate
         assert (want - end).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("arch", ["gemma3-sliding", "llama-gqa", "gpt2", "olmo", "olmo2"])
+@pytest.mark.parametrize("arch", [*TINY, "olmo-clip_qkv"])
 def test_one_step_scores_equal_finite_differences_of_the_hand_forward(arch):
     """EAP (1 step): score(s → r) is d mean-metric / dt with r's input alone shifted by t (clean −
     corrupted activation of s), at the clean input. For the largest edge into a layer's query,
@@ -173,7 +182,7 @@ def _eap_ig_by_hand(hand: HandForward, batch: TaskBatch, steps: int) -> torch.Te
     return scores * graph.valid()
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa", "gemma3-sliding", "gpt2", "olmo", "olmo2"])
+@pytest.mark.parametrize("arch", [*TINY, "olmo-clip_qkv"])
 def test_eap_ig_at_five_steps_equals_an_einsum_of_hand_differences_and_gradients(arch):
     """The whole score matrix (every sender against every query, key/value, MLP and logits
     receiver) at the default 5 steps: the interpolation, the sum over steps, the division and

@@ -22,10 +22,9 @@ from hand_forward import HandForward
 from test_attention import TINY
 from test_decoding import EOS, _prompts, _Tokenizer
 
-FAMILIES = ["llama-gqa", "gpt2", "olmo", "olmo2"]
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", list(TINY))
 def test_a_gated_training_step_equals_autograd_of_the_hand_forward(arch, monkeypatch):
     """Cross-entropy plus the expected density of a sparse copy in training, its gates drawn with
     the logistic noise at 0 (uniform draws of 0.5): the loss and every weight's gradient equal
@@ -105,28 +104,32 @@ def test_trained_parameters_and_lora_targets_are_the_familys_attention_projectio
 
 
 def _generate_alone(model, prompts: pd.DataFrame, max_new_tokens: int) -> list[list[int]]:
-    """Each prompt's greedy tokens from transformers' generate, alone (no padding), cut at EOS."""
+    """Each prompt's greedy tokens from transformers' generate, alone (no padding), cut after EOS or
+    before the padding id (0 here): the engines end a row there, as a finished row is padded."""
     out = []
     for ids in prompts["input_ids"]:
         with torch.no_grad():
             tokens = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                     max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS,
                                     pad_token_id=0)[0, len(ids):].tolist()
-        out.append(tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens)
+        ends = [i + 1 for i, t in enumerate(tokens) if t == EOS] + [i for i, t in enumerate(tokens) if t == 0]
+        out.append(tokens[:min(ends, default=len(tokens))])
     return out
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "olmo", "olmo2"])
+@pytest.mark.parametrize("arch", list(TINY))
 @pytest.mark.parametrize("engine", ["static", "static_cache"])
 def test_each_engine_gives_generates_tokens(arch, engine):
     """Left-padded batches of 4 (the static engine's shared prefix included) against one prompt at a
-    time; ``static_cache`` is the CUDA engine's loop, run here on the CPU without its graphs."""
+    time; ``static_cache`` is the CUDA engine's loop, run here on the CPU without its graphs (it
+    declines Gemma-3's sliding-window layers: the static engine runs instead)."""
     model = TINY[arch]()
     model.set_attn_implementation("sdpa")
     model.generation_config.eos_token_id = EOS
     prompts = _prompts()
     got = generate_all(model, _Tokenizer(), prompts, 4, 12, engine=engine)
-    assert set(got["engine"]) == {engine}
+    declined = engine == "static_cache" and arch == "gemma3-sliding"
+    assert set(got["engine"]) == {"static" if declined else engine}
     assert [list(tokens) for tokens in got["new_token_ids"]] == _generate_alone(model, prompts, 12)
 
 

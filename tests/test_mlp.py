@@ -210,7 +210,7 @@ def test_recorder_sees_act_fn_of_gate_proj(kind):
     assert histogram["count"].iloc[-1] == (values >= 0.5).sum()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gpt2", "olmo", "olmo2"])
 def test_arm_runs_on_prefill_and_every_decoding_step(kind):
     model = _tiny(kind)
     calls = []

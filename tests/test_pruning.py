@@ -119,7 +119,7 @@ def test_the_sweeps_ends_are_the_model_with_every_head_and_with_none(arch, ablat
     np.testing.assert_allclose([per_prompt[k].mean() for k in range(13)], sweep["metric"], atol=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "olmo", "olmo2"])
+@pytest.mark.parametrize("arch", list(TINY))
 def test_attribution_is_the_gradient_of_the_gates(arch):
     model = TINY[arch]()
     patcher = Patcher(model, _toy_batch(), "corrupted", batch_size=4)

@@ -33,6 +33,19 @@ def selected(names: list[str] | None, everything: list[str]) -> list[str]:
     return list(everything) if names is None else list(names)
 
 
+def model_datasets(config: dict) -> dict[str, list[str]]:
+    """Each model's datasets (``models.{model}.datasets``: null, all of them; in the config's
+    order): where it generates and is graded, and where attention and the MLP analysis read it."""
+    everything = list(config["datasets"])
+    return {name: [d for d in everything if d in selected(spec.get("datasets"), everything)]
+            for name, spec in config["models"].items()}
+
+
+def models_on(config: dict, dataset: str) -> list[str]:
+    """The models that run on ``dataset``, in the config's order."""
+    return [model for model, datasets in model_datasets(config).items() if dataset in datasets]
+
+
 def family(spec: dict) -> str | None:
     """What a condition inserts, regardless of length and placement; None when nothing.
 
@@ -218,6 +231,25 @@ def figure_files(figure: dict) -> dict[tuple[str, str, str], str]:
             key = (panel["model"], panel["dataset"], condition)
             files[key] = ATTENTION_FILE.format(model=key[0], dataset=key[1], condition=condition)
     return files
+
+
+def weights_bytes(folder: str) -> int:
+    """Bytes of a prepared model folder's safetensors weights (0 before it is prepared)."""
+    import os
+
+    if not os.path.isdir(folder):
+        return 0
+    return sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder)
+               if name.endswith(".safetensors"))
+
+
+def model_memory_mb(weights: int, least_mb: int, attempt: int = 1) -> int:
+    """Memory a job that loads a model asks for: at least ``least_mb``, else 1.25x the weights on
+    disk (``weights`` bytes: the loaded copy and its conversion) plus 4 GB (activations, the
+    interpreter, the libraries), doubled with each retry. A 7B model stored in float32 (27.6 GB)
+    asks for 38.5 GB; the embedded models keep the rules' old 8-32 GB."""
+    needed = int(1.25 * weights / 1e6) + 4000
+    return max(least_mb, needed) * attempt
 
 
 def model_job_threads(cores: int | None, local: bool, most: int = 8) -> int:

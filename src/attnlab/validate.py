@@ -19,7 +19,8 @@ from attnlab.checks import (ConfigError, check_arithmetic_range, check_chat_temp
                             check_layer, check_raw_template, damaged_model_files,
                             prepared_has_chat_template, prepared_model_config)
 from attnlab.config import validate_config
-from attnlab.plan import check_attention_figures, check_fewshot, comparison_pairs, figure_panels, selections
+from attnlab.plan import (check_attention_figures, check_fewshot, comparison_pairs, figure_panels, model_datasets,
+                          selections)
 from attnlab.sources import check_model_source, check_sparse_models, source_config
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
@@ -94,6 +95,23 @@ def _check_names(config: dict, chosen: dict) -> None:
     if top["k"] and chosen["attention_datasets"] and missing:
         raise ConfigError(f"attention.top_changed.between names {missing}, not in conditions: "
                           f"{conditions}; set it to two configured conditions or k: 0")
+    _check_model_datasets(config, chosen)
+
+
+def _check_model_datasets(config: dict, chosen: dict) -> None:
+    """``models.*.datasets`` name datasets, and a composite figure's panels models run on theirs."""
+    datasets = list(config["datasets"])
+    for name, spec in config["models"].items():
+        unknown = [d for d in spec.get("datasets") or [] if d not in datasets]
+        if unknown:
+            raise ConfigError(f"models.{name}.datasets names {unknown}, not in datasets: {datasets}")
+    runs_on = model_datasets(config)
+    for figure in chosen["figures"]:
+        for panel in figure["panels"]:
+            if panel["dataset"] not in runs_on[panel["model"]]:
+                raise ConfigError(f"attention.figures '{figure['name']}': model '{panel['model']}' is not run on "
+                                  f"'{panel['dataset']}' (models.{panel['model']}.datasets: "
+                                  f"{runs_on[panel['model']]}); name another model or dataset")
 
 
 def _check_models(config: dict, chosen: dict, models_dir: Path, rebuilding: frozenset[str]) -> None:
@@ -128,12 +146,13 @@ def _check_models(config: dict, chosen: dict, models_dir: Path, rebuilding: froz
 def model_stages(config: dict, chosen: dict, name: str) -> list[str]:
     """The stages (``anatomy.families.STAGES``) this config runs on model ``name``."""
     bases = {spec["source"]["sparsify"]["base"] for spec in config["models"].values() if "sparsify" in spec["source"]}
-    wanted = {"generation": bool(config["datasets"]), "extraction": bool(chosen["attention_datasets"]),
+    runs_on = model_datasets(config)[name]
+    wanted = {"generation": bool(runs_on), "extraction": bool(set(chosen["attention_datasets"]) & set(runs_on)),
               "head patching": name in chosen["pruning_models"],
               "edge circuits": name in chosen["edge_models"] and any(
                   task in config["pruning"]["tasks"] for task in config["pruning"]["edges"]["tasks"]),
-              "MLP analysis and ARM": bool(chosen["mlp_datasets"]) or any(
-                  spec["arm"] for spec in config["conditions"].values()),
+              "MLP analysis and ARM": bool(set(chosen["mlp_datasets"]) & set(runs_on)) or (bool(runs_on) and any(
+                  spec["arm"] for spec in config["conditions"].values())),
               "sparse post-training": name in bases or "sparsify" in config["models"][name]["source"]}
     return [stage for stage, used in wanted.items() if used]
 

@@ -17,7 +17,7 @@ rule extract_attention:
     resources:
         gpu=1,
         batch_size=extraction_batch,
-        mem_mb=lambda wildcards, attempt: 16000 * attempt,
+        mem_mb=model_memory(16000),
         runtime=lambda wildcards, attempt: 60 * attempt,
     conda:
         "../../envs/attnlab.yaml"

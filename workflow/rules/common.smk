@@ -11,8 +11,8 @@ _paths = os.environ.get("PYTHONPATH", "")
 if LIBRARY not in _paths.split(os.pathsep):  # set for the jobs, not read from the user
     os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [LIBRARY, _paths])))
 from attnlab.plan import (cell_generation, comparison_pairs, fewshot_shots, fewshot_spec, figure_files,
-                          has_length_sweep, has_placement_sweep, length_families, model_job_threads,
-                          placements, selections, sparse_pairs)
+                          has_length_sweep, has_placement_sweep, length_families, model_datasets, model_job_threads,
+                          model_memory_mb, models_on, placements, selections, sparse_pairs, weights_bytes)
 from attnlab import settings as typed
 from attnlab.sources import sparse_bases
 from attnlab.config import check_unique_keys
@@ -32,6 +32,7 @@ MODELS = list(config["models"])
 SPARSE_BASES = sparse_bases(config["models"])  # sparse copy -> its dense base
 DENSE_MODELS = [m for m in MODELS if m not in SPARSE_BASES]
 DATASETS = list(config["datasets"])
+MODEL_DATASETS = model_datasets(config)  # model -> the datasets it runs on (models.*.datasets)
 CONDITIONS = list(config["conditions"])
 FEWSHOT = fewshot_shots(config["models"], config["prompt"])  # worked examples per model
 EXT = config["plots"]["format"]
@@ -100,6 +101,16 @@ def model_source(wildcards):
 
 def sparse_base_dir(wildcards):
     return f"resources/models/{SPARSE_BASES[wildcards.model]}"
+
+
+def model_memory(least_mb):
+    """``mem_mb`` of a job that loads ``{model}`` (a sparse copy not yet trained: its base): at
+    least ``least_mb``, more for a model whose weights need it (plan.model_memory_mb)."""
+    def memory(wildcards, attempt):
+        folder = f"resources/models/{wildcards.model}"
+        weights = weights_bytes(folder) or weights_bytes(f"resources/models/{SPARSE_BASES.get(wildcards.model, '')}")
+        return model_memory_mb(weights, least_mb, attempt)
+    return memory
 
 
 def model_threads(wildcards):
@@ -252,28 +263,34 @@ def cell_summaries(wildcards):
                   model=wildcards.model, dataset=wildcards.dataset, condition=CONDITIONS)
 
 
+def models_on_dataset(wildcards):
+    """The models that run on one dataset (models.*.datasets), in the config's order."""
+    return models_on(config, wildcards.dataset)
+
+
 def accuracy_summaries(wildcards):
-    """Per-cell summaries for one dataset (all models x conditions)."""
+    """Per-cell summaries for one dataset (its models x conditions)."""
     return expand("results/grades/{model}/{dataset}/{condition}.json",
-                  model=MODELS, dataset=wildcards.dataset, condition=CONDITIONS)
+                  model=models_on_dataset(wildcards), dataset=wildcards.dataset, condition=CONDITIONS)
 
 
 def placement_summaries(wildcards):
     """Summaries of the conditions the placement table compares (ARM left out), one dataset."""
     return expand("results/grades/{model}/{dataset}/{condition}.json",
-                  model=MODELS, dataset=wildcards.dataset, condition=list(PLACEMENTS))
+                  model=models_on_dataset(wildcards), dataset=wildcards.dataset, condition=list(PLACEMENTS))
 
 
 def all_summaries():
-    return expand("results/grades/{model}/{dataset}/{condition}.json",
-                  model=MODELS, dataset=DATASETS, condition=CONDITIONS)
+    return [summary for model, datasets in MODEL_DATASETS.items()
+            for summary in expand("results/grades/{model}/{dataset}/{condition}.json",
+                                  model=model, dataset=datasets, condition=CONDITIONS)]
 
 
 def attention_targets():
     ext = EXT
     targets = []
     for model in MODELS:
-        for dataset in ATTENTION_DATASETS:
+        for dataset in [d for d in ATTENTION_DATASETS if d in MODEL_DATASETS[model]]:
             figures = f"results/figures/attention/{model}/{dataset}"
             tables = f"results/tables/attention/{model}/{dataset}"
             targets += [f"{figures}/layer{h['layer']}_head{h['head']}.{ext}" for h in HEADS]
@@ -303,24 +320,23 @@ def edge_targets():
 
 
 def mlp_targets():
-    return [
-        *expand("results/tables/mlp/{model}/{dataset}.csv", model=MODELS, dataset=MLP_DATASETS),
-        *expand("results/figures/mlp/{model}/{dataset}.{ext}", model=MODELS, dataset=MLP_DATASETS, ext=EXT),
-    ]
+    return [target for model in MODELS for dataset in MLP_DATASETS if dataset in MODEL_DATASETS[model]
+            for target in (f"results/tables/mlp/{model}/{dataset}.csv", f"results/figures/mlp/{model}/{dataset}.{EXT}")]
 
 
 def placement_targets():
     if not PLACEMENT_SWEEP:
         return []
-    return [*expand("results/tables/placement/{dataset}.csv", dataset=DATASETS),
-            *expand("results/figures/placement/{dataset}.{ext}", dataset=DATASETS, ext=EXT)]
+    datasets = [dataset for dataset in DATASETS if models_on(config, dataset)]
+    return [*expand("results/tables/placement/{dataset}.csv", dataset=datasets),
+            *expand("results/figures/placement/{dataset}.{ext}", dataset=datasets, ext=EXT)]
 
 
 def length_sweep_targets():
     if not LENGTH_SWEEP:
         return []
-    return expand("results/figures/length_sweep/{model}/{dataset}.{ext}",
-                  model=MODELS, dataset=DATASETS, ext=EXT)
+    return [f"results/figures/length_sweep/{model}/{dataset}.{EXT}"
+            for model, datasets in MODEL_DATASETS.items() for dataset in datasets]
 
 
 def all_targets():
@@ -331,7 +347,7 @@ def all_targets():
         *edge_targets(),
         "results/tables/accuracy.csv",
         *expand("results/figures/accuracy/{dataset}.{ext}",
-                dataset=DATASETS, ext=config["plots"]["format"]),
+                dataset=[dataset for dataset in DATASETS if models_on(config, dataset)], ext=config["plots"]["format"]),
         *attention_targets(),
         *mlp_targets(),
         *placement_targets(),

@@ -21,7 +21,7 @@ rule edge_circuit:
         "results/benchmarks/edge_circuit/{model}/{task}.tsv"
     resources:
         gpu=1,
-        mem_mb=lambda wildcards, attempt: 16000 * attempt,
+        mem_mb=model_memory(16000),
         runtime=lambda wildcards, attempt: 60 * attempt,
         batch_size=edge_batch,
     conda:

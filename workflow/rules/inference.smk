@@ -16,7 +16,7 @@ rule generate:
     resources:
         gpu=1,
         batch_size=generation_batch,
-        mem_mb=lambda wildcards, attempt: 16000 * attempt,
+        mem_mb=model_memory(16000),
         runtime=lambda wildcards, attempt: 120 * attempt,
     conda:
         "../../envs/attnlab.yaml"

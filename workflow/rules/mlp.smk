@@ -17,7 +17,7 @@ rule mlp_activations:
     resources:
         gpu=1,
         batch_size=mlp_batch,
-        mem_mb=lambda wildcards, attempt: 8000 * attempt,
+        mem_mb=model_memory(8000),
         runtime=lambda wildcards, attempt: 30 * attempt,
     conda:
         "../../envs/attnlab.yaml"

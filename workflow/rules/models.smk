@@ -11,7 +11,7 @@ rule prepare_model:
     benchmark:
         "results/benchmarks/prepare_model/{model}.tsv"
     resources:
-        mem_mb=lambda wildcards, attempt: 16000 * attempt,
+        mem_mb=model_memory(16000),
         runtime=60,
     conda:
         "../../envs/attnlab.yaml"
@@ -43,7 +43,7 @@ rule sparsify_model:
         "results/benchmarks/sparsify_model/{model}.tsv"
     resources:
         gpu=1,
-        mem_mb=lambda wildcards, attempt: 32000 * attempt,
+        mem_mb=model_memory(32000),
         runtime=lambda wildcards, attempt: 240 * attempt,
     conda:
         "../../envs/attnlab.yaml"

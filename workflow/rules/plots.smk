@@ -10,7 +10,7 @@ rule plot_accuracy:
             subcategory="{dataset}",
         ),
     params:
-        models=MODELS,
+        models=models_on_dataset,
         conditions=CONDITIONS,
         dpi=config["plots"]["dpi"],
     log:
@@ -76,7 +76,7 @@ rule plot_placement:
             subcategory="placement",
         ),
     params:
-        models=MODELS,
+        models=models_on_dataset,
         dpi=config["plots"]["dpi"],
     log:
         "results/logs/plot_placement/{dataset}.{ext}.log",

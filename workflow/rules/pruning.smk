@@ -19,7 +19,7 @@ rule score_heads:
         "results/benchmarks/score_heads/{model}/{task}.tsv"
     resources:
         gpu=1,
-        mem_mb=lambda wildcards, attempt: 16000 * attempt,
+        mem_mb=model_memory(16000),
         runtime=lambda wildcards, attempt: 60 * attempt,
         batch_size=pruning_batch,
     conda:
@@ -50,7 +50,7 @@ rule sweep_heads:
         "results/benchmarks/sweep_heads/{model}/{task}.tsv"
     resources:
         gpu=1,
-        mem_mb=lambda wildcards, attempt: 16000 * attempt,
+        mem_mb=model_memory(16000),
         runtime=lambda wildcards, attempt: 60 * attempt,
         batch_size=pruning_batch,
     conda:

@@ -37,11 +37,15 @@ class NormSpec:
     centred: bool
 
     def normalise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x − c, r) of ``x`` [..., hidden], in float32 at least: the norm is (x − c) · r · w + b."""
-        x = x.to(at_least_float32(x))
+        """(x − c, r) of ``x`` [..., hidden]: the norm is (x − c) · r · w + b. r is float32 at least;
+        x − c is in x's dtype for an RMS norm (x itself, no copy), float32 at least for a
+        LayerNorm. r comes from one vector norm (no x² tensor: the mixed receivers' inputs are
+        large, and a patched pass normalises them at every layer)."""
+        dtype = at_least_float32(x)
         if self.centred:
-            x = x - x.mean(-1, keepdim=True)
-        return x, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            x = x.to(dtype) - x.mean(-1, keepdim=True, dtype=dtype)
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype)
+        return x, torch.rsqrt(norm.pow(2) / x.shape[-1] + self.eps)
 
     def input_gradient(self, x: torch.Tensor, weighted: torch.Tensor) -> torch.Tensor:
         """The vector-Jacobian product of the norm at ``x`` [..., hidden] for a stack of output
@@ -50,7 +54,7 @@ class NormSpec:
         r · (w∘g − mean(w∘g) [centred only] − x̂ · mean(x̂ ∘ w∘g))."""
         dtype = at_least_float32(x)
         centred, inverse = self.normalise(x)
-        weighted = weighted.to(dtype)
+        centred, weighted = centred.to(dtype), weighted.to(dtype)
         normalised = centred * inverse
         projection = torch.einsum("n...d,...d->n...", weighted, normalised)[..., None] / x.shape[-1]
         out = weighted - weighted.mean(-1, keepdim=True) if self.centred else weighted.clone()

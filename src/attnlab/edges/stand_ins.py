@@ -117,7 +117,7 @@ class ReceiverProjection(nn.Module):
     @staticmethod
     def _normed(spec: anatomy.NormSpec, x: torch.Tensor) -> torch.Tensor:
         centred, inverse = spec.normalise(x)
-        out = centred * inverse * spec.weight
+        out = centred.to(inverse.dtype) * inverse * spec.weight
         return out if spec.bias is None else out + spec.bias
 
     def _project_corrupted(self, per_head: torch.Tensor, group: GroupInputs) -> list[int]:

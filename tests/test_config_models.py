@@ -1,0 +1,62 @@
+"""The config's per-model settings through the workflow: the datasets a model runs on, and the
+memory its jobs ask for from the size of its weights."""
+
+import json
+import re
+
+import yaml
+
+from conftest import REPO, dry_run as _dry_run, fake_prepared_model, job_counts
+
+
+def _tiny():
+    return yaml.safe_load((REPO / "tests/configs/tiny.yaml").read_text())
+
+
+def test_a_7b_models_jobs_ask_for_the_memory_its_weights_need(tmp_path):
+    """Once prepared, a model's safetensors size sets its jobs' mem_mb (a sparse file of a 7B
+    float32 model's 27.6 GB here): 1.25x the weights + 4 GB, doubled per retry; the rules' floors
+    stay for small models."""
+    import struct
+
+    from attnlab.plan import model_memory_mb
+
+    assert model_memory_mb(0, 16000) == 16000 and model_memory_mb(0, 8000, attempt=2) == 16000
+    assert model_memory_mb(27_600_000_000, 16000) == 38500 and model_memory_mb(27_600_000_000, 16000, 2) == 77000
+    folder = fake_prepared_model(tmp_path / "resources/models/smollm2-135m")
+    size = 27_600_000_000
+    header = json.dumps({"w": {"dtype": "F32", "shape": [size // 4], "data_offsets": [0, size]}}).encode()
+    with open(folder / "model.safetensors", "wb") as handle:
+        handle.write(struct.pack("<Q", len(header)) + header)
+        handle.truncate(8 + len(header) + size)  # sparse: no disk used
+    result = _dry_run(tmp_path, _tiny())
+    assert result.returncode == 0, result.stdout[-2000:]
+    jobs = result.stdout.split("\n\n")
+    generate = next(job for job in jobs if "rule generate:" in job)
+    mlp = next(job for job in jobs if "rule mlp_activations:" in job)
+    assert "mem_mb=38500" in generate and "mem_mb=38500" in mlp, generate
+
+
+def test_a_models_datasets_are_checked_and_plan_only_its_cells(tmp_path):
+    """models.*.datasets: a name that is not a dataset, a composite figure of a model on a dataset
+    it does not run, refused; a model on one of the two datasets has that dataset's cells only."""
+    import pytest
+
+    from attnlab.plan import model_datasets, models_on
+    from attnlab.validate import ConfigError, check
+
+    config = _tiny()
+    config["models"]["smollm2-135m"]["datasets"] = ["nope"]
+    with pytest.raises(ConfigError, match=re.escape("models.smollm2-135m.datasets names ['nope']")):
+        check(config, models_dir=tmp_path)
+    config = _tiny()
+    others = [name for name in config["datasets"] if name not in (config["attention"]["datasets"] or [])]
+    config["models"]["smollm2-135m"]["datasets"] = others
+    with pytest.raises(ConfigError, match="is not run on"):
+        check(config, models_dir=tmp_path)
+    config["attention"]["figures"] = []
+    check(config, models_dir=tmp_path)
+    assert model_datasets(config) == {"smollm2-135m": others}
+    assert models_on(config, others[0]) == ["smollm2-135m"]
+    counts = job_counts(_dry_run(tmp_path, config).stdout)
+    assert counts["generate"] == 4 * len(others) and "extract_attention" not in counts
