@@ -160,3 +160,18 @@ def test_gradients_and_differences_at_other_points_are_refused():
                                          r"at \(3, 8\): keep both at the same points"):
         _edge_scores(graph, differences, gradients, steps=1)
     assert np.isfinite(_edge_scores(graph, torch.zeros(graph.n_senders, 4, hidden), gradients, 1).numpy()).all()
+
+
+def test_a_post_norm_that_centres_is_refused(monkeypatch):
+    """A family whose attention output passes a LayerNorm (none of today's): its scale cannot be split
+    between heads, so the patch is refused when installed (GPT-2's ln_2 made to stand there)."""
+    import dataclasses
+
+    from attnlab.anatomy import families
+
+    gpt2 = families.BY_MODEL_TYPE["gpt2"]
+    monkeypatch.setitem(families.BY_MODEL_TYPE, "gpt2", dataclasses.replace(
+        gpt2, norms={**gpt2.norms, "attention_out": "ln_2"}))
+    model = TINY["gpt2"]()
+    with pytest.raises(NotImplementedError, match="layer 0's attention output passes a centring norm \\(LayerNorm\\)"):
+        _run(model, torch.tensor([[3, 4, 5]]), EdgePatch(Graph.of(model)))

@@ -6,10 +6,11 @@ Parts, in any combination (a block nested in another adds its parts to the outer
   the density penalty), or counted at inference;
 - ``gate_bias``: a sparse model's gates at another bias than its own (calibration);
 - ``reduce``: an ``attention.BatchReduction``: per-layer attention statistics (extraction);
-- ``head_gates``: a ``pruning.HeadGates``: each head's slice gated at the input of o_proj;
+- ``head_gates``: a ``pruning.HeadGates``: each head's slice gated at the input of the attention's
+  output projection (o_proj; GPT-2's c_proj);
 - ``arm``: ``mlp.ArmSettings``: ARM on one layer's MLP activation;
 - ``activations``: an ``mlp.ActivationRecorder``: statistics of one layer's MLP activation;
-- ``record``: a ``resume.LayerInputs``: every decoder layer's input and o_proj's input;
+- ``record``: a ``resume.LayerInputs``: every decoder layer's input and its output projection's input;
 - ``resume``: a ``resume.ResumeAt``: the forward starts at one layer from recorded inputs;
 - ``readout``: a ``readout.Readout``: only the positions and logits a metric reads are computed;
 - ``edges``: an ``edges.EdgePatch``: each receiver (query, key, value, MLP input, logits) reads its
@@ -20,11 +21,13 @@ transformers' attention interface (``attend``): per block of queries it takes th
 applies a sparse model's gates and reduces the weights. What it does comes from the model's
 config (a sparse model always gates) and from one context variable, which ``intervened``
 sets on entry and resets on exit. On GPUs it hands each layer to the fused Triton kernels
-(``attnlab.fused``), which compute the same quantities without a queries × keys tensor. The other parts are forward hooks on o_proj, the decoder
-layers, the norms and the MLP's ``act_fn``, and stand-ins for modules (``resume``: the layers
-below the resumed one; ``readout``: the last MLP and the LM head; ``edges``: q_proj, k_proj and
-v_proj), installed on entry and removed on exit, exceptions included: nothing of a block
-outlives it.
+(``attnlab.fused``), which compute the same quantities without a queries × keys tensor. The
+other parts are forward hooks on the output projections, the decoder layers, the norms and the
+MLP's activation, and stand-ins for modules (``resume``: the layers below the resumed one;
+``readout``: the last MLP and the LM head; ``edges``: the q/k/v projections), installed on entry
+and removed on exit, last in first out, exceptions included: nothing of a block outlives it.
+Every part is found through the model's anatomy (``attnlab.anatomy``), which knows each
+family's modules.
 """
 
 from __future__ import annotations

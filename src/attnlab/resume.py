@@ -1,17 +1,17 @@
 """A forward pass resumed at a decoder layer from activations recorded on an earlier pass.
 
 Exact head patching (``pruning.Patcher.exact``) runs the prompts once, recording every decoder
-layer's input (the residual stream) and the input of its attention output projection (o_proj:
-the per-query-head outputs, concatenated) with ``LayerInputs``. Ablating one head of layer L
+layer's input (the residual stream) and the input of its attention output projection (o_proj,
+c_proj: the per-query-head outputs, concatenated) with ``LayerInputs``. Ablating one head of layer L
 changes nothing below L, nor L's attention: so each layer's heads are then patched in one
 batched pass that starts at L (``ResumeAt``). The layers below L return L's recorded input
 instead of computing it, and L's attention returns o_proj applied to its recorded input, so
 the hooks on o_proj (the head gates) still apply; positions before the first one the ablation
 changes can be skipped too, their keys and values taken from the recorded forward's cache
 (``prefix_cache``). The model's own forward runs around them
-(embeddings, masks, rotary embeddings, the layers above, the norm and the LM head), so every
-architecture whose decoder layers call ``self_attn`` and whose attention ends in ``o_proj``
-resumes unchanged. ``intervened(model, record=..., resume=...)`` installs both; a resumed pass
+(embeddings, masks, rotary or learned positions, the layers above, the norm and the LM head), so
+every family the anatomy knows (``attnlab.anatomy``: its blocks' attention ends in an output
+projection, o_proj or GPT-2's c_proj) resumes unchanged. ``intervened(model, record=..., resume=...)`` installs both; a resumed pass
 usually reads only a few logits (``readout``).
 """
 
