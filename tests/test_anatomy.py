@@ -155,3 +155,25 @@ def test_a_model_of_an_unknown_family_is_refused_before_any_job(tmp_path):
     config["attention"]["heads"] = [{"layer": 2, "head": 0}]
     with pytest.raises(ConfigError, match="has 2 layers x 12 heads"):
         check(config, models_dir=tmp_path)
+
+
+def test_gemma3_under_its_vision_wrapper_is_read_through_its_text_model():
+    """Gemma3ForConditionalGeneration (gemma-3-4b-it's class): the anatomy finds the text model's
+    blocks under the wrapper, and extraction equals the eager maps through it."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from test_attention import _check, _prompts
+
+    config = Gemma3Config(
+        text_config=dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         sliding_window=5),
+        vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, boi_token_index=90, eoi_token_index=91, image_token_index=92)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    parts = anatomy.of(model)
+    assert parts.family.name == "gemma3" and parts.block(1) is model.model.language_model.layers[1]
+    assert parts.norm(1, "mlp_in") is model.model.language_model.layers[1].pre_feedforward_layernorm
+    _check(model, _prompts([17, 9, 23, 12], inserted=(3, 8), vocab=90), batch_size=3, map_layers=[1])
