@@ -113,21 +113,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS))
     parser.add_argument("--model-dir", help="a prepared SmolLM2-135M-Instruct (default: see above)")
-    parser.add_argument("--out", default=str(OUT / "gpu.json"))
+    parser.add_argument("--out", default=str(OUT / "gpu.json"),
+                        help="the JSON (on a borrowed machine, a folder that comes back, e.g. $OUT/gpu.json)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check that every section runs")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         sys.exit("benchmarks/gpu.py measures a CUDA device and this machine has none (--smoke runs it anyway)")
-    sizes, model_dir = SMOKE if args.smoke else FULL, _model_dir(args.model_dir)
+    sizes = SMOKE if args.smoke else FULL
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "smoke": args.smoke,
-              "model_dir": str(model_dir), "versions": {**versions(), "triton": _triton()}, "sizes": sizes}
+              "versions": {**versions(), "triton": _triton()}, "sizes": sizes, "sections": args.sections}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))  # before any model work: a short window keeps this
+    _run_sections(result, out, args, device, sizes)
+
+
+def _run_sections(result: dict, out: Path, args, device: torch.device, sizes: dict) -> None:
+    """Each section in turn, the JSON rewritten as each ends; a failing one (the model's conversion
+    included) records its error and the rest go on."""
+    model_dir = None
     for name in args.sections:
         started = time.perf_counter()
         try:
+            if model_dir is None:  # converting the model (minutes without a prepared one) can fail too
+                model_dir = _model_dir(args.model_dir)
+                result["model_dir"] = str(model_dir)
             result[name] = _section(name, model_dir, device, sizes, args)
         except Exception as error:  # noqa: BLE001 -- one section failing must not lose the others
             result[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}

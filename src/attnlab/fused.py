@@ -8,9 +8,9 @@ output, a sparse copy's gates (sampled with the straight-through estimator and t
 expected-density penalty when training, ``1[s + b > 0]`` otherwise, counted per head), and
 received attention and λ as ``attention.METRIC_DEFINITION`` defines them.
 
-``ATTNLAB_FUSED_ATTENTION`` chooses: ``auto`` (the default) runs the kernels on CUDA tensors only
-(on a CPU the eager blocks are faster than anything Triton offers there); ``off`` never; ``on``
-also on CPU tensors, which needs Triton's interpreter (``TRITON_INTERPRET=1``): the tests' way
+``ATTNLAB_FUSED_ATTENTION`` chooses: ``auto`` (the default) runs the kernels on CUDA tensors in 16
+bits only (on a CPU the eager blocks are faster than anything Triton offers there; float32 kernels
+spill registers: ``float32_kernels``); ``off`` never; ``on`` also float32 on CUDA, and CPU tensors, which needs Triton's interpreter (``TRITON_INTERPRET=1``): the tests' way
 of checking the kernels against the eager path. A layer the kernels cannot take (logit
 soft-capping, a mask other than causal ∧ sliding window ∧ padding, a full map asked for, a head
 larger than 256) stays on the eager path, and the log says why once per reason.
@@ -65,14 +65,27 @@ def _say_once(reason: str) -> None:
     log.info("fused attention not used (%s): eager attention blocks instead", reason)
 
 
-def unfused_reason(query, softcap, layer: int, reduce) -> str | None:
-    """Why a layer cannot go through the kernels (besides its mask), or None."""
+def float32_kernels(device_type: str) -> bool:
+    """Whether float32 layers on ``device_type`` go through the kernels: not on CUDA unless asked
+    (``on``). Compiled for sm_80 and sm_90, every float32 variant spills 15-37 KB of registers per
+    thread (FMA, no tensor cores; benchmarks/README.md, "Kernel resources"), and the eager blocks
+    scored SmolLM2's 270 heads on 32 prompts in 2.1 s on an H200: float32 stays eager there until a
+    GPU measures the kernels faster. The CPU interpreter (tests) runs them in float32."""
+    return device_type != "cuda" or mode() == "on"
+
+
+def unfused_reason(query, softcap, layer: int, reduce, dtype: torch.dtype | None = None) -> str | None:
+    """Why a layer cannot go through the kernels (besides its mask), or None; ``dtype``: the one
+    the kernels would compute it in (``kernel_dtype``)."""
+    dtype = dtype or query.dtype
     if softcap is not None:
         return "attention logit soft-capping"
     if query.shape[-1] > LARGEST_HEAD:
         return f"head dimension {query.shape[-1]} > {LARGEST_HEAD}"
-    if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"dtype {query.dtype}"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {dtype}"
+    if dtype == torch.float32 and not float32_kernels(query.device.type):
+        return "float32 on CUDA (its kernels spill registers: eager until measured faster; ATTNLAB_FUSED_ATTENTION=on forces them)"
     if reduce is not None and layer in reduce.map_layers:
         return "a full attention map is kept for this layer"
     return None
@@ -88,7 +101,8 @@ def attend(module, query, key, value, attention_mask, scaling: float, softcap, b
     from attnlab.kernels import launch
     from attnlab.kernels.layout import layout_of
 
-    reason = unfused_reason(query, softcap, module.layer_idx, reduce)
+    dtype = kernel_dtype(query, key, value)
+    reason = unfused_reason(query, softcap, module.layer_idx, reduce, dtype)
     layout = None
     if reason is None:
         layout = layout_of(attention_mask, query.shape[-2], key.shape[-2], sliding_window)
@@ -98,6 +112,7 @@ def attend(module, query, key, value, attention_mask, scaling: float, softcap, b
         return None
     gate, recomputing = _gate(launch, module.layer_idx, bias, tracker)
     inserted = reduce.inserted_keys if reduce is not None else None
+    query, key, value = (x.to(dtype) for x in (query, key, value))
     out, expected, lse, stats = launch.attention(query, key, value, layout, gate, scaling, inserted)
     if tracker is not None:
         # The penalty's sum is taken in the replay too: a checkpointed layer must save the same
@@ -111,6 +126,17 @@ def attend(module, query, key, value, attention_mask, scaling: float, softcap, b
         total = stats[mass.index("gated_mass")] if bias is not None else 1.0
         attention.store(reduce, module.layer_idx, later_sums, total - stats[mass.index("inserted_mass")])
     return out
+
+
+def kernel_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """The one dtype the kernels compute a layer in. Under autocast, its dtype, as the eager
+    attention's matrix products would run: a model's own q, k and v can differ there (Llama's
+    rotary embedding returns float32 queries and keys beside bfloat16 values), and a kernel's
+    ``tl.dot`` takes operands of one dtype only. Elsewhere the widest of the three."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
 
 
 def _gate(launch, layer: int, bias: float | None, tracker: sparse.GateTracker | None):

@@ -92,6 +92,9 @@ class GateTracker:
     training: bool = False
     generator: torch.Generator | None = None
     gradient: str = "expected"  # the straight-through surrogate (stochastic_gate)
+    # Where the fused kernels' seeds are drawn (None: ``generator``): a host generator, as a draw
+    # from a CUDA one waits for the queued work
+    seed_generator: torch.Generator | None = None
     # Generator state before each layer's draw: a recomputation of the layer (gradient
     # checkpointing, in the backward pass) replays exactly the gates of the forward pass.
     noise_states: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -100,7 +103,7 @@ class GateTracker:
     seeds: dict[int, int] = field(default_factory=dict)
     base_seed: int | None = None
     expected_sum: list[torch.Tensor] = field(default_factory=list)  # per layer call, scalar
-    # Counts: floats from the eager path, int64/float64 tensors from the fused one (read once a
+    # Counts: tensors on the device from both paths (0.0 before the first layer), read once a
     # step, not once a layer, so that the GPU never waits on the host mid-forward).
     sampled_open: float | torch.Tensor = 0.0
     edges: float | torch.Tensor = 0.0
@@ -109,7 +112,7 @@ class GateTracker:
 
     def expected_density(self) -> torch.Tensor:
         """Mean of σ(s + b) over causal edges, heads and layers of the last forward(s)."""
-        return torch.stack(self.expected_sum).sum() / float(self.edges)
+        return torch.stack(self.expected_sum).sum() / self.edges  # a tensor division: no read of the count
 
     def training_density(self) -> float:
         return float(self.sampled_open) / float(self.edges)
@@ -121,18 +124,25 @@ class GateTracker:
         if self.generator is None:
             raise RuntimeError("a training GateTracker needs a torch.Generator for the gate noise")
         if self.base_seed is None:
-            self.base_seed = int(torch.randint(0, 2 ** 31 - 1, (), generator=self.generator,
-                                               device=self.generator.device))
+            source = self.seed_generator or self.generator
+            self.base_seed = int(torch.randint(0, 2 ** 31 - 1, (), generator=source, device=source.device))
         self.seeds[layer] = (self.base_seed + 1_000_003 * (layer + 1)) % (2 ** 31 - 1)
         return self.seeds[layer], False
 
     def inference_density(self) -> float:
         """Share of allowed edges open under the deterministic gate, over every layer and head."""
-        opened = sum(float(v.sum()) for v in self.open_per_head.values())
-        return opened / sum(float(v.sum()) for v in self.edges_per_head.values())
+        opened, allowed = self.density_counts()
+        return sum(float(v.sum()) for v in opened.values()) / sum(float(v.sum()) for v in allowed.values())
+
+    def density_counts(self) -> tuple[dict, dict]:
+        """(open, allowed) edges per layer and head, on the host."""
+        return ({layer: v.cpu() for layer, v in self.open_per_head.items()},
+                {layer: v.cpu() for layer, v in self.edges_per_head.items()})
 
     def density_per_head(self) -> dict[int, torch.Tensor]:
-        return {layer: self.open_per_head[layer] / self.edges_per_head[layer]
+        """Share of allowed edges open per head, on the host (the fused path counts on the device
+        and this is where the counts are read: the eager and fused paths then compare as they are)."""
+        return {layer: (self.open_per_head[layer] / self.edges_per_head[layer]).cpu()
                 for layer in sorted(self.open_per_head)}
 
 
@@ -166,17 +176,20 @@ def training_gate(tracker: GateTracker, layer: int, logits: torch.Tensor, bias: 
         generator.set_state(current)
     else:
         tracker.expected_sum.append(expected_sum)
-        tracker.sampled_open += float(((gate.detach() > 0) & allowed).sum())  # integers, as at inference
-        tracker.edges += float(allowed.sum())
+        # counted as integers, as at inference, and left on the device until read (a GPU would
+        # otherwise wait for every layer)
+        tracker.sampled_open = tracker.sampled_open + ((gate.detach() > 0) & allowed).sum()
+        tracker.edges = tracker.edges + allowed.sum()
     return gate
 
 
 def count_open_edges(tracker: GateTracker, layer: int, gate: torch.Tensor, allowed: torch.Tensor) -> None:
     """Add one call's open and allowed edge counts per head of ``layer``."""
     allowed = allowed.expand_as(gate)
-    # Counted as integers: a bfloat16 sum (a bf16 model on CUDA) is exact only up to 256.
-    open_edges = ((gate > 0) & allowed).sum(dim=(0, 2, 3)).double().cpu()
-    add_open_edges(tracker, layer, open_edges, allowed.sum(dim=(0, 2, 3)).double().cpu())
+    # Counted as integers (a bfloat16 sum, a bf16 model on CUDA, is exact only up to 256), and left
+    # on the device until read (``density_per_head``): a copy per layer would stall a GPU.
+    open_edges = ((gate > 0) & allowed).sum(dim=(0, 2, 3)).double()
+    add_open_edges(tracker, layer, open_edges, allowed.sum(dim=(0, 2, 3)).double())
 
 
 def add_open_edges(tracker: GateTracker, layer: int, open_edges: torch.Tensor, edges: torch.Tensor) -> None:

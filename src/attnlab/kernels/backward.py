@@ -19,7 +19,7 @@ log-sum-exp, so nothing of size queries × keys is stored.
 import triton
 import triton.language as tl
 
-from attnlab.kernels.tiles import allowed_tile, gate_tile, key_blocks, load_rows, query_blocks
+from attnlab.kernels.tiles import VARYING, allowed_tile, gate_tile, key_blocks, load_rows, query_blocks
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _row_terms(LSE, DELTA, DEXP, bh, offs_m, M):
     return lse, delta, dexp
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING)
 def _backward_kv_kernel(
         Q, K, V, DY, LSE, DELTA, DEXP, DK, DV, KEY_REAL,
         sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
@@ -87,7 +87,7 @@ def _backward_kv_kernel(
     tl.store(DV + b * sg_b + kv * sg_h + where, dv.to(DV.dtype.element_ty), mask=grad_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING)
 def _backward_q_kernel(
         Q, K, V, DY, LSE, DELTA, DEXP, DQ, KEY_REAL,
         sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,

@@ -12,7 +12,7 @@ and the open and allowed edge counts. Nothing of size queries × keys is ever st
 import triton
 import triton.language as tl
 
-from attnlab.kernels.tiles import allowed_tile, gate_tile, key_blocks, load_rows
+from attnlab.kernels.tiles import VARYING, allowed_tile, gate_tile, key_blocks, load_rows
 
 # Per-row statistics, in this order along the first axis of the kernel's ``stats`` output.
 ROW_STATS = ("gated_mass", "inserted_mass", "expected", "opened", "allowed")
@@ -23,7 +23,7 @@ def _rescaled(old, alpha, added):
     return old * alpha + added
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING)
 def _forward_kernel(
         Q, K, V, O, LSE, STATS, KEY_REAL, INSERTED,
         sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,

@@ -34,29 +34,64 @@ class Gate:
     noisy_gradient: bool = False  # straight-through surrogate σ(s + b + L) instead of σ(s + b)
 
 
-def blocks(head_dim: int, device: torch.device) -> tuple[int, int, int, dict]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, launch options) for this head size: tiles that fit the
-    registers and shared memory of current GPUs; 16 × 16 in Triton's CPU interpreter."""
+# Tiles per (kernel, 16-bit or float32 operands, head-dimension bound): (BLOCK_M, BLOCK_N, warps,
+# stages) on CUDA. Chosen from the compiler's resource report for sm_90 and sm_80
+# (benchmarks/kernel_resources.py, its table in benchmarks/README.md): no spilled register at any
+# head dimension up to 128 in 16 bits, the training kernels included.
+TILES = {
+    ("forward", "16bit"): {64: (64, 32, 4, 2), 128: (64, 32, 8, 2), 256: (32, 32, 4, 1)},
+    ("received", "16bit"): {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)},
+    ("backward_kv", "16bit"): {64: (64, 32, 4, 2), 128: (64, 16, 4, 2), 256: (32, 32, 4, 1)},
+    # at head dimension 128 no tile with wgmma's 64 rows stays spill-free: mma on 32 × 32 instead
+    ("backward_q", "16bit"): {64: (64, 16, 4, 2), 128: (32, 32, 4, 2), 256: (32, 32, 4, 1)},
+}
+# sm_80 (A100) spills a few bytes with some of those: its own where it does
+SM80_TILES = {
+    ("forward", "16bit"): {64: (64, 32, 8, 2), 128: (32, 32, 4, 2), 256: (32, 32, 4, 1)},
+    ("backward_kv", "16bit"): {64: (64, 32, 8, 2), 128: (64, 16, 4, 2), 256: (32, 32, 4, 1)},
+}
+# float32 never runs on CUDA unless forced (``fused.float32_kernels``): the tiles of before
+FLOAT32_TILES = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
+for _kernel in ("forward", "received", "backward_kv", "backward_q"):
+    TILES[(_kernel, "float32")] = FLOAT32_TILES
+SMALL_QUERIES = 16  # fewer query rows than this (a decoding step: one) run on 16-row blocks
+
+
+def blocks(head_dim: int, device: torch.device, dtype: torch.dtype = torch.float32, kernel: str = "forward",
+           queries: int | None = None, arch: int | None = None) -> tuple[int, int, int, dict]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, launch options) of ``kernel`` for this head size and dtype on
+    ``device`` (``TILES``; sm_80 and older: ``SM80_TILES`` where they differ; ``arch``: the
+    compute capability's major × 10, else the device's); 16 × 16 in Triton's CPU interpreter. With
+    few ``queries`` (a decoding step) the query block shrinks to 16 rows: a 64-row block would
+    leave 63 of 64 rows idle."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if device.type != "cuda":
         return 16, 16, block_d, {}
-    if block_d <= 64:
-        return 64, 64, block_d, {"num_warps": 4, "num_stages": 2}
-    if block_d <= 128:
-        return 64, 32, block_d, {"num_warps": 4, "num_stages": 2}
-    return 32, 32, block_d, {"num_warps": 4, "num_stages": 1}
+    if arch is None:
+        arch = 10 * torch.cuda.get_device_capability(device)[0]
+    kind = "float32" if dtype == torch.float32 else "16bit"
+    bound = next(bound for bound in (64, 128, 256) if block_d <= bound)
+    table = SM80_TILES.get((kernel, kind)) if arch < 90 else None
+    block_m, block_n, warps, stages = (table or TILES[(kernel, kind)])[bound]
+    if queries is not None and queries < SMALL_QUERIES:
+        block_m = SMALL_QUERIES
+    return block_m, block_n, block_d, {"num_warps": warps, "num_stages": stages}
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # float32 inputs: exact products (no TF32), as the eager float32 path computes them.
+def precision(dtype: torch.dtype) -> str:
+    """The dot products' input precision: float32 inputs exact (no TF32), as the eager float32 path
+    computes them; 16-bit inputs need none (their products are exact in the float32 accumulator)."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _flags(layout: MaskLayout, device) -> tuple[torch.Tensor, dict]:
-    # int8, not bool: one byte per key, loaded as a number in every Triton version
-    key_real = (layout.key_real.to(torch.int8) if layout.key_real is not None
-                else torch.ones(1, device=device, dtype=torch.int8))
-    return key_real, {"HAS_KEY_REAL": layout.key_real is not None, "HAS_WINDOW": layout.window is not None}
+    """The keys' flags as the kernels read them (int8, not bool: one byte per key, loaded as a
+    number in every Triton version), converted once per layout, not once per layer and call."""
+    key = ("key_real", str(device))
+    if key not in layout.derived:
+        layout.derived[key] = (layout.key_real.to(torch.int8) if layout.key_real is not None
+                               else torch.ones(1, device=device, dtype=torch.int8))
+    return layout.derived[key], {"HAS_KEY_REAL": layout.key_real is not None, "HAS_WINDOW": layout.window is not None}
 
 
 def _strides(x: torch.Tensor) -> tuple[int, ...]:
@@ -72,7 +107,7 @@ def forward(query, key, value, layout: MaskLayout, gate: Gate, scale: float,
     lse = torch.empty(batch, heads, queries, device=query.device, dtype=torch.float32)
     stats = torch.empty(len(ROW_STATS), batch, heads, queries, device=query.device, dtype=torch.float32)
     key_real, flags = _flags(layout, query.device)
-    block_m, block_n, block_d, options = blocks(head_dim, query.device)
+    block_m, block_n, block_d, options = blocks(head_dim, query.device, query.dtype, "forward", queries)
     has_inserted = inserted is not None
     grid = (triton.cdiv(queries, block_m), batch * heads)
     _forward_kernel[grid](
@@ -81,7 +116,7 @@ def forward(query, key, value, layout: MaskLayout, gate: Gate, scale: float,
         *_strides(query), *_strides(key), *_strides(value), *_strides(out.transpose(1, 2)),
         batch, heads, heads // kv_heads, queries, keys, head_dim, layout.offset, layout.window or 0,
         scale, gate.bias, gate.seed, GATE=gate.kind, HAS_INSERTED=has_inserted,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=_precision(query.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision(query.dtype),
         **flags, **options)
     return out, lse, stats
 
@@ -95,13 +130,13 @@ def received_columns(query, key, lse, layout: MaskLayout, gate: Gate, scale: flo
     kv_heads, keys = key.shape[1], key.shape[2]
     columns = torch.empty(batch, heads, keys, device=query.device, dtype=torch.float32)
     key_real, flags = _flags(layout, query.device)
-    block_m, block_n, block_d, options = blocks(head_dim, query.device)
+    block_m, block_n, block_d, options = blocks(head_dim, query.device, query.dtype, "received")
     grid = (triton.cdiv(keys, block_n), batch * heads)
     _received_kernel[grid](
         query, key, lse, columns, key_real, *_strides(query), *_strides(key),
         heads, heads // kv_heads, queries, keys, head_dim, layout.offset, layout.window or 0,
         scale, gate.bias, GATE=gate.kind,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=_precision(query.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision(query.dtype),
         **flags, **options)
     return columns
 
@@ -117,18 +152,18 @@ def backward(saved, d_out, d_expected, layout: MaskLayout, gate: Gate, scale: fl
     # contiguous gradients: dk and dv share one set of strides in the kernel
     dq, dk, dv = (torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (query, key, value))
     key_real, flags = _flags(layout, query.device)
-    block_m, block_n, block_d, options = blocks(head_dim, query.device)
-    common = dict(GATE=gate.kind, NOISY=gate.noisy_gradient, BLOCK_M=block_m, BLOCK_N=block_n,
-                  BLOCK_D=block_d, PRECISION=_precision(query.dtype), **flags, **options)
     shapes = (queries, keys, head_dim, layout.offset, layout.window or 0, scale, gate.bias, gate.seed)
-    _backward_kv_kernel[(triton.cdiv(keys, block_n), batch * kv_heads)](
-        query, key, value, d_out, lse, delta, d_expected, dk, dv, key_real,
-        *_strides(query), *_strides(key), *_strides(value), *_strides(d_out), *_strides(dk),
-        heads, kv_heads, heads // kv_heads, *shapes, **common)
-    _backward_q_kernel[(triton.cdiv(queries, block_m), batch * heads)](
-        query, key, value, d_out, lse, delta, d_expected, dq, key_real,
-        *_strides(query), *_strides(key), *_strides(value), *_strides(d_out), *_strides(dq),
-        heads, heads // kv_heads, *shapes, **common)
+    for kernel, out, grid_of in (("backward_kv", (dk, dv), lambda bm, bn: (triton.cdiv(keys, bn), batch * kv_heads)),
+                                 ("backward_q", (dq,), lambda bm, bn: (triton.cdiv(queries, bm), batch * heads))):
+        block_m, block_n, block_d, options = blocks(head_dim, query.device, query.dtype, kernel)
+        common = dict(GATE=gate.kind, NOISY=gate.noisy_gradient, BLOCK_M=block_m, BLOCK_N=block_n,
+                      BLOCK_D=block_d, PRECISION=precision(query.dtype), **flags, **options)
+        heads_args = (heads, kv_heads, heads // kv_heads) if kernel == "backward_kv" else (heads, heads // kv_heads)
+        function = _backward_kv_kernel if kernel == "backward_kv" else _backward_q_kernel
+        function[grid_of(block_m, block_n)](
+            query, key, value, d_out, lse, delta, d_expected, *out, key_real,
+            *_strides(query), *_strides(key), *_strides(value), *_strides(d_out), *_strides(out[0]),
+            *heads_args, *shapes, **common)
     return dq, dk, dv
 
 

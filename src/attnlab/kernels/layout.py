@@ -11,7 +11,7 @@ keeps the eager path.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,9 @@ class MaskLayout:
     key_real: torch.Tensor | None  # [B, N] bool: False on padding keys; None: every key is real
     offset: int  # N - M: the queries are the last M of N positions
     window: int | None  # sliding window: key j allowed for the query at position p iff p - j < window
+    # what the launchers derive from it once (the keys' int8 flags): every layer of a forward pass
+    # reads the same layout (``layout_of`` keeps one per mask)
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def allowed_by(layout: MaskLayout, batch: int, queries: int, keys: int, device) -> torch.Tensor:

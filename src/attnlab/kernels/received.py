@@ -9,10 +9,10 @@ diagonal out, as ``attention.METRIC_DEFINITION`` does; padding rows are left out
 import triton
 import triton.language as tl
 
-from attnlab.kernels.tiles import allowed_tile, load_rows, query_blocks
+from attnlab.kernels.tiles import VARYING, allowed_tile, load_rows, query_blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING[1:])
 def _received_kernel(
         Q, K, LSE, COLUMNS, KEY_REAL,
         sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d,

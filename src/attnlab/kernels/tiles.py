@@ -12,6 +12,13 @@ import triton
 import triton.language as tl
 
 
+# Integer arguments whose values change from call to call: the gate's noise seed (per layer and
+# step), the cached keys before the queries (a decoding step's) and the query and key counts
+# (growing while decoding). Triton specialises an int equal to 1 or divisible by 16 by default:
+# these would compile the kernel again and again.
+VARYING = ["seed", "OFFSET", "M", "N"]
+
+
 @triton.jit
 def load_rows(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
     """A [rows, cols] tile, zero outside the tensor."""

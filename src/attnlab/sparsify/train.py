@@ -183,6 +183,9 @@ class Trainer:
             self.control = self._trainable(control).train()
             self.control_optimizer = self._optimizer(self.control)
         self.generator = torch.Generator(device=device).manual_seed(settings.seed)
+        # the fused kernels' per-layer seeds come from a host generator: a draw from a CUDA one
+        # waits for every queued kernel (sparse.GateTracker.layer_seed)
+        self.seed_generator = torch.Generator().manual_seed(settings.seed)
 
     def _trainable(self, model):
         """The model with only the configured weights trainable (LoRA: wrapped with adapters)."""
@@ -206,31 +209,35 @@ class Trainer:
         target = None
         if self.control is not None:
             target = self._control_step(ids, state.step)
-        tracker = sparse.GateTracker(training=True, generator=self.generator, gradient=settings.gate_gradient)
+        tracker = sparse.GateTracker(training=True, generator=self.generator, gradient=settings.gate_gradient,
+                                     seed_generator=self.seed_generator)
         with intervened(self.student, gates=tracker):  # also around backward: checkpointed layers replay their gates
             with _autocast(self.device, settings.dtype):
                 logits = self.student(input_ids=ids, use_cache=False).logits
             return self._update(logits, ids, reference, target, tracker, state)
 
     def _update(self, logits, ids, reference, target, tracker, state) -> dict:
+        """The backward pass, then one read of every number the row reports (a GPU waits for the
+        host once a step, after its backward pass, not between forward and backward), then the
+        step unless a number is not finite."""
         settings = self.settings
         ce, kl = losses.loss_terms(logits, ids, reference)
         density = tracker.expected_density()
-        if target is None:
-            measured, constraint = kl, kl.item() - settings.constraint.slack
-        else:
-            measured, constraint = ce, ce.item() - (target + settings.constraint.slack)
+        measured = kl if target is None else ce
         loss = (density + state.lam * measured) / (1 + state.lam)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        loss_, ce_, kl_, density_, opened, edges = _read_once(loss, ce, kl, density, tracker.sampled_open, tracker.edges)
+        constraint = kl_ - settings.constraint.slack if target is None else ce_ - (target + settings.constraint.slack)
         row = {"step": state.step + 1, "tokens": (state.position + len(ids)) * ids.shape[1],
-               "loss": loss.item(), "ce": ce.item(), "kl": kl.item(), "expected_density": density.item(),
-               "training_density": tracker.training_density(), "constraint": constraint,
+               "loss": loss_, "ce": ce_, "kl": kl_, "expected_density": density_,
+               "training_density": opened / edges, "constraint": constraint,
                "multiplier": state.lam, "lr": learning_rate(settings, state.step)}
         if target is not None:
             row["control_ce"] = target
         if not _finite(row):
+            self.optimizer.zero_grad(set_to_none=True)
             return row  # no update: post_train stops with the last finite values
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in self.student.parameters() if p.requires_grad],
                                        settings.grad_clip)
         self.optimizer.step()
@@ -300,7 +307,8 @@ class Trainer:
     def save_checkpoint(self, path: Path, state: TrainState, fingerprint_: str) -> None:
         trainable = {n: p.detach().cpu() for n, p in self.student.named_parameters() if p.requires_grad}
         payload = {"fingerprint": fingerprint_, "state": state.__dict__, "student": trainable,
-                   "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state()}
+                   "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
+                   "seed_generator": self.seed_generator.get_state()}
         if self.control is not None:
             payload["control"] = {n: p.detach().cpu() for n, p in self.control.named_parameters()
                                   if p.requires_grad}
@@ -318,6 +326,8 @@ class Trainer:
         _load_parameters(self.student, payload["student"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.generator.set_state(payload["generator"])
+        if "seed_generator" in payload:  # checkpoints from before it drew the kernels' seeds
+            self.seed_generator.set_state(payload["seed_generator"])
         if self.control is not None:
             _load_parameters(self.control, payload["control"])
             self.control_optimizer.load_state_dict(payload["control_optimizer"])
@@ -329,6 +339,13 @@ class Trainer:
         if self.settings.train == "lora":
             model = model.merge_and_unload()
         return model.eval()
+
+
+def _read_once(*values) -> list[float]:
+    """``values`` (tensors on one device, or numbers) as floats, in one transfer to the host."""
+    tensors = [value for value in values if torch.is_tensor(value)]
+    read = iter(torch.stack([t.detach().to(torch.float64).reshape(()) for t in tensors]).tolist()) if tensors else iter(())
+    return [next(read) if torch.is_tensor(value) else float(value) for value in values]
 
 
 def _load_parameters(model, values: dict) -> None:

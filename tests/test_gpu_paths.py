@@ -1,0 +1,66 @@
+"""What the GPU paths do on the host, checked on the CPU: a post-training step reads its numbers in
+one transfer after its backward pass (not six reads between forward and backward), the kernels'
+seeds come from a host generator (a draw from a CUDA one waits for the queued kernels), and
+benchmarks/gpu.py writes its JSON before any model work, so a short GPU window never ends with
+nothing recorded."""
+
+import json
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from attnlab import sparse, sparsify
+from sparse_tiny import tiny_settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_training_step_reads_the_host_once_after_its_backward(tiny_base, monkeypatch):
+    """Every read of a tensor's value by attnlab's code during a step (``item``, ``tolist``,
+    ``float``): one, after the backward pass (torch's own optimiser reads its CPU step counts)."""
+    base, corpus = tiny_base
+    trainer = sparsify.Trainer(str(base), tiny_settings(corpus), torch.device("cpu"))
+    ids = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
+    reads, backwards = [], []
+
+    def counted(name, original):
+        def read(self, *args, **kwargs):
+            caller = traceback.extract_stack()[-2].filename
+            if "/attnlab/" in caller:
+                reads.append((name, Path(caller).name, len(backwards)))
+            return original(self, *args, **kwargs)
+        return read
+    for name in ("item", "tolist", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    backward = torch.Tensor.backward
+    monkeypatch.setattr(torch.Tensor, "backward", lambda self, *a, **k: (backwards.append(1), backward(self, *a, **k))[1])
+    row = trainer.step(ids, sparsify.TrainState())
+    assert backwards == [1]
+    assert reads == [("tolist", "train.py", 1)]  # one read, after the backward
+    assert all(isinstance(row[key], float) for key in ("loss", "ce", "kl", "expected_density", "training_density"))
+
+
+def test_the_kernels_seeds_come_from_the_host_seed_generator():
+    main, seeds = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    before = main.get_state().clone()
+    tracker = sparse.GateTracker(training=True, generator=main, seed_generator=seeds)
+    first, _ = tracker.layer_seed(0)
+    assert torch.equal(main.get_state(), before)  # the device generator is not read
+    again = sparse.GateTracker(training=True, generator=main, seed_generator=torch.Generator().manual_seed(2))
+    assert again.layer_seed(0)[0] == first  # the same seed generator state, the same seeds
+
+
+def test_gpu_benchmark_writes_its_json_before_any_model_work(tmp_path):
+    """A section that fails (here: no model at the given folder) is recorded with its error; the
+    JSON holds the device and the versions from the start."""
+    out = tmp_path / "gpu.json"
+    finished = subprocess.run([sys.executable, "gpu.py", "--smoke", "--sections", "checks", "--model-dir",
+                               str(tmp_path / "missing"), "--out", str(out)],
+                              cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["sections"] == ["checks"] and "torch" in result["versions"]
+    assert "error" in result["checks"] and "section_seconds" in result["checks"]

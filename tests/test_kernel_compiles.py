@@ -1,0 +1,137 @@
+"""The fused kernels compiled ahead of time for GPUs this machine does not have (sm_90, sm_80):
+with the dtypes the models really hand them, and without spilled registers where the launcher's
+tiles promise none (attnlab.kernels.compiled; the full table: benchmarks/kernel_resources.py).
+
+Under bfloat16 autocast Llama's rotary embedding returns float32 queries and keys beside bfloat16
+values: the kernels' dot products take one dtype, so a layer compiled with the three as they come
+fails to compile on a GPU. The interpreter tests cannot see this (they pass one dtype)."""
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from attnlab import fused, interventions  # noqa: E402
+from attnlab.kernels import compiled  # noqa: E402
+from test_attention import TINY  # noqa: E402
+
+
+def _dtypes_under_autocast(arch: str) -> set[tuple]:
+    """(query, key, value dtypes, the dtype ``fused.kernel_dtype`` gives them) of every call of the
+    attention function in bfloat16 CPU autocast forwards of a tiny model of ``arch``'s family,
+    without and with a KV cache."""
+    seen = set()
+    original = interventions.fused.attend
+
+    def record(module, query, key, value, *args, **kwargs):
+        seen.add((query.dtype, key.dtype, value.dtype, fused.kernel_dtype(query, key, value)))
+        return None  # the eager blocks compute the layer
+
+    model = TINY[arch]()
+    interventions.fused.attend = record
+    try:
+        from attnlab import sparse
+
+        sparse.make_sparse(model, 0.0)  # the gated attention: every layer goes through attend
+        for use_cache in (False, True):  # training's forward, and generation's (the cache casts values)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                model(torch.randint(3, 101, (2, 9)), use_cache=use_cache)
+    finally:
+        interventions.fused.attend = original
+    return seen
+
+
+@functools.cache
+def _compiles(kernel: str, dtypes: tuple) -> bool:
+    """Whether ``kernel`` (sampled gates: training) compiles for sm_90 with tensors of ``dtypes``:
+    queries, keys and their gradients in the first, values in the second, the output and its
+    gradient in the query's (as the autograd function gives them)."""
+    query, value = dtypes
+    tensor_dtypes = dict(Q=query, K=query, O=query, DY=query, DQ=query, DK=query, V=value, DV=value)
+    asked = compiled.request(compiled.Variant(kernel, "sampled", False, 64, query), 90, tensor_dtypes)
+    return "error" not in compiled.compile_elsewhere([asked])[0]
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_what_each_family_hands_the_kernels_under_autocast_compiles_once_unified(arch):
+    seen = _dtypes_under_autocast(arch)
+    assert seen and {unified for *_, unified in seen} == {torch.bfloat16}
+    for query, key, value, unified in seen:
+        assert query == key  # rotary embeddings or none: queries and keys alike
+        for kernel in ("forward", "backward_kv", "backward_q"):
+            assert _compiles(kernel, (unified, unified)), (arch, kernel)
+
+
+def test_the_mixed_dtypes_llama_passes_would_not_compile_unless_unified():
+    """What the kernels got before ``fused.kernel_dtype``: float32 queries, bfloat16 values."""
+    assert (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16) in _dtypes_under_autocast("llama-gqa")
+    assert not _compiles("backward_q", (torch.float32, torch.bfloat16))
+
+
+REPRESENTATIVE = [compiled.Variant("forward", "dense", False, 64, torch.bfloat16),
+                  compiled.Variant("forward", "sampled", True, 128, torch.float16),
+                  compiled.Variant("backward_kv", "sampled", False, 64, torch.bfloat16),
+                  compiled.Variant("backward_q", "sampled", True, 128, torch.bfloat16),
+                  compiled.Variant("received", "deterministic", False, 128, torch.bfloat16),
+                  compiled.Variant("forward", "deterministic", True, 256, torch.bfloat16)]
+
+
+@functools.cache
+def _representative_reports() -> dict:
+    """The representative set compiled for sm_90 and sm_80, in one other interpreter."""
+    asked = [(variant, arch) for variant in REPRESENTATIVE for arch in (90, 80)]
+    answers = compiled.compile_elsewhere([compiled.request(variant, arch) for variant, arch in asked])
+    return dict(zip(asked, answers))
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("variant", REPRESENTATIVE, ids=lambda variant: variant.name)
+def test_a_representative_set_compiles_without_spills_in_16_bits(variant, arch):
+    """No spilled register up to head dimension 128, training kernels included; wgmma on sm_90
+    wherever the tile has the 64 rows a warpgroup's instruction takes (mma elsewhere)."""
+    report = _representative_reports()[(variant, arch)]
+    assert "error" not in report, report
+    if variant.head_dim <= 128:
+        assert report["spill_store_bytes"] == 0 and report["stack_bytes"] == 0, report
+    block_m = compiled.constants(variant, arch)[0]["BLOCK_M"]
+    assert report["mma"] == ("wgmma" if arch == 90 and block_m >= 64 else "mma"), report
+
+
+def test_launch_parameters_that_would_recompile_or_waste_rows():
+    """The per-call integers are not specialised on (a new seed per layer and step, a growing
+    decode); a one-row decoding query runs on a 16-row block, not a 64-row one."""
+    import ast
+
+    from attnlab.kernels import launch, tiles
+
+    assert sorted(tiles.VARYING) == ["M", "N", "OFFSET", "seed"]
+    # the decorators as written (the interpreter's functions here do not keep the option)
+    for module in ("forward", "backward", "received"):
+        source = (Path(launch.__file__).parent / f"{module}.py").read_text()
+        decorators = [ast.unparse(d) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)
+                      and node.name.endswith("_kernel") for d in node.decorator_list]
+        assert decorators and all("do_not_specialize=VARYING" in d for d in decorators), (module, decorators)
+    cuda = torch.device("cuda")
+    assert launch.blocks(64, cuda, torch.bfloat16, "forward", queries=1, arch=90)[0] == 16
+    assert launch.blocks(64, cuda, torch.bfloat16, "forward", queries=512, arch=90)[0] == 64
+
+
+def test_float32_stays_off_the_kernels_on_cuda_unless_forced(monkeypatch):
+    monkeypatch.setenv(fused.MODE_VARIABLE, "auto")
+    assert not fused.float32_kernels("cuda") and fused.float32_kernels("cpu")
+    monkeypatch.setenv(fused.MODE_VARIABLE, "on")
+    assert fused.float32_kernels("cuda")
+
+
+def test_the_keys_flags_are_converted_once_per_layout():
+    from attnlab.kernels import launch
+    from attnlab.kernels.layout import MaskLayout
+
+    layout = MaskLayout(torch.tensor([[False, True, True]]), 0, None)
+    first, flags = launch._flags(layout, torch.device("cpu"))
+    again, _ = launch._flags(layout, torch.device("cpu"))
+    assert again is first and first.dtype == torch.int8 and first.tolist() == [[0, 1, 1]]
+    assert flags == {"HAS_KEY_REAL": True, "HAS_WINDOW": False}
