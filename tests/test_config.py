@@ -20,12 +20,12 @@ def test_tiny_config_dry_run_counts_jobs(tmp_path):
     # the MLP analysis on 1 dataset, 1 configured head, 1 composite figure; pruning on 1 task;
     # a placement table and one placement figure per dataset.
     assert counts == {"prepare_model": 1, "prepare_dataset": 2, "make_prompts": 8, "generate": 8,
-                      "grade": 8, "accuracy_table": 1, "plot_accuracy": 2, "extract_attention": 4,
+                      "grade": 8, "accuracy_table": 1, "accuracy_paired": 2, "plot_accuracy": 2, "extract_attention": 4,
                       "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
                       "plot_attention_figure": 1,
                       "mlp_activations": 4, "mlp_summary": 1, "placement_table": 2,
                       "plot_placement": 2, "score_heads": 1, "sweep_heads": 1, "plot_pruning": 1,
-                      "all": 1, "total": 51}
+                      "all": 1, "total": 53}
 
 
 def test_default_config_dry_run_counts_jobs_with_gemmas_edge_circuit(tmp_path):
@@ -37,11 +37,11 @@ def test_default_config_dry_run_counts_jobs_with_gemmas_edge_circuit(tmp_path):
     counts = job_counts(result.stdout)
     cells = 2 * 2 * 4
     assert counts == {"prepare_model": 2, "prepare_dataset": 2, "prepare_fewshot": 2, "make_prompts": cells,
-                      "generate": cells, "grade": cells, "accuracy_table": 1, "plot_accuracy": 2,
+                      "generate": cells, "grade": cells, "accuracy_table": 1, "accuracy_paired": 2, "plot_accuracy": 2,
                       "extract_attention": 2 * 4, "plot_attention_head": 2 * 2, "rank_attention_heads": 2,
                       "lambda_summary": 2, "mlp_activations": 2 * 4, "mlp_summary": 2,
                       "score_heads": 2, "sweep_heads": 2, "plot_pruning": 1,
-                      "edge_circuit": 1, "plot_edges": 1, "plot_circuit": 1, "all": 1, "total": 92}
+                      "edge_circuit": 1, "plot_edges": 1, "plot_circuit": 1, "all": 1, "total": 94}
     assert "results/circuits/gemma3-270m/ioi/curve.csv" in result.stdout
     assert "results/figures/circuits/gemma3-270m/ioi.circuit.png" in result.stdout
     assert "results/circuits/smollm2-135m" not in result.stdout
@@ -201,13 +201,14 @@ def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
     assert job_counts(result.stdout) == {
         "prepare_model": 6, "sparsify_model": 2, "plot_sparsify": 2, "prepare_dataset": 2,
         "make_prompts": cells, "generate": cells,
-        "grade": cells, "accuracy_table": 1, "plot_accuracy": 2, "plot_length_sweep": on_datasets * 2,
+        "grade": cells, "accuracy_table": 1, "accuracy_paired": 2, "plot_accuracy": 2,
+        "plot_length_sweep": on_datasets * 2,
         "placement_table": 2, "plot_placement": 2,
         "extract_attention": on_datasets * 13, "plot_attention_head": on_datasets * 5, "plot_attention_figure": 3,
         "rank_attention_heads": on_datasets, "lambda_summary": on_datasets, "mlp_activations": on_datasets * 13,
         "mlp_summary": on_datasets, "score_heads": swept * 4, "sweep_heads": swept * 4, "plot_pruning": 4,
         "heads_vs_density": 1, "edge_circuit": 2 * 2, "plot_circuit": 2 * 2, "plot_edges": 2,
-        "edges_vs_density": 1, "all": 1, "total": 559}
+        "edges_vs_density": 1, "all": 1, "total": 561}
     assert elapsed < 10, f"dry run of the paper config took {elapsed:.1f} s"
 
 

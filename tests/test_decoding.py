@@ -2,6 +2,7 @@
 greedy generate (engine static) on tiny random models: the same tokens, EOS, stop strings and
 token limits; which models it refuses. The real-model check is in test_generation.py."""
 
+import functools
 import logging
 
 import pandas as pd
@@ -114,3 +115,53 @@ def test_models_the_loop_cannot_serve_take_the_static_engine(caplog):
         with caplog.at_level(logging.WARNING):
             out = generate_all(llama, _Tokenizer(), _prompts((4, 5)), 2, 3, engine="static_cache")
     assert set(out["engine"]) == {"static"} and "cannot serve this model" in caplog.text
+
+
+def _position_sensitive(arch: str):
+    """A float64 tiny model whose logits move with position: GPT-2 with its learned positions
+    scaled up tenfold, or Llama with its queries and keys scaled up (rotary angles then matter)."""
+    model = _model("gpt2" if arch == "gpt2-positions" else arch).double()
+    with torch.no_grad():
+        if arch == "gpt2-positions":
+            model.transformer.wpe.weight *= 10
+        else:
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight *= 8
+                layer.self_attn.k_proj.weight *= 8
+    return model
+
+
+@pytest.mark.parametrize("arch", ["gpt2-positions", "llama-gqa"])
+@pytest.mark.parametrize("engine", ["static", "static_cache", "continuous"])
+def test_each_decode_steps_logits_equal_a_forward_over_the_whole_sequence(engine, arch):
+    """Every logit vector that chose a token (the prefill's, then each decode step's, recorded at
+    the model's output) against a forward over that row's prompt and tokens so far, alone and
+    without a cache: a position id off by one in a decode step moves them (≤ 1e-5 in float64)."""
+    # longest first: the engines batch the prompts in that order, so batch rows are prompt rows
+    model, tokenizer, prompts = _position_sensitive(arch), _Tokenizer(), _prompts((12, 9, 7, 5))
+    calls, forward = [], model.forward
+
+    @functools.wraps(forward)  # its signature too: generate passes what the forward declares
+    def recorded(*args, **kwargs):  # not a hook: the static-cache loop declines hooked models
+        output = forward(*args, **kwargs)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[0] == len(prompts):
+            calls.append((tuple(ids.shape), output.logits[:, -1].detach().clone()))
+        return output
+    model.forward = recorded
+    try:
+        got = generate_all(model, tokenizer, prompts, len(prompts), 6, engine=engine)
+    finally:
+        del model.forward
+    assert set(got["engine"]) == {engine}
+    if engine == "continuous":  # its steps run rows in and out of its batch: compare the tokens alone
+        calls = None
+    worst = 0.0
+    for row, (ids, new) in enumerate(zip(prompts["input_ids"], got["new_token_ids"])):
+        for step, token in enumerate(new):
+            with torch.no_grad():
+                full = model(torch.tensor([list(ids) + list(new[:step])]), use_cache=False).logits[0, -1]
+            assert int(full.argmax()) == token, (row, step)
+            if calls is not None:
+                worst = max(worst, float((calls[step][1][row] - full).abs().max()))
+    assert worst < 1e-5

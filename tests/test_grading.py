@@ -74,6 +74,15 @@ def test_bootstrap_ci_brackets_the_mean_and_is_seeded():
     assert bootstrap_ci([1, 1, 1], 0.95, 1000, 0) == (1.0, 1.0)
 
 
+def test_the_bootstrap_intervals_level_is_95_percent():
+    """400 fair coin flips: the percentile interval of the mean spans ±1.96 standard errors
+    (0.098 wide); a 90% level would span ±1.645 (0.082): the level is pinned, not assumed."""
+    values = np.random.default_rng(0).integers(0, 2, 400)
+    low, high = bootstrap_ci(values, 0.95, 20000, seed=0)
+    standard_error = values.std() / np.sqrt(len(values))
+    assert (high - low) == pytest.approx(2 * 1.959964 * standard_error, rel=0.04)
+
+
 def test_rows_bootstrapped_together_get_each_rows_own_interval():
     """bootstrap_cis (the attention figures' bands, a few hundred positions per call) gives each
     row what bootstrap_ci gives it alone, to the last bit, constant rows included."""
@@ -95,7 +104,7 @@ def test_summary_says_where_answers_came_from_and_how_many_hit_the_limit():
     generations = pd.DataFrame({"id": list("abcde"), "response": responses, "n_new_tokens": 8,
                                 "hit_token_limit": [False, False, True, True, False]})
     graded = grade_items(prompts, generations, "last_number")
-    summary = summarise(graded, {"confidence": 0.95, "n_resamples": 200, "seed": 0})
+    summary = summarise(graded, 0.95)
     assert (summary["extracted_boxed"], summary["extracted_hash"], summary["extracted_last_number"],
             summary["extracted_none"]) == (0.4, 0.2, 0.2, 0.2)
     assert summary["n_hit_token_limit"] == 2 and summary["hit_token_limit"] == 0.4
@@ -140,7 +149,7 @@ def test_substring_only_lenient_matches_are_counted_per_cell():
                                                "no_answer", "exact"]
     assert graded["lenient"].tolist() == [True, True, False, False, False, True]
     assert list(graded.columns[-2:]) == ["lenient", "lenient_rule"]  # earlier columns keep their places
-    summary = summarise(graded, {"confidence": 0.95, "n_resamples": 200, "seed": 0})
+    summary = summarise(graded, 0.95)
     assert summary["lenient_acc"] == pytest.approx(50.0)
     assert summary["lenient_substring_only"] == 2
     assert summary["lenient_exact_acc"] == pytest.approx(100 / 6)
@@ -155,7 +164,7 @@ def test_a_cell_without_items_summarises_to_no_accuracy():
     prompts = pd.DataFrame({"id": [], "answer": [], "inserted_tokens": []})
     generations = pd.DataFrame({"id": [], "response": [], "n_new_tokens": [], "hit_token_limit": []})
     summary = summarise(grade_items(prompts, generations, "last_number"),
-                        {"confidence": 0.95, "n_resamples": 200, "seed": 0})
+                        0.95)
     assert summary["n"] == 0 and summary["lenient_substring_only"] == 0
     assert math.isnan(summary["lenient_acc"]) and math.isnan(summary["math_verify_acc"])
 
@@ -172,7 +181,7 @@ def test_accuracy_table_keeps_earlier_columns_in_place(tmp_path):
                                 "hit_token_limit": False})
     summary = {"model": "m", "dataset": "d", "condition": "none",
                **summarise(grade_items(prompts, generations, "last_number"),
-                           {"confidence": 0.95, "n_resamples": 100, "seed": 0})}
+                           0.95)}
     before = {k: v for k, v in summary.items() if k not in steps.LATER_COLUMNS}
     io.write_json(before, tmp_path / "before.json")
     io.write_json(summary, tmp_path / "after.json")

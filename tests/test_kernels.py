@@ -15,6 +15,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from attnlab import fused, interventions, sparse  # noqa: E402
 from attnlab.extraction import extract  # noqa: E402
 from attnlab.interventions import intervened  # noqa: E402
@@ -354,3 +357,26 @@ def test_the_mode_switch_is_checked_and_off_keeps_the_eager_blocks(kernel_calls,
         fused.enabled(torch.device("cpu"))
     monkeypatch.setenv(fused.MODE_VARIABLE, "auto")
     assert not fused.enabled(torch.device("cpu"))  # auto: CUDA tensors only
+
+
+@triton.jit
+def _rand_at(OUT, COUNTERS, seed, COUNT: tl.constexpr):
+    """Triton's Philox uniform at given counters (the reference the noise is built from)."""
+    offs = tl.arange(0, COUNT)
+    tl.store(OUT + offs, tl.rand(seed, tl.load(COUNTERS + offs)))
+
+
+def test_the_gate_noise_is_its_counter_formula_and_every_edge_draws_its_own():
+    """Edge (i, j) of head bh draws Philox at counter (bh · M + i) · N + j: checked at known
+    edges against tl.rand at counters computed here (M ≠ N, so swapped axes would differ), and
+    with fewer queries than keys (a decoding step's shape) no two edges share a draw."""
+    seed, batch, heads, queries, keys = 7, 2, 3, 5, 11
+    noise = launch.sampled_noise(seed, batch, heads, queries, keys, "cpu")
+    edges = [(0, 0, 0), (1, 2, 7), (4, 4, 10), (5, 3, 1)]  # (b · H + h, i, j)
+    counters = torch.tensor([(bh * queries + i) * keys + j for bh, i, j in edges], dtype=torch.int64)
+    uniform = torch.empty(len(edges), dtype=torch.float32)
+    _rand_at[(1,)](uniform, counters, seed, COUNT=len(edges))
+    expected = torch.log(uniform) - torch.log1p(-uniform)
+    got = torch.stack([noise.view(batch * heads, queries, keys)[bh, i, j] for bh, i, j in edges])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.unique(noise).numel() == noise.numel()

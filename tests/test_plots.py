@@ -44,6 +44,24 @@ def test_accuracy_figure_draws_each_cells_accuracy_and_interval(tmp_path, monkey
     assert intervals == [[30, 50], [35, 55], [25, 45]]  # each cell's CI
 
 
+def test_the_paired_panel_draws_each_conditions_difference_from_the_baseline(tmp_path, monkeypatch):
+    table = pd.DataFrame([_cell("none", 0, 40), _cell("mless", 10, 45)])
+    paired = pd.DataFrame([{"model": "m", "dataset": "d", "condition": "mless", "baseline": "none", "grader": grader,
+                            "difference_pts": 5.0, "ci_low_pts": -2.0, "ci_high_pts": 12.0,
+                            "holm_p": 0.01 if grader == "math_verify" else 0.5}
+                           for grader in ("math_verify", "lenient")])
+    drawn = _drawn_figure(monkeypatch)
+    plot_accuracy(table, "d", ["m"], ["none", "mless"], tmp_path / "bars.png", dpi=60, paired=paired)
+    math_verify, lenient = drawn["fig"].axes[2], drawn["fig"].axes[3]
+    for panel in (math_verify, lenient):
+        point = panel.lines[0].get_ydata()
+        assert list(point) == [5.0]  # the difference, under mless's bar
+        segment = panel.collections[0].get_segments()[0][:, 1]
+        assert sorted(segment.tolist()) == [-2.0, 12.0]  # its interval
+        assert "Newcombe" in panel.get_title()
+    assert [t.get_text() for t in math_verify.texts] == ["*"] and len(lenient.texts) == 0  # Holm < 0.05 only
+
+
 def _drawn_figure(monkeypatch):
     """Keep the figure a plot function saves, to read what it drew; it is still saved, through
     the check of its text (ATTNLAB_STRICT_FIGURES, tests/conftest.py)."""

@@ -301,7 +301,7 @@ def test_rerun_after_a_condition_length_changes(tiny_run, tmp_path):
     # mless on 2 datasets; attention and MLP on svamp; then what shows mless
     assert _planned(tiny_run, tmp_path, edit) == {
         "make_prompts": 2, "generate": 2, "grade": 2, "extract_attention": 1, "mlp_activations": 1,
-        "accuracy_table": 1, "plot_accuracy": 2, "placement_table": 2, "plot_placement": 2,
+        "accuracy_table": 1, "accuracy_paired": 2, "plot_accuracy": 2, "placement_table": 2, "plot_placement": 2,
         "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1, "mlp_summary": 1,
         "plot_attention_figure": 1, "all": 1}
 
@@ -320,7 +320,7 @@ def test_rerun_after_a_subset_size_changes(tiny_run, tmp_path):
     # gsm8k only: it has no attention or MLP analysis in the tiny config
     assert _planned(tiny_run, tmp_path, edit) == {
         "prepare_dataset": 1, "make_prompts": 4, "generate": 4, "grade": 4, "accuracy_table": 1,
-        "plot_accuracy": 1, "placement_table": 1, "plot_placement": 1, "all": 1}
+        "accuracy_paired": 1, "plot_accuracy": 1, "placement_table": 1, "plot_placement": 1, "all": 1}
 
 
 def test_rerun_after_arm_settings_change(tiny_run, tmp_path):
@@ -328,7 +328,7 @@ def test_rerun_after_arm_settings_change(tiny_run, tmp_path):
         config["models"]["smollm2-135m"]["arm"] = {"c": 0.3}
     assert _planned(tiny_run, tmp_path, edit) == {
         "generate": 2, "grade": 2, "extract_attention": 1, "mlp_activations": 1, "accuracy_table": 1,
-        "plot_accuracy": 2, "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
+        "accuracy_paired": 2, "plot_accuracy": 2, "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
         "mlp_summary": 1, "all": 1}
 
 

@@ -38,13 +38,17 @@ def test_report_holds_every_figure_and_table_with_definitions(tiny_run):
     expected += [f"results/figures/mlp/{MODEL}/svamp.png", "results/figures/pruning/ioi.png",
                  "results/tables/accuracy.csv", f"results/tables/mlp/{MODEL}/svamp.csv"]
     expected += [f"results/tables/placement/{d}.csv" for d in DATASETS]
+    expected += [f"results/tables/accuracy_paired/{d}.csv" for d in DATASETS]
     for path in expected:
         assert path in page, path
     assert len(raw) == len(expected) + 1  # and the top-changed head's figure
     # captions state the definitions
     for definition in ("mean over i > j", "Explained effect = (m(k)", "verify(parse(gold), parse(pred))",
-                       "act_fn(gate_proj(x))", "Gini coefficient", "1.4826"):
+                       "act_fn(gate_proj(x))", "Gini coefficient", "1.4826", "Wilson score", "Newcombe"):
         assert definition in page, definition
+    # no docutils message (a red "System Message" box inside a caption): tests/test_report_captions.py
+    # renders every caption alone, this the report as built
+    assert "System Message" not in page and "system-message" not in page
 
 
 # ---- faults ----

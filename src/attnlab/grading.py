@@ -1,4 +1,5 @@
-"""Answer extraction, two graders, and accuracy with bootstrap confidence intervals.
+"""Answer extraction, two graders, and accuracy with its confidence interval (a proportion's:
+Wilson's, ``attnlab.paired``; the bootstrap here serves statistics that are not proportions).
 
 Graders:
 - ``math_verify``: Hugging Face math-verify, ``verify(parse(gold), parse(pred))``
@@ -19,6 +20,8 @@ import re
 import numpy as np
 import pandas as pd
 from scipy import stats
+
+from attnlab.paired import INTERVAL, wilson
 
 GRADERS = ("math_verify", "lenient")
 EXTRACTIONS = ("boxed", "hash", "last_number", "none")  # extract_answer's sources, in its order
@@ -155,8 +158,9 @@ def bootstrap_cis(samples: np.ndarray, confidence: float, n_resamples: int, seed
     return low, high
 
 
-def summarise(graded: pd.DataFrame, bootstrap: dict) -> dict:
-    """Accuracy (in %) with its confidence interval, for each grader."""
+def summarise(graded: pd.DataFrame, confidence: float = 0.95) -> dict:
+    """Accuracy (in %) with its confidence interval, for each grader: a proportion's, the Wilson
+    score interval (``attnlab.paired``)."""
     summary = {"n": int(len(graded)),
                "inserted_tokens": float(graded["inserted_tokens"].mean()),
                # Where each answer came from, so a reader sees grades that rest on the fallback.
@@ -164,10 +168,10 @@ def summarise(graded: pd.DataFrame, bootstrap: dict) -> dict:
                "hit_token_limit": float(graded["hit_token_limit"].mean()),
                "n_hit_token_limit": int(graded["hit_token_limit"].sum())}
     for grader in GRADERS:
-        low, high = bootstrap_ci(graded[grader], bootstrap["confidence"],
-                                 bootstrap["n_resamples"], bootstrap["seed"])
+        low, high = wilson(int(graded[grader].sum()), len(graded), confidence)
         summary[f"{grader}_acc"] = 100 * float(graded[grader].mean())
         summary[f"{grader}_ci_low"], summary[f"{grader}_ci_high"] = 100 * low, 100 * high
+    summary["interval"] = f"{INTERVAL}, {100 * confidence:g}%"
     # The paper's number stays above; this says how much of it only a substring match gives.
     substring = graded["lenient_rule"] == "substring"
     summary["lenient_substring_only"] = int(substring.sum())

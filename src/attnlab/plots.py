@@ -84,15 +84,17 @@ def text_collisions(fig, tolerance: float = 1.0) -> list[str]:
 
 
 def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditions: list[str],
-                  out_path, dpi: int = 150) -> None:
-    """Grouped bars: one group per model, one bar per condition, 95% CI error bars.
+                  out_path, dpi: int = 150, paired: pd.DataFrame | None = None) -> None:
+    """Grouped bars: one group per model, one bar per condition, 95% Wilson intervals.
 
     One panel per grader, so the paper-compatible number sits beside math-verify's (its
-    substring-only part hatched); below them, where each cell's answers came from and how
-    many responses hit the token limit.
+    substring-only part hatched); under each, every condition's paired difference from the
+    baseline (``paired``: ``attnlab.paired``'s rows of this dataset); below them, where each
+    cell's answers came from and how many responses hit the token limit.
     """
-    fig = plt.figure(figsize=(4 + 1.6 * len(models) * 2, 6.4))
-    grid = fig.add_gridspec(2, 2, height_ratios=(3, 1.3))
+    rows = 3 if paired is not None and len(paired) else 2
+    fig = plt.figure(figsize=(4 + 1.6 * len(models) * 2, 6.4 + 2.0 * (rows == 3)))
+    grid = fig.add_gridspec(rows, 2, height_ratios=(3, 1.4, 1.3) if rows == 3 else (3, 1.3))
     axes = [fig.add_subplot(grid[0, 0])]
     axes.append(fig.add_subplot(grid[0, 1], sharey=axes[0]))
     width = 0.8 / len(conditions)
@@ -106,10 +108,13 @@ def plot_accuracy(table: pd.DataFrame, dataset: str, models: list[str], conditio
             on_end |= _grade_bars(ax, x + offsets[k], cells[condition], grader, width, colours(k % 10), condition)
         ax.set_xticks(x, models)
         ax.set_title(_grader_title(grader))
-        ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
+        ax.set_ylabel("accuracy (%), greedy, 95% Wilson CI")
         ax.grid(axis="y", alpha=0.3)
     _accuracy_axis(axes[0], on_end)  # the panels share their y axis
-    _plot_answer_sources(fig.add_subplot(grid[1, :]), cells, models, x, offsets, width)
+    if rows == 3:
+        for column, grader in enumerate(GRADER_TITLES):
+            _plot_paired(fig.add_subplot(grid[1, column]), paired, grader, models, conditions, x, offsets, colours)
+    _plot_answer_sources(fig.add_subplot(grid[rows - 1, :]), cells, models, x, offsets, width)
     n = int(table["n"].max()) if len(table) else 0
     fitted_suptitle(fig, f"Results on {dataset} (n = {n} per bar)")
     handles, labels = axes[0].get_legend_handles_labels()
@@ -192,6 +197,30 @@ def _accuracy_axis(ax, room_for_labels: bool) -> None:
     ax.set_yticks(range(0, 101, 20))
 
 
+def _plot_paired(ax, paired: pd.DataFrame, grader: str, models: list[str], conditions: list[str], x, offsets,
+                 colours) -> None:
+    """Each condition's paired difference from the baseline (points, Newcombe's interval) under
+    its bar; a star where McNemar's exact test is significant at 0.05 after Holm's correction."""
+    rows = paired[paired["grader"] == grader].set_index(["model", "condition"])
+    for k, condition in enumerate(conditions):
+        for xi, model in zip(x + offsets[k], models):
+            if (model, condition) not in rows.index:
+                continue
+            row = rows.loc[(model, condition)]
+            ax.errorbar(xi, row["difference_pts"], yerr=[[row["difference_pts"] - row["ci_low_pts"]],
+                                                         [row["ci_high_pts"] - row["difference_pts"]]],
+                        fmt="o", color=colours(k % 10), ms=4, capsize=2)
+            if row["holm_p"] < 0.05:
+                ax.annotate("*", (xi, row["ci_high_pts"]), ha="center", va="bottom", fontsize=11)
+    ax.axhline(0, color="0.3", lw=0.8)
+    ax.margins(y=0.3)  # room for the stars under the title
+    ax.set_xticks(x, models)
+    baseline = paired["baseline"].iloc[0]
+    ax.set_ylabel(f"Δ vs {baseline} (pts)", fontsize=8)
+    ax.set_title(f"Δ vs {baseline}, same items, 95% Newcombe CI\n* McNemar p < 0.05, Holm", fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+
+
 ANSWER_SOURCES = {"boxed": ("\\boxed{}", "#4c72b0"), "hash": ("####", "#55a868"),
                   "last_number": ("last-number fallback", "#dd8452"), "none": ("no answer", "#c44e52")}
 
@@ -244,7 +273,7 @@ def plot_length_sweep(table: pd.DataFrame, families: dict[str, str | None], mode
                                  color=colours(k % 10))
         ax.set_title(GRADER_TITLES[grader])
         ax.set_xlabel("inserted tokens (under this model's tokenizer)")
-        ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
+        ax.set_ylabel("accuracy (%), greedy, 95% Wilson CI")
         ax.grid(alpha=0.3)
     axes[0].legend(title="inserted kind", fontsize=8)
     if labels:
@@ -326,7 +355,7 @@ def plot_placement(table: pd.DataFrame, dataset: str, models: list[str], out_pat
                                       colours(k % 10), model)
             ax.set_xticks(x, [p.replace("_", "\n") for p in present])
             ax.set_title(f"{family}, {length} tokens: {_grader_title(grader)}", fontsize=9)
-            ax.set_ylabel("accuracy (%), greedy, 95% bootstrap CI")
+            ax.set_ylabel("accuracy (%), greedy, 95% Wilson CI")
             ax.grid(axis="y", alpha=0.3)
     _accuracy_axis(axes[0, 0], on_end)  # every panel shares this y axis
     handles, labels = axes[0, 0].get_legend_handles_labels()

@@ -74,6 +74,9 @@ def _check_sources(config: dict) -> None:
 def _check_names(config: dict, chosen: dict) -> None:
     """Datasets, conditions and models named outside their own sections must exist."""
     models, datasets, conditions = list(config["models"]), list(config["datasets"]), list(config["conditions"])
+    if config["grading"]["baseline"] not in conditions:
+        raise ConfigError(f"grading.baseline is '{config['grading']['baseline']}', not in conditions: {conditions}; "
+                          "set it to the condition every other one is compared with (the plain prompt)")
     check_attention_figures(chosen["figures"], config["conditions"], models, chosen["attention_datasets"])
     for key, names in (("attention.datasets", chosen["attention_datasets"]), ("mlp.datasets", chosen["mlp_datasets"])):
         unknown = [d for d in names if d not in datasets]

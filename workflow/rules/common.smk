@@ -280,6 +280,11 @@ def placement_summaries(wildcards):
                   model=models_on_dataset(wildcards), dataset=wildcards.dataset, condition=list(PLACEMENTS))
 
 
+def dataset_items(wildcards):
+    """The graded items of one dataset's cells (its paired comparisons read them)."""
+    return [summary.replace(".json", ".csv") for summary in accuracy_summaries(wildcards)]
+
+
 def all_summaries():
     return [summary for model, datasets in MODEL_DATASETS.items()
             for summary in expand("results/grades/{model}/{dataset}/{condition}.json",
@@ -348,6 +353,8 @@ def all_targets():
         "results/tables/accuracy.csv",
         *expand("results/figures/accuracy/{dataset}.{ext}",
                 dataset=[dataset for dataset in DATASETS if models_on(config, dataset)], ext=config["plots"]["format"]),
+        *expand("results/tables/accuracy_paired/{dataset}.csv",
+                dataset=[dataset for dataset in DATASETS if models_on(config, dataset)]),
         *attention_targets(),
         *mlp_targets(),
         *placement_targets(),

@@ -49,7 +49,7 @@ rule grade:
 
 
 rule accuracy_table:
-    """Accuracy per model x dataset x condition, both graders, bootstrap CI."""
+    """Accuracy per model x dataset x condition, both graders, Wilson score interval."""
     input:
         all_summaries(),
     output:
@@ -64,3 +64,26 @@ rule accuracy_table:
         "../../envs/attnlab.yaml"
     script:
         "../scripts/accuracy_table.py"
+
+
+rule accuracy_paired:
+    """Each condition against grading.baseline on the same items, per model x grader, for one
+    dataset: the paired difference (Newcombe's interval), McNemar's exact p, Holm-adjusted."""
+    input:
+        dataset_items,
+    output:
+        report(
+            "results/tables/accuracy_paired/{dataset}.csv",
+            caption="../report/accuracy_paired.rst",
+            category="Accuracy",
+            subcategory="{dataset}",
+        ),
+    params:
+        baseline=config["grading"]["baseline"],
+        confidence=config["grading"]["confidence"],
+    log:
+        "results/logs/accuracy_paired/{dataset}.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/accuracy_paired.py"

@@ -1,7 +1,9 @@
 rule plot_accuracy:
-    """Grouped bars per dataset: one group per model, one bar per condition."""
+    """Grouped bars per dataset: one group per model, one bar per condition; below, each
+    condition's paired difference from the baseline."""
     input:
-        accuracy_summaries,
+        summaries=accuracy_summaries,
+        paired="results/tables/accuracy_paired/{dataset}.csv",
     output:
         report(
             "results/figures/accuracy/{dataset}.{ext}",

@@ -49,7 +49,7 @@ def grade(prompts_path: str, generations_path: str, items_path: str, summary_pat
 
     graded = grade_items(io.read_parquet(prompts_path), io.read_parquet(generations_path),
                          grading["fallback"])
-    summary = {**keys, **summarise(graded, grading["bootstrap"])}
+    summary = {**keys, **summarise(graded, grading["confidence"])}
     log.info("%s: math-verify %.1f%%, lenient %.1f%% (%d of them substring-only matches; n=%d)", keys,
              summary["math_verify_acc"], summary["lenient_acc"], summary["lenient_substring_only"],
              summary["n"])
@@ -63,12 +63,45 @@ def accuracy_table(summary_paths: list[str], out_path: str) -> None:
     io.write_csv(table.sort_values(["dataset", "model"], kind="stable"), out_path)
 
 
+def accuracy_paired(item_paths: list[str], out_path: str, baseline: str, confidence: float) -> None:
+    """Every condition against ``baseline`` on the same items, per model × dataset × grader
+    (``attnlab.paired``), for the cells given (one dataset's in the workflow); empty (with its
+    columns) where no cell has the baseline."""
+    from attnlab.grading import GRADERS
+    from attnlab.paired import paired_rows
+
+    cells: dict[tuple[str, str], dict[str, pd.DataFrame]] = {}
+    for path in item_paths:  # results/grades/{model}/{dataset}/{condition}.csv
+        parts = path.split("/")
+        cells.setdefault((parts[-3], parts[-2]), {})[parts[-1].removesuffix(".csv")] = \
+            pd.read_csv(path, usecols=["id", *GRADERS], dtype={"id": str})
+    tables = []
+    for (model, dataset), items in cells.items():
+        if baseline not in items or len(items) < 2:
+            log.info("%s on %s: no paired comparison (baseline %r %s)", model, dataset, baseline,
+                     "missing" if baseline not in items else "alone")
+            continue
+        rows = paired_rows(items, baseline, GRADERS, confidence)
+        rows.insert(0, "dataset", dataset)
+        rows.insert(0, "model", model)
+        tables.append(rows)
+    table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=PAIRED_COLUMNS)
+    io.write_csv(table, out_path)
+
+
+PAIRED_COLUMNS = ["model", "dataset", "condition", "baseline", "grader", "n_paired", "both_correct", "treated_only",
+                  "baseline_only", "neither", "difference_pts", "ci_low_pts", "ci_high_pts", "mcnemar_p", "holm_p"]
+
+
 def plot_accuracy(summary_paths: list[str], out_path: str, dataset: str, models: list[str],
-                  conditions: list[str], dpi: int) -> None:
+                  conditions: list[str], dpi: int, paired_path: str | None = None) -> None:
     from attnlab.plots import plot_accuracy as plot
 
     table = _read_summaries(summary_paths)
-    plot(table, dataset, models, conditions, out_path, dpi)
+    paired = None
+    if paired_path is not None:
+        paired = pd.read_csv(paired_path)
+    plot(table, dataset, models, conditions, out_path, dpi, paired)
 
 
 def plot_length_sweep(summary_paths: list[str], out_path: str, model: str, dataset: str,
