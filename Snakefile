@@ -31,6 +31,7 @@ include: "workflow/rules/plots.smk"
 localrules:
     all,
     accuracy_table,
+    accuracy_paired,
     placement_table,
     prepare_model,
 

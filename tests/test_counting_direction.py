@@ -151,3 +151,16 @@ def test_the_heads_vs_density_step_labels_dense_over_copy(counted, tmp_path, mon
     assert table.loc["B", ["heads_fewer", "heads_fewer_low", "heads_fewer_high"]].tolist() == [4.5, 4.5, 4.5]
     labels = [text.get_text() for text in figures[-1].axes[0].texts]
     assert labels == ["4.5× [4.50, 4.50]"]
+
+
+def test_an_edge_tables_words_say_edges_whatever_the_text_dtype():
+    """A fragility reason of an edge count reads "edges", in a table whose text column is pandas'
+    str dtype (pandas 3's default: "falls back ... at 20790 heads" stayed so) or object."""
+    for dtype in ("str", object):
+        table = pd.DataFrame({"heads_to_reach_threshold": [583],
+                              "fragile_reasons": pd.Series(["falls back to 0.90 at 20790 heads", None], dtype=dtype)[:1]})
+        renamed = renamed_unit(table)
+        assert list(renamed.columns) == ["edges_to_reach_threshold", "fragile_reasons"]
+        assert renamed["fragile_reasons"].iloc[0] == "falls back to 0.90 at 20790 edges"
+    assert renamed_unit({"fragile_reasons": ["overshoot of 0.12 at 40 heads"]}) == {
+        "fragile_reasons": ["overshoot of 0.12 at 40 edges"]}

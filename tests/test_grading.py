@@ -204,3 +204,31 @@ def test_a_prompt_without_a_generation_fails_naming_its_id():
     with pytest.raises(ValueError, match=r"1 prompts have no generation \(ids \['b'\]\)"):
         grade_items(prompts, generations, "last_number")
     assert len(grade_items(prompts.iloc[[0, 2]], generations, "last_number")) == 2
+
+
+def test_a_second_configs_accuracy_table_names_its_config_and_logs_the_rows_it_replaces(tmp_path, caplog):
+    """Two configs in turn write results/tables/accuracy.csv: each row says which config it holds,
+    and the second run's log names every row of the first's it dropped or rewrote."""
+    import logging
+
+    import pandas as pd
+
+    from attnlab import io, steps
+    from attnlab.plan import config_label
+
+    def cell(condition, acc):
+        summary = {"model": "m", "dataset": "d", "condition": condition, "n": 4, "math_verify_acc": acc}
+        path = tmp_path / f"{condition}-{acc}.json"
+        io.write_json(summary, path)
+        return str(path)
+    table = tmp_path / "accuracy.csv"
+    steps.accuracy_table([cell("none", 25.0), cell("mless", 50.0)], str(table), config=config_label([]))
+    with caplog.at_level(logging.WARNING, logger="attnlab"):
+        steps.accuracy_table([cell("none", 75.0), cell("q55", 0.0)], str(table),
+                             config=config_label(["config/mechanism.yaml"]))
+    rows = pd.read_csv(table)
+    assert rows["config"].tolist() == ["mechanism", "mechanism"]
+    messages = caplog.text
+    assert "no longer holds the row {'model': 'm', 'dataset': 'd', 'condition': 'mless'} of the last table (config config)" in messages
+    assert "rewrites the row {'model': 'm', 'dataset': 'd', 'condition': 'none'}" in messages
+    assert "q55" not in messages  # a new row is no one's loss

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from attnlab import fused, interventions  # noqa: E402
+from attnlab import fused  # noqa: E402
 from attnlab.kernels import compiled  # noqa: E402
 from test_attention import TINY  # noqa: E402
 
@@ -24,14 +24,14 @@ def _dtypes_under_autocast(arch: str) -> set[tuple]:
     attention function in bfloat16 CPU autocast forwards of a tiny model of ``arch``'s family,
     without and with a KV cache."""
     seen = set()
-    original = interventions.fused.attend
+    original = fused.attend
 
     def record(module, query, key, value, *args, **kwargs):
         seen.add((query.dtype, key.dtype, value.dtype, fused.kernel_dtype(query, key, value)))
         return None  # the eager blocks compute the layer
 
     model = TINY[arch]()
-    interventions.fused.attend = record
+    fused.attend = record
     try:
         from attnlab import sparse
 
@@ -40,7 +40,7 @@ def _dtypes_under_autocast(arch: str) -> set[tuple]:
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
                 model(torch.randint(3, 101, (2, 9)), use_cache=use_cache)
     finally:
-        interventions.fused.attend = original
+        fused.attend = original
     return seen
 
 

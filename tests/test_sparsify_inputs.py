@@ -218,3 +218,45 @@ def test_left_padded_batches_give_each_prompt_its_value_alone_and_the_same_open_
     assert check["open_edges_batched"] == check["open_edges_one_at_a_time"] > 0
     with pytest.raises(ValueError, match="template mean"):
         head_counts.padding_check(model, load_tokenizer(folder / "model"), "ioi", 2, 0, 3, ablation="mean")
+
+
+def _in_a_fresh_process(code: str) -> str:
+    import subprocess
+    import sys
+
+    finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return finished.stdout
+
+
+def test_a_saved_copy_loads_gated_without_a_prior_import_and_never_dense(trained):
+    """In fresh processes: attnlab's loader alone gives the gated model's logits (those of the copy
+    as trained, gated); plain transformers fails loudly without the gated attention registered,
+    and with trust_remote_code=True loads the gated model through the folder's own module."""
+    folder = str(trained[0] / "model")
+    probe = "import torch; ids = torch.tensor([[5, 17, 9, 33, 2, 8, 41]])"
+    gated = _in_a_fresh_process(f"""{probe}
+from attnlab.models import load_model
+model = load_model({folder!r}, torch.device("cpu"), torch.float32)
+print(model.config._attn_implementation, model(ids).logits[0, -1, :5].tolist())""")
+    dense = _in_a_fresh_process(f"""{probe}
+from transformers import AutoModelForCausalLM
+try:
+    AutoModelForCausalLM.from_pretrained({folder!r})
+    print("loaded")
+except ValueError as error:
+    print("refused:", error)
+model = AutoModelForCausalLM.from_pretrained({folder!r}, trust_remote_code=True)
+print(model.config._attn_implementation, model(ids).logits[0, -1, :5].tolist())""")
+    implementation, logits = gated.split(" ", 1)
+    assert implementation == interventions.IMPLEMENTATION
+    lines = dense.strip().splitlines()
+    assert lines[0].startswith("refused:") and "attnlab" in lines[0]
+    assert lines[1] == gated.strip()  # the same gated logits through the folder's module
+    plain = _in_a_fresh_process(f"""{probe}
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+config = AutoConfig.from_pretrained({folder!r}); config._attn_implementation = "sdpa"
+model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained({folder!r}, config=config)
+print(model(ids).logits[0, -1, :5].tolist())""")
+    assert plain.strip() != logits.strip()  # the gates close edges: a dense forward differs

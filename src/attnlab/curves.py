@@ -60,8 +60,9 @@ def renamed_unit(value, source: str = "heads", target: str = "edges"):
     if isinstance(value, pd.DataFrame):
         renamed = value.rename(columns=lambda column: column.replace(source, target))
         reasons = renamed.get("fragile_reasons")  # a table's, joined: "falls back to 0.85 at 12 heads"
-        if reasons is not None and reasons.dtype == object:
-            renamed["fragile_reasons"] = reasons.str.replace(f" {source}", f" {target}")
+        # text is object or (pandas 3's default) str dtype: each must have its words renamed
+        if reasons is not None and (reasons.dtype == object or pd.api.types.is_string_dtype(reasons)):
+            renamed["fragile_reasons"] = reasons.str.replace(f" {source}", f" {target}", regex=False)
         return renamed
     if isinstance(value, dict):
         return {key.replace(source, target).replace(f"the_{source[:-1]}", f"the_{target[:-1]}"):

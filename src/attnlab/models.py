@@ -130,14 +130,20 @@ def prepare_model(name: str, source: dict, out_dir: str | Path, prompt_format: s
 
 
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
-    """A prepared model in eval mode; a sparse copy comes with its gated attention selected (it
-    needs ``attnlab.interventions`` imported, which registers it: every step that runs a model
-    imports it, and this module, below it, does not)."""
+    """A prepared model in eval mode; a sparse copy with its gated attention selected (this loader
+    registers it: nothing need be imported before). The class comes from the config's own
+    family, never from a folder's code (a sparse copy carries some, for plain transformers'
+    ``trust_remote_code``: ``sparse_folder``)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    import attnlab.attention_function  # noqa: F401 -- registers the gated attention a sparse copy selects
     from attnlab import sparse
     from attnlab.checks import damaged_model_files
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        config = AutoConfig.from_pretrained(path)
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(path, config=config, dtype=dtype)
     except Exception as error:  # noqa: BLE001 -- a damaged folder: name its file and the fix
         problems = damaged_model_files(path)
         if not problems:

@@ -33,6 +33,15 @@ def selected(names: list[str] | None, everything: list[str]) -> list[str]:
     return list(everything) if names is None else list(names)
 
 
+def config_label(configfiles) -> str:
+    """The name a run's tables carry: its config files' names (config/mechanism.yaml: "mechanism"),
+    joined by "+"; "config" for the default (no --configfile)."""
+    import os
+
+    names = [os.path.splitext(os.path.basename(str(path)))[0] for path in configfiles or []]
+    return "+".join(names) or "config"
+
+
 def model_datasets(config: dict) -> dict[str, list[str]]:
     """Each model's datasets (``models.{model}.datasets``: null, all of them; in the config's
     order): where it generates and is graded, and where attention and the MLP analysis read it."""

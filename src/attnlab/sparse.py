@@ -216,13 +216,14 @@ def make_sparse(model, gate_bias: GateBias, **provenance) -> None:
 
 
 def _select_gated_attention(model) -> None:
-    """Switch ``model`` to the gated attention, which ``attnlab.interventions`` registers on import
-    (it sits above this module: imports point down, so this one cannot import it)."""
+    """Switch ``model`` to the gated attention, which ``attnlab.attention_function`` registers on
+    import (it sits above this module: imports point down, so this one cannot import it; every
+    loader, ``models.load_model``, and ``attnlab.interventions`` import it)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS:
-        raise RuntimeError(f"the gated attention '{IMPLEMENTATION}' is not registered: import "
-                           "attnlab.interventions before making a model sparse or loading a sparse copy")
+        raise RuntimeError(f"the gated attention '{IMPLEMENTATION}' is not registered: load models with "
+                           "attnlab.models.load_model, or import attnlab.attention_function first")
     model.set_attn_implementation(IMPLEMENTATION)
 
 

@@ -10,7 +10,7 @@ sys.path.insert(0, LIBRARY)
 _paths = os.environ.get("PYTHONPATH", "")
 if LIBRARY not in _paths.split(os.pathsep):  # set for the jobs, not read from the user
     os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [LIBRARY, _paths])))
-from attnlab.plan import (cell_generation, comparison_pairs, fewshot_shots, fewshot_spec, figure_files,
+from attnlab.plan import (cell_generation, comparison_pairs, config_label, fewshot_shots, fewshot_spec, figure_files,
                           has_length_sweep, has_placement_sweep, length_families, model_datasets, model_job_threads,
                           model_memory_mb, models_on, placements, selections, sparse_pairs, weights_bytes)
 from attnlab import settings as typed
@@ -28,6 +28,7 @@ try:
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
+CONFIG_LABEL = config_label(workflow.configfiles)  # what the gathered tables say they hold
 MODELS = list(config["models"])
 SPARSE_BASES = sparse_bases(config["models"])  # sparse copy -> its dense base
 DENSE_MODELS = [m for m in MODELS if m not in SPARSE_BASES]

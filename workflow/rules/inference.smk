@@ -58,6 +58,8 @@ rule accuracy_table:
             caption="../report/accuracy_table.rst",
             category="Accuracy",
         ),
+    params:
+        config=CONFIG_LABEL,
     log:
         "results/logs/accuracy_table.log",
     conda:
@@ -81,6 +83,7 @@ rule accuracy_paired:
     params:
         baseline=config["grading"]["baseline"],
         confidence=config["grading"]["confidence"],
+        config=CONFIG_LABEL,
     log:
         "results/logs/accuracy_paired/{dataset}.log",
     conda:

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnlab import io, sparse
+from attnlab import io, sparse, sparse_folder
 from attnlab.sparsify.calibrate import bias_columns, calibrate_gate_bias
 from attnlab.sparsify.corpus import Corpus, build_corpus, report_corpus
 from attnlab.sparsify.errors import SparsifyError
@@ -208,6 +208,7 @@ def _write_model(model, tokenizer, name: str, settings: SparsifySettings, bias: 
     sparse.make_sparse(model, bias, base=settings.base, training_gate_bias=settings.gate_bias)
     with io.atomic_path(out_dir, directory=True) as tmp:
         model.save_pretrained(tmp)
+        sparse_folder.mark(tmp, type(model).__name__)  # plain transformers: gated, or a loud failure
         tokenizer.save_pretrained(tmp)
         provenance = {"name": name, "source": {"sparsify": settings.as_config()}, "summary": summary,
                       "torch": torch.__version__, "transformers": __import__("transformers").__version__}
