@@ -60,3 +60,42 @@ def test_a_models_datasets_are_checked_and_plan_only_its_cells(tmp_path):
     assert models_on(config, others[0]) == ["smollm2-135m"]
     counts = job_counts(_dry_run(tmp_path, config).stdout)
     assert counts["generate"] == 4 * len(others) and "extract_attention" not in counts
+
+
+def test_the_mechanism_config_reuses_the_defaults_shared_jobs():
+    """What README and config/mechanism.yaml say: after make run, make mechanism reuses the jobs of
+    the cells the two share (both models on arithmetic under none, mless, mful, random). Snakemake
+    reruns a job whose parameters change: every parameter those jobs' rules take is equal here,
+    read through the library functions the rules call."""
+    from attnlab.config import validate_config
+    from attnlab.plan import cell_generation, fewshot_shots, fewshot_spec
+    from attnlab.sources import sparse_bases
+
+    configs = []
+    for name in ("config.yaml", "mechanism.yaml"):
+        config = yaml.safe_load((REPO / "config" / name).read_text())
+        validate_config(config, REPO / "config" / "schema.yaml")
+        configs.append(config)
+    default, mechanism = configs
+    shared_models = sorted(set(default["models"]) & set(mechanism["models"]))
+    shared_datasets = sorted(set(default["datasets"]) & set(mechanism["datasets"]))
+    shared_conditions = sorted(set(default["conditions"]) & set(mechanism["conditions"]))
+    assert (shared_models, shared_datasets, shared_conditions) == (
+        ["gemma3-270m", "smollm2-135m"], ["arithmetic"], ["mful", "mless", "none", "random"])
+
+    def parameters(config, model, dataset, condition):
+        spec = config["models"][model]
+        return {"model source": spec["source"], "prompt format": spec["prompt_format"],
+                "fewshot": fewshot_shots(config["models"], config["prompt"])[model],
+                "fewshot spec": fewshot_spec(dataset, config["datasets"][dataset]),
+                "fewshot seed": config["prompt"]["fewshot_seed"],
+                "dataset": {k: v for k, v in config["datasets"][dataset].items() if k != "generation"},
+                "condition": config["conditions"][condition],
+                "prompt": {key: config["prompt"][key] for key in ("system", "raw_template")},
+                "generation": cell_generation(config, model, dataset),
+                "arm": spec["arm"] if config["conditions"][condition]["arm"] else None,
+                "grading": config["grading"], "sparse bases": sparse_bases(config["models"])}
+    for model in shared_models:
+        for condition in shared_conditions:
+            assert parameters(default, model, "arithmetic", condition) == parameters(
+                mechanism, model, "arithmetic", condition), (model, condition)

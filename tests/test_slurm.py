@@ -19,8 +19,22 @@ pytestmark = pytest.mark.slow
 
 CLUSTER = REPO / "tests/slurm/cluster.sh"
 PROFILE = REPO / "profiles/slurm"
-GPU_RULES = {"generate", "extract_attention", "mlp_activations", "score_heads", "sweep_heads"}
-LOCAL_RULES = {"all", "accuracy_table", "placement_table", "prepare_model"}
+LOCAL_RULES = {"all", "accuracy_table", "accuracy_paired", "placement_table", "prepare_model"}
+
+
+def declared_gpu_rules() -> set[str]:
+    """The rules whose resources declare gpu=1, read from workflow/rules/*.smk."""
+    import re
+
+    rules = set()
+    for path in (REPO / "workflow" / "rules").glob("*.smk"):
+        for name, body in re.findall(r"^rule (\w+):\n(.*?)(?=^rule |\Z)", path.read_text(), re.S | re.M):
+            if re.search(r"^\s+gpu=1,", body, re.M):
+                rules.add(name)
+    return rules
+
+
+GPU_RULES = declared_gpu_rules()
 
 
 @pytest.fixture(scope="module")
