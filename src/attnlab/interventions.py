@@ -14,7 +14,9 @@ Parts, in any combination (a block nested in another adds its parts to the outer
 - ``resume``: a ``resume.ResumeAt``: the forward starts at one layer from recorded inputs;
 - ``readout``: a ``readout.Readout``: only the positions and logits a metric reads are computed;
 - ``edges``: an ``edges.EdgePatch``: each receiver (query, key, value, MLP input, logits) reads its
-  own mix of the senders' clean and corrupted activations, or records them, or takes gradients.
+  own mix of the senders' clean and corrupted activations, or records them, or takes gradients;
+- ``replace``: a ``replacement.OutputReplacement``: MLP or block outputs replaced at chosen tokens
+  by another run's, or recorded (mediation).
 
 The first three act inside the attention computation, through one function registered with
 transformers' attention interface (``attention_function.attend``, re-exported here): per block of queries it takes the scores,
@@ -41,6 +43,7 @@ from attnlab.attention_function import (BLOCK_BYTES, IMPLEMENTATION, UNIMPLEMENT
                                         current, recompute_context, refuse_unimplemented)
 from attnlab.edges import EdgePatch
 from attnlab.readout import Readout
+from attnlab.replacement import OutputReplacement
 from attnlab.resume import LayerInputs, ResumeAt
 
 __all__ = ["BLOCK_BYTES", "IMPLEMENTATION", "UNIMPLEMENTED_KWARGS", "Inside", "attend", "current", "intervened",
@@ -52,7 +55,7 @@ def intervened(model, *, gates: sparse.GateTracker | None = None,
                gate_bias: sparse.GateBias | None = None, reduce: BatchReduction | None = None,
                head_gates=None, arm=None, activations=None, record: LayerInputs | None = None,
                resume: ResumeAt | None = None, readout: Readout | None = None,
-               edges: EdgePatch | None = None):
+               edges: EdgePatch | None = None, replace: OutputReplacement | None = None):
     """Run ``model`` with the given parts (module docstring) inside the block; yield what the
     attention function sees."""
     inside = _merged(model, gates=gates, gate_bias=gate_bias, reduce=reduce)
@@ -77,6 +80,8 @@ def intervened(model, *, gates: sparse.GateTracker | None = None,
             handles.append(readout.install(model))
         if edges is not None:
             handles.append(edges.install(model))
+        if replace is not None:
+            handles.append(replace.install(model))
         yield inside
     finally:
         for handle in reversed(handles):  # last in, first out: parts that replace the same module nest

@@ -23,8 +23,6 @@ are never touched.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -34,10 +32,11 @@ from tqdm import tqdm
 from attnlab import anatomy
 from attnlab.curves import refined_sweep
 from attnlab.interventions import intervened
-from attnlab.models import left_pad
 from attnlab.readout import Readout
 from attnlab.resume import LayerInputs, ResumeAt, cached_positions, prefix_cache
-from attnlab.tasks import TaskError, TaskPrompts, year_continuations
+from attnlab.task_batch import LOGITS_KEPT, TaskBatch, build_batch
+
+__all__ = ["ABLATIONS", "LOGITS_KEPT", "HeadGates", "Patcher", "TaskBatch", "build_batch"]
 
 log = logging.getLogger(__name__)
 ABLATIONS = ("corrupted", "mean", "zero")
@@ -46,7 +45,6 @@ ABLATIONS = ("corrupted", "mean", "zero")
 # 0.46 forwards per head at about 3,400 tokens a pass, 0.62 at 10,000; benchmarks/pruning_cost.py).
 # Elsewhere only the batch size bounds a pass.
 RESUMED_TOKENS = {"cpu": 4096}
-LOGITS_KEPT = 2  # what a TaskBatch reads unless it says: the last 2 positions, every token
 
 
 class HeadGates:
@@ -77,118 +75,15 @@ class HeadGates:
         return gate
 
 
-@dataclass
-class TaskBatch:
-    """Token ids of every clean/corrupted prompt (left padded) and the task metric."""
-
-    clean: torch.Tensor
-    corrupted: torch.Tensor
-    mask: torch.Tensor
-    templates: list[int]
-    # (logits at the last read_positions positions, the prompts they belong to) -> metric per prompt
-    metric: Callable[[torch.Tensor, slice], torch.Tensor]
-    rows_per_prompt: int = 1  # Greater-Than on digit tokenizers: 10 (one per first digit)
-    # What the metric reads: the last positions (1, or 2 for Greater-Than on digit tokenizers),
-    # and the token ids (None: every one, for a softmax). Logits elsewhere may be left uncomputed.
-    read_positions: int = LOGITS_KEPT
-    read_tokens: torch.Tensor | None = None
-
-    @property
-    def n_prompts(self) -> int:
-        return len(self.clean) // self.rows_per_prompt
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """Each token's position, counted from the row's first real token (left padding)."""
-        return (self.mask.cumsum(-1) - 1).clamp(min=0)
-
-    def whole_prompts(self, batch_size: int) -> int:
-        """``batch_size`` rows rounded down to whole prompts (at least one): a prompt's rows never
-        straddle two mini-batches."""
-        return max(1, batch_size // self.rows_per_prompt) * self.rows_per_prompt
-
-    def chunks(self, batch_size: int) -> list[slice]:
-        """The rows of each mini-batch of at most ``whole_prompts(batch_size)`` rows."""
-        size, n = self.whole_prompts(batch_size), len(self.clean)
-        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-    def differing_points(self, rows: slice) -> torch.Tensor:
-        """The tokens of ``rows`` at and after each row's first difference between its clean and
-        corrupted ids, as flat indices (row × tokens + position): before it, a causal model
-        computes the same on both."""
-        differs = (self.clean[rows] != self.corrupted[rows]).int().cummax(dim=1).values.bool()
-        return differs.flatten().nonzero()[:, 0]
-
-    def prompts_of(self, rows: slice) -> slice:
-        """The prompts whose rows are ``rows``."""
-        return slice(rows.start // self.rows_per_prompt, rows.stop // self.rows_per_prompt)
-
-
-def build_batch(prompts: TaskPrompts, tokenizer) -> TaskBatch:
-    clean = [tokenizer(p).input_ids for p in prompts.clean]
-    corrupted = [tokenizer(p).input_ids for p in prompts.corrupted]
-    templates = list(prompts.templates)
-    if prompts.task == "greater_than":
-        metric, clean, corrupted, templates = _greater_than_metric(prompts, tokenizer, clean, corrupted, templates)
-        read = {"read_positions": 2 if prompts.info["formulation"] == "digits" else 1}
-    else:
-        answers = torch.tensor(prompts.answers)
-        distractors = torch.tensor(prompts.distractors)
-        read = {"read_positions": 1, "read_tokens": torch.cat([answers, distractors.flatten()]).unique()}
-
-        def metric(logits: torch.Tensor, prompts: slice) -> torch.Tensor:
-            last = logits[:, -1].float()
-            right = last.gather(1, answers[prompts, None].to(last.device))[:, 0]
-            wrong = last.gather(1, distractors[prompts].to(last.device)).max(dim=1).values
-            return right - wrong
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    clean_ids, mask, _ = left_pad(clean, pad)
-    corrupted_ids, corrupted_mask, _ = left_pad(corrupted, pad)
-    if not torch.equal(mask, corrupted_mask):
-        raise TaskError(f"{prompts.task}: clean and corrupted prompts differ in token length")
-    rows_per_prompt = len(clean) // len(prompts.clean)
-    return TaskBatch(clean_ids, corrupted_ids, mask, templates, metric, rows_per_prompt, **read)
-
-
-def _greater_than_metric(prompts, tokenizer, clean, corrupted, templates):
-    """Σ p(y > YY) − Σ p(y ≤ YY) over the 100 two-digit continuations."""
-    # The ids each continuation "YY" is made of after "... the year XX", as checked
-    # for every century: the metric sums exactly the splits the model sees.
-    formulation, pieces = year_continuations(tokenizer)
-    if formulation != prompts.info["formulation"]:
-        raise TaskError(f"greater_than prompts were made for the {prompts.info['formulation']} formulation, "
-                        f"but tokenizer {tokenizer.name_or_path} needs {formulation}")
-    years = torch.tensor(prompts.years)
-    later = torch.arange(100)[None, :] > years[:, None]  # [n, 100]
-    sign = later.float() * 2 - 1
-    if formulation == "two_digit":
-        year_ids = torch.tensor([ids[0] for ids in pieces])
-
-        def metric(logits, prompts):
-            probs = logits[:, -1].float().softmax(-1)[:, year_ids.to(logits.device)]
-            return (probs * sign[prompts].to(logits.device)).sum(-1)
-        return metric, clean, corrupted, templates
-    # Digit-level tokenizers: p(d1 d2) = p(d1) * p(d2 | d1). Each prompt is
-    # extended by each first digit, so one forward gives both factors.
-    digit_ids = [pieces[10 * d][0] for d in range(10)]
-    digits = torch.tensor(digit_ids)
-
-    def metric(logits, prompts):
-        n = logits.shape[0] // 10
-        first = logits[::10, -2].float().softmax(-1)[:, digits.to(logits.device)]  # [n, 10]
-        second = logits[:, -1].float().softmax(-1)[:, digits.to(logits.device)].view(n, 10, 10)
-        probs = (first[:, :, None] * second).reshape(n, 100)
-        return (probs * sign[prompts].to(logits.device)).sum(-1)
-
-    extend = lambda rows: [row + [d] for row in rows for d in digit_ids]  # noqa: E731
-    return metric, extend(clean), extend(corrupted), [t for t in templates for _ in range(10)]
-
-
 class Patcher:
     """Runs a task batch through a model with head gates, in mini-batches."""
 
-    def __init__(self, model, batch: TaskBatch, ablation: str, batch_size: int):
-        if ablation not in ABLATIONS:
+    def __init__(self, model, batch: TaskBatch, ablation: str, batch_size: int,
+                 references: list[torch.Tensor] | None = None):
+        """``references``: what an ablated head's slice is replaced by, given ([rows, tokens,
+        heads · head_dim] per layer, the batch's rows: mediation patches another run's activations
+        in), instead of one of ``ABLATIONS``."""
+        if references is None and ablation not in ABLATIONS:
             raise ValueError(f"ablation must be one of {ABLATIONS}, not {ablation!r}")
         self.model, self.batch = model, batch
         self.batch_size = batch.whole_prompts(batch_size)
@@ -196,7 +91,20 @@ class Patcher:
         self.gates = HeadGates(model)
         self.device = model.device
         self.positions = batch.positions
-        self.references = self._references(ablation)
+        self.references = (self._references(ablation) if references is None else
+                           [[z[rows].to(self.device) for z in references] for rows in self._chunks()])
+
+    def head_inputs(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's output-projection input [rows, tokens, heads · head_dim] of ``ids`` (the
+        batch's rows, its mask and positions), unpatched."""
+        self.gates.capturing, self.gates.reference = True, None
+        chunks = []
+        with torch.no_grad():
+            for rows in self._chunks():
+                self._logits(ids, rows)
+                chunks.append(list(self.gates.captured))
+        self.gates.capturing = False
+        return [torch.cat([chunk[layer] for chunk in chunks]) for layer in range(self.gates.n_layers)]
 
     def _chunks(self) -> list[slice]:
         return self.batch.chunks(self.batch_size)
@@ -213,7 +121,8 @@ class Patcher:
         keep the model's cache of every position (``record.cache``)."""
         def take(tensor):
             return tensor[rows].repeat(copies, 1).to(self.device)
-        keep = self.batch.read_positions if read == "fast" else LOGITS_KEPT
+        # the last 2 positions (every task's metric reads at most those) unless a metric reads more
+        keep = self.batch.read_positions if read == "fast" else max(LOGITS_KEPT, self.batch.read_positions)
         readout = None if read == "all" else Readout(keep, self.batch.read_tokens, fast=read == "fast")
         with intervened(self.model, head_gates=self.gates, record=record, readout=readout, **parts):
             out = self.model(input_ids=take(ids)[:, start:], attention_mask=take(self.batch.mask),
@@ -303,8 +212,19 @@ class Patcher:
         layer L costs at most (layers − L − 1) layers and L's o_proj and MLP: half a forward on
         average over the layers, a third measured (fewer positions; benchmarks/pruning_cost.py).
         """
+        full, ablated = self._exact_runs()
+        return (_mean(full, self.batch.n_prompts) - ablated.sum(0) / self.batch.n_prompts).float()
+
+    def exact_per_prompt(self) -> torch.Tensor:
+        """``exact`` of each prompt alone: [prompts, layers, heads] (the same passes)."""
+        full, ablated = self._exact_runs()
+        return torch.cat(full).double().cpu()[:, None, None] - ablated
+
+    def _exact_runs(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(each chunk's unpatched metric per prompt, [prompts, layers, heads] each prompt's metric
+        with one head ablated), by the resumed passes ``exact`` describes."""
         layers, heads = self.gates.n_layers, self.gates.n_heads
-        full, ablated = [], torch.zeros(layers, heads, dtype=torch.float64)
+        full, ablated = [], torch.zeros(self.batch.n_prompts, layers, heads, dtype=torch.float64)
         with torch.no_grad():
             for rows, reference in zip(self._chunks(), self.references):
                 recorded = LayerInputs()
@@ -315,9 +235,10 @@ class Patcher:
                     start = min(self._first_changed(reference[layer], recorded.attention[layer]),
                                 cached_positions(recorded.cache))
                     for group in self._head_groups(rows, start):
-                        ablated[layer, group] += self._ablated(layer, group, rows, recorded, reference, start)
+                        ablated[self.batch.prompts_of(rows), layer, group] = self._ablated(
+                            layer, group, rows, recorded, reference, start).T
         self.gates.reference = None
-        return (_mean(full, self.batch.n_prompts) - ablated / self.batch.n_prompts).float()
+        return full, ablated
 
     def _first_changed(self, reference: torch.Tensor, clean: torch.Tensor) -> int:
         """The first position where ablating a head of this layer can change anything: where
@@ -341,8 +262,8 @@ class Patcher:
 
     def _ablated(self, layer: int, group: list[int], rows: slice, recorded: LayerInputs,
                  reference: list[torch.Tensor], start: int) -> torch.Tensor:
-        """Summed metric over the chunk's prompts with each head of ``group`` (of ``layer``)
-        ablated, one copy of the chunk per head, resumed at ``layer`` and position ``start``."""
+        """[heads of ``group``, prompts]: each prompt's metric with each head of ``group`` (of
+        ``layer``) ablated, one copy of the chunk per head, resumed at ``layer`` and ``start``."""
         copies, n_rows = len(group), rows.stop - rows.start
         gates = torch.ones(self.gates.n_layers, copies, n_rows, self.gates.n_heads, device=self.device)
         for copy, head in enumerate(group):
@@ -357,8 +278,7 @@ class Patcher:
         past = prefix_cache(self.model, recorded.cache, start, copies)
         logits = self._logits(self.batch.clean, rows, copies, start=start, past=past, read="fast", resume=resume)
         prompts = self.batch.prompts_of(rows)
-        return torch.stack([self.batch.metric(block, prompts).double().sum().cpu()
-                            for block in logits.split(n_rows)])
+        return torch.stack([self.batch.metric(block, prompts).double().cpu() for block in logits.split(n_rows)])
 
     def exact_one_forward_per_head(self) -> torch.Tensor:
         """``exact`` by one full forward per head (the path before resuming: kept to check it)."""

@@ -1,0 +1,70 @@
+"""Causal mediation of a prompt condition's effect (arXiv 2510.01032's claim that meaningless tokens
+act through the first layers), component by component, between two conditions of the same items.
+
+Per item: the treated condition's greedy answer is the continuation both prompts are scored on
+(``alignment``); the metric is its log-probability; the total effect is M(treated) − M(baseline).
+Each head, MLP and layer's residual stream is then patched from one run into the other at the
+tokens the two share (``runs``, ``effects``: denoising and noising), and its share of the total
+effect reported with an interval over items (``summary``). ARM on the baseline, over several
+seeds, is measured on the same metric.
+
+- ``alignment``: items, the token map read from the recorded spans, the continuation;
+- ``runs``: the two conditions' batches and each direction's token map as columns;
+- ``effects``: the patched runs;
+- ``summary``: shares and their intervals;
+- ``mediate`` (here): all of it for one model × dataset × condition.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from attnlab.mediation.alignment import AlignmentError, Item, answer_continuation
+from attnlab.mediation.effects import arm_effects, direction_table
+from attnlab.mediation.runs import directions, sequences_batch
+from attnlab.mediation.summary import SHARE_DEFINITION, shares, top_heads_share
+from attnlab.mlp import ArmSettings
+from attnlab.pruning import Patcher
+
+__all__ = ["AlignmentError", "Item", "SHARE_DEFINITION", "answer_continuation", "items_from_tables", "mediate"]
+
+
+def items_from_tables(baseline: pd.DataFrame, treated: pd.DataFrame, generations: pd.DataFrame,
+                      grades: pd.DataFrame, decode, max_items: int | None = None) -> list[Item]:
+    """The items both prompt tables hold (prompts files: input_ids, cut_start, cut_end), the
+    treated generations' tokens cut after the graded answer (``answer_continuation``)."""
+    treated = treated.set_index("id")
+    generations, grades = generations.set_index("id"), grades.set_index("id")
+    items = []
+    for row in baseline.itertuples():
+        if row.id not in treated.index:
+            continue
+        t = treated.loc[row.id]
+        continuation = answer_continuation(list(generations.at[row.id, "new_token_ids"]),
+                                           generations.at[row.id, "response"], grades.at[row.id, "pred"], decode)
+        items.append(Item.of(row.id, list(row.input_ids), list(t["input_ids"]),
+                             (int(t["cut_start"]), int(t["cut_end"])), continuation))
+    return items[:max_items] if max_items else items
+
+
+def mediate(model, items: list[Item], batch_size: int, arm: ArmSettings | None = None,
+            arm_seeds: tuple[int, ...] = ()) -> dict[str, pd.DataFrame]:
+    """Per item totals, every component's effect in both directions, their shares, the top heads'
+    share and ARM's effect on the baseline per seed."""
+    ids = [item.id for item in items]
+    metrics = {}
+    for name, treated in (("baseline", False), ("treated", True)):
+        metrics[name] = Patcher(model, sequences_batch(items, treated), "given", batch_size,
+                                references=[]).per_prompt(None)[1]
+    totals = pd.DataFrame({"id": ids, "metric_baseline": metrics["baseline"], "metric_treated": metrics["treated"],
+                           "total_effect": metrics["treated"] - metrics["baseline"],
+                           "continuation_tokens": [len(item.continuation) for item in items]})
+    effects = pd.concat([direction_table(model, direction, ids, batch_size) for direction in directions(items)],
+                        ignore_index=True)
+    total = totals.set_index("id")["total_effect"]
+    arm_rows = []
+    if arm is not None and arm_seeds:
+        for seed, values in arm_effects(model, sequences_batch(items, False), batch_size, arm, list(arm_seeds)).items():
+            arm_rows += [{"id": i, "seed": seed, "effect": float(v)} for i, v in zip(ids, values)]
+    return {"totals": totals, "effects": effects, "shares": shares(effects, total),
+            "top_heads": top_heads_share(effects, total), "arm": pd.DataFrame(arm_rows)}

@@ -1,0 +1,60 @@
+"""Shares of the total effect, with intervals over items.
+
+A component's share in one direction is mean over items of its effect / mean over items of the
+total effect (a ratio of means: an item whose total effect is near 0 would make a per-item ratio
+explode); its interval is the 95% percentile bootstrap of that ratio over items resampled with
+replacement (seeded), the same resamples for every component. Layer sums add a layer's heads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+SHARE_DEFINITION = ("share = mean over items of the component's effect / mean over items of the total effect "
+                    "(metric: log-probability of the treated run's answer; effects treated − baseline; "
+                    "interval: 95% percentile bootstrap over items)")
+
+
+def _resamples(n: int, n_resamples: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n, size=(n_resamples, n))
+
+
+def shares(effects: pd.DataFrame, totals: pd.Series, n_resamples: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """Per direction and component (``effects``: id, direction, component, kind, layer, head,
+    effect; ``totals``: the total effect per id): mean effect, share, its interval; plus one row per
+    layer summing its heads (kind "heads")."""
+    ids = list(totals.index)
+    total = totals.to_numpy(float)
+    draws = _resamples(len(ids), n_resamples, seed)
+    denominators = total[draws].mean(1)
+    heads = effects[effects["kind"] == "head"].groupby(["direction", "layer", "id"], as_index=False)["effect"].sum()
+    heads = heads.assign(component=[f"L{layer}.heads" for layer in heads["layer"]], kind="heads", head=-1)
+    rows = []
+    for (direction, component), frame in pd.concat([effects, heads]).groupby(["direction", "component"], sort=False):
+        values = frame.set_index("id")["effect"].reindex(ids).to_numpy(float)
+        ratios = values[draws].mean(1) / denominators
+        rows.append({"direction": direction, "component": component, "kind": frame["kind"].iloc[0],
+                     "layer": int(frame["layer"].iloc[0]), "head": int(frame["head"].iloc[0]),
+                     "mean_effect": float(values.mean()), "share": float(values.mean() / total.mean()),
+                     "share_low": float(np.nanpercentile(ratios, 2.5)),
+                     "share_high": float(np.nanpercentile(ratios, 97.5))})
+    return pd.DataFrame(rows)
+
+
+def top_heads_share(effects: pd.DataFrame, totals: pd.Series, k: int = 10, n_resamples: int = 2000,
+                    seed: int = 0) -> pd.DataFrame:
+    """Per direction: the share of the ``k`` heads with the largest mean effect together (their
+    effects summed per item), with its interval (the heads chosen once, on all items)."""
+    ids, total = list(totals.index), totals.to_numpy(float)
+    draws = _resamples(len(ids), n_resamples, seed)
+    rows = []
+    for direction, frame in effects[effects["kind"] == "head"].groupby("direction", sort=False):
+        means = frame.groupby("component")["effect"].mean().sort_values(ascending=False)
+        chosen = list(means.index[:k])
+        summed = frame[frame["component"].isin(chosen)].groupby("id")["effect"].sum().reindex(ids).to_numpy(float)
+        ratios = summed[draws].mean(1) / total[draws].mean(1)
+        rows.append({"direction": direction, "component": f"top{k}_heads", "heads": ",".join(chosen),
+                     "share": float(summed.mean() / total.mean()), "share_low": float(np.nanpercentile(ratios, 2.5)),
+                     "share_high": float(np.nanpercentile(ratios, 97.5))})
+    return pd.DataFrame(rows)
