@@ -39,10 +39,16 @@ sparse: install
 sparse-gpu: install
 	$(BIN)/snakemake --cores all --configfile config/sparse-gpu.yaml
 
-test: install
+TEST_STAMP = $(VENV)/.attnlab-test-installed
+
+$(TEST_STAMP): $(STAMP) requirements-test.txt
+	$(BIN)/python -m pip install --quiet -r requirements-test.txt -c constraints.txt
+	touch $@
+
+test: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -ra
 
-test-fast: install
+test-fast: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -ra -m "not slow"
 
 lint: install

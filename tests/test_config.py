@@ -18,14 +18,14 @@ def test_tiny_config_dry_run_counts_jobs(tmp_path):
     counts = job_counts(result.stdout)
     # 1 model x 2 datasets x 4 conditions (one placed at the end, one ARM); attention and
     # the MLP analysis on 1 dataset, 1 configured head, 1 composite figure; pruning on 1 task;
-    # a placement table and one placement figure per dataset.
+    # a placement table and one placement figure per dataset; the mediation of mless on svamp.
     assert counts == {"prepare_model": 1, "prepare_dataset": 2, "make_prompts": 8, "generate": 8,
                       "grade": 8, "accuracy_table": 1, "accuracy_paired": 2, "plot_accuracy": 2, "extract_attention": 4,
                       "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
                       "plot_attention_figure": 1,
                       "mlp_activations": 4, "mlp_summary": 1, "placement_table": 2,
                       "plot_placement": 2, "score_heads": 1, "sweep_heads": 1, "plot_pruning": 1,
-                      "all": 1, "total": 53}
+                      "mediate": 1, "plot_mediation": 1, "mediation_table": 1, "all": 1, "total": 56}
 
 
 def test_default_config_dry_run_counts_jobs_with_gemmas_edge_circuit(tmp_path):

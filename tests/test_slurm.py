@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 CLUSTER = REPO / "tests/slurm/cluster.sh"
 PROFILE = REPO / "profiles/slurm"
-LOCAL_RULES = {"all", "accuracy_table", "accuracy_paired", "placement_table", "prepare_model"}
+LOCAL_RULES = {"all", "accuracy_table", "accuracy_paired", "mediation_table", "placement_table", "prepare_model"}
 
 
 def declared_gpu_rules() -> set[str]:

@@ -283,7 +283,7 @@ def _planned(tiny_run, tmp_path, edit=None) -> dict[str, int]:
     data = yaml.safe_load(config.read_text())
     if edit:
         edit(data)
-    changed = tmp_path / "changed.yaml"
+    changed = tmp_path / config.name  # the same name: gathered tables carry it (plan.config_label)
     changed.write_text(yaml.safe_dump(data, sort_keys=False))  # key order is bar order
     dry = snakemake("-n", "--cores", "1", "--configfile", str(changed), workdir=workdir,
                     snakefile=snakefile)
@@ -303,7 +303,7 @@ def test_rerun_after_a_condition_length_changes(tiny_run, tmp_path):
         "make_prompts": 2, "generate": 2, "grade": 2, "extract_attention": 1, "mlp_activations": 1,
         "accuracy_table": 1, "accuracy_paired": 2, "plot_accuracy": 2, "placement_table": 2, "plot_placement": 2,
         "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1, "mlp_summary": 1,
-        "plot_attention_figure": 1, "all": 1}
+        "plot_attention_figure": 1, "mediate": 1, "plot_mediation": 1, "mediation_table": 1, "all": 1}
 
 
 def test_rerun_after_a_plot_option_changes(tiny_run, tmp_path):
@@ -311,7 +311,8 @@ def test_rerun_after_a_plot_option_changes(tiny_run, tmp_path):
         config["plots"] = {"dpi": 100}
     assert _planned(tiny_run, tmp_path, edit) == {
         "plot_accuracy": 2, "plot_placement": 2, "plot_attention_head": 1, "rank_attention_heads": 1,
-        "lambda_summary": 1, "mlp_summary": 1, "plot_pruning": 1, "plot_attention_figure": 1, "all": 1}
+        "lambda_summary": 1, "mlp_summary": 1, "plot_pruning": 1, "plot_attention_figure": 1, "plot_mediation": 1,
+        "all": 1}
 
 
 def test_rerun_after_a_subset_size_changes(tiny_run, tmp_path):
@@ -329,7 +330,7 @@ def test_rerun_after_arm_settings_change(tiny_run, tmp_path):
     assert _planned(tiny_run, tmp_path, edit) == {
         "generate": 2, "grade": 2, "extract_attention": 1, "mlp_activations": 1, "accuracy_table": 1,
         "accuracy_paired": 2, "plot_accuracy": 2, "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
-        "mlp_summary": 1, "all": 1}
+        "mlp_summary": 1, "mediate": 1, "plot_mediation": 1, "mediation_table": 1, "all": 1}
 
 
 def test_rerun_after_the_extraction_script_changes(tiny_run, tmp_path):

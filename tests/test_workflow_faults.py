@@ -39,12 +39,14 @@ def test_report_holds_every_figure_and_table_with_definitions(tiny_run):
                  "results/tables/accuracy.csv", f"results/tables/mlp/{MODEL}/svamp.csv"]
     expected += [f"results/tables/placement/{d}.csv" for d in DATASETS]
     expected += [f"results/tables/accuracy_paired/{d}.csv" for d in DATASETS]
+    expected += [f"results/figures/mediation/{MODEL}/svamp/mless.png", "results/tables/mediation.csv"]
     for path in expected:
         assert path in page, path
     assert len(raw) == len(expected) + 1  # and the top-changed head's figure
     # captions state the definitions
     for definition in ("mean over i > j", "Explained effect = (m(k)", "verify(parse(gold), parse(pred))",
-                       "act_fn(gate_proj(x))", "Gini coefficient", "1.4826", "Wilson score", "Newcombe"):
+                       "act_fn(gate_proj(x))", "Gini coefficient", "1.4826", "Wilson score", "Newcombe",
+                       "mean effect over items / the mean total effect"):
         assert definition in page, definition
     # no docutils message (a red "System Message" box inside a caption): tests/test_report_captions.py
     # renders every caption alone, this the report as built

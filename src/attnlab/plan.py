@@ -50,6 +50,16 @@ def model_datasets(config: dict) -> dict[str, list[str]]:
             for name, spec in config["models"].items()}
 
 
+def mediation_cells(config: dict) -> list[tuple[str, str, str]]:
+    """(model, dataset, condition) of every mediation job: the configured models (null: all) that
+    run on each mediated dataset, each treated condition."""
+    settings = config.get("mediation") or {}
+    chosen = selected(settings.get("models"), list(config["models"]))
+    return [(model, dataset, condition) for dataset in settings.get("datasets", [])
+            for model in models_on(config, dataset) if model in chosen
+            for condition in settings.get("conditions", [])]
+
+
 def models_on(config: dict, dataset: str) -> list[str]:
     """The models that run on ``dataset``, in the config's order."""
     return [model for model, datasets in model_datasets(config).items() if dataset in datasets]

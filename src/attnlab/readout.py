@@ -40,7 +40,7 @@ class Readout:
         head = parts.output_embeddings
         restore = _Restore(parts, last, last.get(), head)
         if self.fast:
-            last.set(_LastPositionsMLP(restore.mlp, self.positions))
+            last.set(_LastPositionsMLP(restore.mlp, self.positions, parts.family.contiguous_inputs))
         if self.tokens is not None and type(head) is nn.Linear:
             parts.replace_output_embeddings(_SelectedLogits(head, self.tokens.to(head.weight.device), self.fast))
         elif self.fast:
@@ -70,12 +70,15 @@ class _LastPositionsMLP(nn.Module):
     elsewhere. Nothing follows the last layer but the final norm and the LM head, which reads the
     last positions only (logits_to_keep), so the other positions are never read."""
 
-    def __init__(self, mlp: nn.Module, keep: int):
+    def __init__(self, mlp: nn.Module, keep: int, contiguous: bool = False):
         super().__init__()
-        self.mlp, self.keep = mlp, keep
+        self.mlp, self.keep, self.contiguous = mlp, keep, contiguous
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        last = self.mlp(hidden_states[:, -self.keep:])
+        last = hidden_states[:, -self.keep:]
+        # a view of the last positions, as before for every family; GPT-2's Conv1D views its input,
+        # which needs it contiguous (a copy: the same values)
+        last = self.mlp(last.contiguous() if self.contiguous else last)
         if not torch.is_tensor(last):  # an MLP that returns more (router logits): run it whole
             return self.mlp(hidden_states)
         out = hidden_states.new_zeros(*hidden_states.shape[:-1], last.shape[-1])

@@ -62,6 +62,17 @@ class MlpAnalysis:
 
 
 @dataclass(frozen=True)
+class Mediation:
+    """mediation: one treated condition against the baseline on the same items."""
+
+    max_items: int | None
+    arm_seeds: list[int]
+    batch_size: int
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
 class Scoring:
     """pruning: one task's prompts and every head's score (not the sweep's grid)."""
 

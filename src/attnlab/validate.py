@@ -99,6 +99,23 @@ def _check_names(config: dict, chosen: dict) -> None:
         raise ConfigError(f"attention.top_changed.between names {missing}, not in conditions: "
                           f"{conditions}; set it to two configured conditions or k: 0")
     _check_model_datasets(config, chosen)
+    _check_mediation(config)
+
+
+def _check_mediation(config: dict) -> None:
+    """mediation's datasets, conditions, baseline and models must be configured, the treated
+    conditions other than the baseline."""
+    settings, conditions = config["mediation"], list(config["conditions"])
+    for key, names, known in (("datasets", settings["datasets"], list(config["datasets"])),
+                              ("conditions", settings["conditions"], conditions),
+                              ("models", settings["models"] or [], list(config["models"])),
+                              ("baseline", [settings["baseline"]] if settings["conditions"] else [], conditions)):
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise ConfigError(f"mediation.{key} names {unknown}, not configured ({known})")
+    if settings["baseline"] in settings["conditions"]:
+        raise ConfigError(f"mediation.conditions holds its baseline '{settings['baseline']}': a condition is "
+                          "compared with the baseline, not with itself")
 
 
 def _check_model_datasets(config: dict, chosen: dict) -> None:

@@ -12,7 +12,8 @@ if LIBRARY not in _paths.split(os.pathsep):  # set for the jobs, not read from t
     os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [LIBRARY, _paths])))
 from attnlab.plan import (cell_generation, comparison_pairs, config_label, fewshot_shots, fewshot_spec, figure_files,
                           has_length_sweep, has_placement_sweep, length_families, model_datasets, model_job_threads,
-                          model_memory_mb, models_on, placements, selections, sparse_pairs, weights_bytes)
+                          mediation_cells, model_memory_mb, models_on, placements, selections, sparse_pairs,
+                          weights_bytes)
 from attnlab import settings as typed
 from attnlab.sources import sparse_bases
 from attnlab.config import check_unique_keys
@@ -75,6 +76,8 @@ EDGE_DENSITY = {kind: {f"{model}/{task}": f"results/circuits/{model}/{task}/{nam
                 for kind, name in (("summary", "summary.json"), ("curve", "curve.csv"), ("per_prompt", "per_prompt.parquet"))}
 MLP = config["mlp"]
 MLP_DATASETS = CHOSEN["mlp_datasets"]
+MEDIATION = config["mediation"]
+MEDIATION_CELLS = mediation_cells(config)  # (model, dataset, treated condition)
 
 
 def _one_of(names):
@@ -193,6 +196,37 @@ def extraction_batch(wildcards, attempt):
 
 def mlp_batch(wildcards, attempt):
     return _halved(MLP["batch_size"], attempt)
+
+
+def mediation_settings(wildcards):
+    return typed.slice_of(typed.Mediation, MEDIATION)
+
+
+def mediation_batch(wildcards, attempt):
+    return _halved(MEDIATION["batch_size"], attempt)
+
+
+def mediation_keys(wildcards):
+    return {"model": wildcards.model, "dataset": wildcards.dataset, "condition": wildcards.condition,
+            "baseline": MEDIATION["baseline"]}
+
+
+def mediation_arm(wildcards):
+    """ARM's settings for the baseline runs of ``arm_seeds`` (None: none asked for)."""
+    return config["models"][wildcards.model]["arm"] if MEDIATION["arm_seeds"] else None
+
+
+def mediation_inputs(wildcards):
+    cell = f"{wildcards.model}/{wildcards.dataset}"
+    return {"model": f"resources/models/{wildcards.model}",
+            "baseline": f"results/prompts/{cell}/{MEDIATION['baseline']}.parquet",
+            "treated": f"results/prompts/{cell}/{wildcards.condition}.parquet",
+            "generations": f"results/generations/{cell}/{wildcards.condition}.parquet",
+            "grades": f"results/grades/{cell}/{wildcards.condition}.csv"}
+
+
+def mediation_summaries():
+    return [f"results/mediation/{m}/{d}/{c}.json" for m, d, c in MEDIATION_CELLS]
 
 
 def extraction_settings(wildcards):
@@ -359,4 +393,6 @@ def all_targets():
         *attention_targets(),
         *mlp_targets(),
         *placement_targets(),
+        *([f"results/figures/mediation/{m}/{d}/{c}.{EXT}" for m, d, c in MEDIATION_CELLS]
+          + ["results/tables/mediation.csv"] if MEDIATION_CELLS else []),
     ]

@@ -49,6 +49,7 @@ class Family:
     qk_norm: str | None = None  # None; "head": per head over head_dim; "all": over every head at once
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # attributes of the attention
     dropout: tuple[str, ...] = ("attention_dropout",)  # config fields of dropout, attention first
+    contiguous_inputs: bool = False  # its projections view their input (GPT-2's Conv1D): no strided views
     config_fields: dict = field(default_factory=lambda: dict(CONFIG_FIELDS))
 
     @property
@@ -99,6 +100,7 @@ FAMILIES = (
            norms={"attention_in": "ln_1", "attention_out": None, "mlp_in": "ln_2", "mlp_out": None},
            final_norm="ln_f", mlp="mlp", mlp_parts={"in": "c_fc", "activation": "act", "out": "c_proj"},
            embeddings="wte", positions="learned", dropout=("attn_pdrop", "resid_pdrop", "embd_pdrop"),
+           contiguous_inputs=True,
            config_fields={"layers": "n_layer", "heads": "n_head", "kv_heads": "n_head", "hidden": "n_embd"}),
 )
 BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}

@@ -1,0 +1,132 @@
+"""Mediation between two prompt conditions (attnlab.mediation) against computations written here:
+the token map against the prompts' own text, the total effect against two plain forwards, every
+head and MLP patched at once against the other run, one head's effect against a hook of its own."""
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab.mediation import AlignmentError, Item, answer_continuation, mediate
+from attnlab.prompts import PLACEMENTS, build_prompt, insertion_text, random_position
+from test_attention import TINY
+from test_prompts import CONDITIONS, QUESTIONS, RAW, SYSTEM
+
+
+def _items(seed: int = 0) -> list[Item]:
+    """Three items of different lengths (left padding in a batch), the span inserted at the start,
+    inside and near the end, continuations of 3 to 5 tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    items = []
+    for i, (n, inserted, at) in enumerate([(9, 4, 3), (12, 5, 6), (7, 3, 0)]):
+        base = torch.randint(3, 101, (n,), generator=generator).tolist()
+        span = torch.randint(3, 101, (inserted,), generator=generator).tolist()
+        continuation = torch.randint(3, 101, (3 + i,), generator=generator).tolist()
+        items.append(Item.of(f"i{i}", base, base[:at] + span + base[at:], (at, at + inserted), continuation))
+    return items
+
+
+def _continuation_logprob(model, prompt: list[int], continuation: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + continuation])).logits[0].double()
+    logp = torch.log_softmax(logits, -1)
+    return float(sum(logp[len(prompt) - 1 + t, token] for t, token in enumerate(continuation)))
+
+
+def test_an_item_refuses_a_treated_prompt_that_is_not_its_baseline_plus_the_span():
+    with pytest.raises(AlignmentError, match="item x: the treated prompt without its recorded span 1..3"):
+        Item.of("x", [5, 6, 7], [5, 9, 9, 6, 8], (1, 3), [4])
+    item = Item.of("y", [5, 6, 7], [5, 9, 9, 6, 7], (1, 3), [4, 2])
+    assert item.treated_position().tolist() == [0, 3, 4, 5, 6]  # prompt, then the continuation
+    assert item.inserted().tolist() == [False, True, True, False, False, False, False]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("condition", ["mless", "mless_q"])
+def test_the_token_map_pairs_each_baseline_token_with_its_twin(smollm2_tokenizer, placement, condition):
+    """Real prompts (SmolLM2's tokenizer, its chat template) at every placement, with "/" and with
+    "?", which the tokenizer merges into longer tokens: each baseline token maps to the same token
+    id in the treated prompt, the map is increasing, and it skips exactly the cut span."""
+    tok = smollm2_tokenizer
+    inserted = insertion_text(tok, CONDITIONS[condition])
+    for k, question in enumerate(QUESTIONS):
+        position = random_position(question, f"q{k}", seed=0) if placement == "question_random" else None
+        treated = build_prompt(tok, "chat", RAW, SYSTEM, inserted, question, placement, position)
+        plain = build_prompt(tok, "chat", RAW, SYSTEM, "", question)
+        item = Item.of(f"q{k}", plain.input_ids, treated.input_ids, treated.spans["cut"], [7])
+        where = item.treated_position()[:len(plain.input_ids)]
+        assert [treated.input_ids[q] for q in where] == plain.input_ids
+        assert np.all(np.diff(where) > 0)
+        skipped = sorted(set(range(len(treated.input_ids))) - set(where.tolist()))
+        assert skipped == list(range(*treated.spans["cut"]))
+
+
+def test_the_continuation_ends_with_the_answer():
+    decode = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731 -- one token: one bracketed number
+    tokens = [1, 2, 3, 4, 5]
+    assert answer_continuation(tokens, decode(tokens), "<3>", decode) == [1, 2, 3]
+    assert answer_continuation(tokens, decode(tokens), None, decode) == tokens
+    assert answer_continuation(tokens, decode(tokens), "<9>", decode) == tokens
+
+
+@pytest.fixture(scope="module")
+def llama_mediation():
+    model, items = TINY["llama-gqa"](), _items()
+    return model, items, mediate(model, items, batch_size=8)
+
+
+def test_the_total_effect_is_the_difference_of_two_plain_forwards(llama_mediation):
+    model, items, result = llama_mediation
+    for item, row in zip(items, result["totals"].itertuples()):
+        want = (_continuation_logprob(model, item.treated, item.continuation)
+                - _continuation_logprob(model, item.baseline, item.continuation))
+        assert row.total_effect == pytest.approx(want, abs=1e-5)
+    assert result["totals"]["total_effect"].abs().max() > 1e-2  # the conditions differ: the check can fail
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
+def test_every_head_and_mlp_at_once_carries_the_whole_effect_where_positions_are_rotary(arch, llama_mediation):
+    """Every head's and every MLP's output moved in at every shared token rebuilds the other run's
+    residual stream there, so the effect is the total effect, in both directions, to float
+    rounding (Llama). GPT-2 adds learned positions to the token embeddings, which no component
+    writes: the shared tokens sit at other positions in the two prompts, and that difference stays
+    (the documented residual)."""
+    model, items, result = llama_mediation if arch == "llama-gqa" else (None, _items(), None)
+    if result is None:
+        model = TINY["gpt2"]()
+        result = mediate(model, items, batch_size=8)
+    effects = result["effects"]
+    total = result["totals"].set_index("id")["total_effect"]
+    for direction in ("denoising", "noising"):
+        rows = effects[(effects["direction"] == direction) & (effects["component"] == "all_heads_mlps")]
+        gap = (rows.set_index("id")["effect"] - total).abs().max()
+        if arch == "llama-gqa":
+            assert gap < 1e-5, direction
+        else:
+            assert gap > 1e-4, direction  # the position embeddings' share, not carried by any component
+
+
+def test_one_heads_effect_equals_a_patch_written_here(llama_mediation):
+    """Denoising, layer 1's head 2: each baseline prompt alone, that head's slice of o_proj's input
+    replaced at every token by the treated run's at its twin, by hooks written here."""
+    model, items, result = llama_mediation
+    layer, head, e = 1, 2, model.config.head_dim
+    projection = model.model.layers[layer].self_attn.o_proj
+    effects = result["effects"]
+    got = effects[(effects["direction"] == "denoising") & (effects["component"] == f"L{layer}.H{head}")]
+    for item, effect in zip(items, got["effect"]):
+        seen = {}
+        handle = projection.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0].detach().clone()))
+        _continuation_logprob(model, item.treated, item.continuation)
+        handle.remove()
+        twin = torch.from_numpy(item.treated_position())
+
+        def patch(module, args):
+            z = args[0].clone()
+            z[0, :, head * e:(head + 1) * e] = seen["z"][0, twin, head * e:(head + 1) * e]
+            return (z,)
+        handle = projection.register_forward_pre_hook(patch)
+        patched = _continuation_logprob(model, item.baseline, item.continuation)
+        handle.remove()
+        want = patched - _continuation_logprob(model, item.baseline, item.continuation)
+        assert effect == pytest.approx(want, abs=1e-5)
+    assert got["effect"].abs().max() > 1e-4  # the head matters: the comparison can fail

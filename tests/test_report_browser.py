@@ -1,0 +1,95 @@
+"""The tiny run's report as a reader sees it, in headless Chromium (Debian's, driven by selenium):
+every result category opens, lists its figures, and one figure of each displays. A screenshot of
+the last figure shown is kept in tests/out/. Skipped, saying why, where Chromium, its driver or
+selenium is missing (.ci/run installs the first two from Debian)."""
+
+import shutil
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, snakemake
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+CATEGORIES = ["Accuracy", "Attention", "Head pruning", "MLP activations", "Mediation"]  # the tiny run's
+
+
+def _browser(profile: Path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    # no network: this machine refuses Chromium's background connections, many at a time
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1000",
+                 f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    options.binary_location = CHROMIUM
+    return webdriver.Chrome(service=Service(DRIVER), options=options)
+
+
+def _wait(condition, seconds: float = 10.0):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.2)
+    return condition()
+
+
+def _open_first_figure(driver, page: str, category: str) -> tuple[list[str], int]:
+    """(the figure files the category lists, the width of the first one as displayed), from the
+    report's front page."""
+    from selenium.webdriver.common.by import By
+
+    def link(text):
+        return driver.find_element(By.XPATH, f"//nav//a[.//span[normalize-space()={text!r}] or normalize-space()={text!r}]")
+    driver.get(page)
+    _wait(lambda: driver.find_elements(By.XPATH, f"//nav//a[.//span[normalize-space()={category!r}]]"))
+    link(category).click()
+    figures = []
+    for _ in range(3):  # a category may hold subcategories (a model, a dataset) before its files
+        figures = _wait(lambda: [row for row in driver.find_elements(By.XPATH, "//table//tr[td]")
+                                 if row.text.strip().endswith((".png", ".svg", ".pdf"))], 3)
+        if figures:
+            break
+        names = _wait(lambda: [a.text for a in driver.find_elements(By.XPATH, "//nav//div[@class='p-3']//a")
+                               if a.text.strip()], 3)
+        assert names, f"{category}: neither figures nor subcategories listed"
+        link(names[0]).click()
+    names = [row.text.strip() for row in figures]
+    figures[0].find_element(By.XPATH, ".//a[@iconname='eye']").click()
+    width = _wait(lambda: max([driver.execute_script("return arguments[0].naturalWidth", image)
+                               for image in driver.find_elements(By.XPATH, "//img[contains(@src, 'data/raw')]")
+                               if image.is_displayed()] or [0]))
+    return names, width
+
+
+def test_every_category_opens_and_shows_a_figure(tiny_run, tmp_path):
+    if not (CHROMIUM and DRIVER):
+        pytest.skip("no Chromium here (Debian packages chromium and chromium-driver; .ci/run installs them as root)")
+    pytest.importorskip("selenium", reason="selenium is a test requirement (requirements-test.txt)")
+    workdir, config, snakefile = tiny_run
+    report = tmp_path / "report.zip"
+    result = snakemake("--cores", "1", "--configfile", str(config), "--report", str(report),
+                       workdir=workdir, snakefile=snakefile)
+    assert result.returncode == 0, result.stdout[-3000:]
+    with zipfile.ZipFile(report) as archive:
+        archive.extractall(tmp_path / "unzipped")
+    driver = _browser(tmp_path / "profile")
+    try:
+        page = (tmp_path / "unzipped" / "report" / "report.html").as_uri()
+        for category in CATEGORIES:
+            names, width = _open_first_figure(driver, page, category)
+            assert names, f"{category}: no figure listed"
+            assert width > 100, f"{category}: {names[0]} did not display"
+        (REPO / "tests" / "out").mkdir(exist_ok=True)
+        driver.save_screenshot(str(REPO / "tests" / "out" / "report_browser.png"))
+    finally:
+        driver.quit()
