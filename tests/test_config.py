@@ -94,6 +94,10 @@ def test_mlp_and_arm_settings_are_checked(tmp_path):
     result = _dry_run(tmp_path, config)
     assert result.returncode != 0 and "swap" in result.stdout
     config = _tiny()
+    config["conditions"]["mless"]["arm_seed"] = 3
+    result = _dry_run(tmp_path, config)
+    assert result.returncode != 0 and "conditions.mless sets arm_seed without arm: true" in result.stdout
+    config = _tiny()
     config["conditions"]["mless"]["placement"] = "middle"
     result = _dry_run(tmp_path, config)
     assert result.returncode != 0 and "middle" in result.stdout

@@ -137,3 +137,14 @@ def test_model_jobs_take_half_the_local_cores_and_eight_on_a_cluster():
     assert [model_job_threads(cores, local=True) for cores in (1, 2, 3, 7, 16, 64)] == [1, 1, 1, 3, 8, 8]
     assert model_job_threads(None, local=True) == 8  # --cores not given (remote submission)
     assert model_job_threads(2, local=False) == 8    # SLURM: the job's own allocation
+
+
+def test_an_arm_condition_takes_the_models_arm_with_its_own_seed():
+    from attnlab.plan import arm_of
+
+    config = {"models": {"m": {"arm": {"layer": 0, "c": 0.2, "seed": 0}}},
+              "conditions": {"none": {"arm": False}, "arm": {"arm": True}, "arm_s3": {"arm": True, "arm_seed": 3}}}
+    assert arm_of(config, "m", "none") is None
+    assert arm_of(config, "m", "arm") == {"layer": 0, "c": 0.2, "seed": 0}
+    assert arm_of(config, "m", "arm_s3") == {"layer": 0, "c": 0.2, "seed": 3}
+    assert config["models"]["m"]["arm"]["seed"] == 0  # the model's own settings untouched

@@ -50,6 +50,18 @@ def model_datasets(config: dict) -> dict[str, list[str]]:
             for name, spec in config["models"].items()}
 
 
+def arm_of(config: dict, model: str, condition: str) -> dict | None:
+    """ARM's settings for ``model`` under ``condition``: None where the condition has no ARM; the
+    model's ``arm`` with the condition's ``arm_seed``, where it gives one, as its seed."""
+    spec = config["conditions"][condition]
+    if not spec["arm"]:
+        return None
+    settings = dict(config["models"][model]["arm"])
+    if spec.get("arm_seed") is not None:
+        settings["seed"] = spec["arm_seed"]
+    return settings
+
+
 def mediation_cells(config: dict) -> list[tuple[str, str, str]]:
     """(model, dataset, condition) of every mediation job: the configured models (null: all) that
     run on each mediated dataset, each treated condition."""

@@ -100,6 +100,15 @@ def _check_names(config: dict, chosen: dict) -> None:
                           f"{conditions}; set it to two configured conditions or k: 0")
     _check_model_datasets(config, chosen)
     _check_mediation(config)
+    _check_arm_seeds(config["conditions"])
+
+
+def _check_arm_seeds(conditions: dict) -> None:
+    """arm_seed sets ARM's seed: a condition without ARM has none to set."""
+    for name, spec in conditions.items():
+        if spec.get("arm_seed") is not None and not spec["arm"]:
+            raise ConfigError(f"conditions.{name} sets arm_seed without arm: true; add arm: true (ARM on that "
+                              "condition with this seed) or remove arm_seed")
 
 
 def _check_mediation(config: dict) -> None:

@@ -10,7 +10,7 @@ sys.path.insert(0, LIBRARY)
 _paths = os.environ.get("PYTHONPATH", "")
 if LIBRARY not in _paths.split(os.pathsep):  # set for the jobs, not read from the user
     os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [LIBRARY, _paths])))
-from attnlab.plan import (cell_generation, comparison_pairs, config_label, fewshot_shots, fewshot_spec, figure_files,
+from attnlab.plan import (arm_of, cell_generation, comparison_pairs, config_label, fewshot_shots, fewshot_spec, figure_files,
                           has_length_sweep, has_placement_sweep, length_families, model_datasets, model_job_threads,
                           mediation_cells, model_memory_mb, models_on, placements, selections, sparse_pairs,
                           weights_bytes)
@@ -163,10 +163,9 @@ def grade_keys(wildcards):
 
 
 def arm_settings(wildcards):
-    """The model's ARM settings for an ARM condition, else None (so ARM edits rerun only ARM jobs)."""
-    if not config["conditions"][wildcards.condition]["arm"]:
-        return None
-    return config["models"][wildcards.model]["arm"]
+    """The model's ARM settings for an ARM condition (its arm_seed in place of the model's seed),
+    else None (so ARM edits rerun only ARM jobs)."""
+    return arm_of(config, wildcards.model, wildcards.condition)
 
 
 def mlp_settings(wildcards):
