@@ -130,3 +130,80 @@ def test_one_heads_effect_equals_a_patch_written_here(llama_mediation):
         want = patched - _continuation_logprob(model, item.baseline, item.continuation)
         assert effect == pytest.approx(want, abs=1e-5)
     assert got["effect"].abs().max() > 1e-4  # the head matters: the comparison can fail
+
+
+def _gated_logprob(model, item: Item, heads: list[tuple[int, int]], gate: torch.Tensor) -> torch.Tensor:
+    """The baseline sequence's continuation log-probability, the slices of ``heads`` (layer, head)
+    of o_proj's input set to twin + gate · (own − twin), twin: the treated run's at the same token
+    (gate 0: patched, 1: untouched), by hooks written here."""
+    e = model.config.head_dim
+    layers = sorted({layer for layer, _ in heads})
+    seen, handles = {}, []
+    for layer in layers:
+        projection = model.model.layers[layer].self_attn.o_proj
+        handles.append(projection.register_forward_pre_hook(
+            lambda m, a, layer=layer: seen.__setitem__(layer, a[0].detach().clone())))
+    _continuation_logprob(model, item.treated, item.continuation)
+    for handle in handles:
+        handle.remove()
+    twin = torch.from_numpy(item.treated_position())[:len(item.baseline) + len(item.continuation)]
+
+    def patch(layer):
+        def hook(module, args):
+            z = args[0].clone()
+            for at, head in heads:
+                if at == layer:
+                    cut = slice(head * e, (head + 1) * e)
+                    source = seen[layer][0, twin, cut]
+                    z[0, :, cut] = (source + gate.to(z.dtype) * (args[0][0, :, cut] - source))
+            return (z,)
+        return hook
+    handles = [model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(patch(layer)) for layer in layers]
+    logits = model(torch.tensor([item.baseline + item.continuation])).logits[0].double()
+    for handle in handles:
+        handle.remove()
+    logp = torch.log_softmax(logits, -1)
+    n = len(item.baseline)
+    return sum(logp[n - 1 + t, token] for t, token in enumerate(item.continuation))
+
+
+@pytest.fixture(scope="module")
+def llama_attribution():
+    model, items = TINY["llama-gqa"](), _items()
+    return model, items, mediate(model, items, batch_size=8, heads_method="attribution", layers=[1])
+
+
+def test_attributed_head_effects_are_each_items_gradient_times_the_patch(llama_attribution):
+    """Denoising, layer 1's head 2, by attribution: −d M / d gate at gate 1 per item (the patch
+    moves the gate from 1 to 0), the gradient taken here through hooks of this test."""
+    model, items, result = llama_attribution
+    effects = result["effects"]
+    got = effects[(effects["direction"] == "denoising") & (effects["component"] == "L1.H2")]
+    assert set(got["method"]) == {"attribution"}
+    for item, effect in zip(items, got["effect"]):
+        gate = torch.ones((), dtype=torch.float64, requires_grad=True)
+        _gated_logprob(model, item, [(1, 2)], gate).backward()
+        assert effect == pytest.approx(-float(gate.grad), abs=1e-6)
+    assert got["effect"].abs().max() > 1e-4
+
+
+def test_the_top_heads_are_patched_together_exactly(llama_attribution):
+    """The group ``top10_heads``: its heads are the 10 of largest mean effect, and its effect is
+    their joint patch written here (not a sum of single-head effects); only the layers asked for
+    (and layer 0) have their MLP and residual stream patched."""
+    model, items, result = llama_attribution
+    effects = result["effects"]
+    denoising = effects[effects["direction"] == "denoising"]
+    means = denoising[denoising["kind"] == "head"].groupby("component")["effect"].mean()
+    group = denoising[denoising["component"] == "top10_heads"]
+    members = group["members"].iloc[0].split(",")
+    assert set(members) == set(means.sort_values(ascending=False).index[:10])
+    heads = [(int(m[1:].split(".H")[0]), int(m.split(".H")[1])) for m in members]
+    with torch.no_grad():
+        for item, effect in zip(items, group["effect"]):
+            want = (_gated_logprob(model, item, heads, torch.zeros((), dtype=torch.float64))
+                    - _continuation_logprob(model, item.baseline, item.continuation))
+            assert effect == pytest.approx(float(want), abs=1e-5)
+    assert set(effects.loc[effects["kind"].isin(["mlp", "residual"]), "layer"]) == {0, 1}
+    top = result["top_heads"]
+    assert set(top["direction"]) == {"denoising", "noising"} and top["heads"].iloc[0] == group["members"].iloc[0]

@@ -43,26 +43,38 @@ def _wait(condition, seconds: float = 10.0):
     return condition()
 
 
+def _figures_listed(driver):
+    from selenium.webdriver.common.by import By
+    return _wait(lambda: [row for row in driver.find_elements(By.XPATH, "//table//tr[td]")
+                          if row.text.strip().endswith((".png", ".svg", ".pdf"))], 3)
+
+
 def _open_first_figure(driver, page: str, category: str) -> tuple[list[str], int]:
     """(the figure files the category lists, the width of the first one as displayed), from the
-    report's front page."""
+    report's front page. A category with subcategories (a model, a dataset, a table's own) shows
+    their names first; the first subcategory that lists figures is opened."""
     from selenium.webdriver.common.by import By
 
     def link(text):
         return driver.find_element(By.XPATH, f"//nav//a[.//span[normalize-space()={text!r}] or normalize-space()={text!r}]")
-    driver.get(page)
-    _wait(lambda: driver.find_elements(By.XPATH, f"//nav//a[.//span[normalize-space()={category!r}]]"))
-    link(category).click()
-    figures = []
-    for _ in range(3):  # a category may hold subcategories (a model, a dataset) before its files
-        figures = _wait(lambda: [row for row in driver.find_elements(By.XPATH, "//table//tr[td]")
-                                 if row.text.strip().endswith((".png", ".svg", ".pdf"))], 3)
-        if figures:
-            break
-        names = _wait(lambda: [a.text for a in driver.find_elements(By.XPATH, "//nav//div[@class='p-3']//a")
-                               if a.text.strip()], 3)
-        assert names, f"{category}: neither figures nor subcategories listed"
-        link(names[0]).click()
+
+    def open_category():
+        driver.get(page)
+        _wait(lambda: driver.find_elements(By.XPATH, f"//nav//a[.//span[normalize-space()={category!r}]]"))
+        link(category).click()
+    open_category()
+    figures = _figures_listed(driver)
+    if not figures:
+        subcategories = _wait(lambda: [a.text for a in driver.find_elements(By.XPATH, "//nav//div[@class='p-3']//a")
+                                       if a.text.strip()], 3)
+        assert subcategories, f"{category}: neither figures nor subcategories listed"
+        for subcategory in subcategories:
+            open_category()
+            link(subcategory).click()
+            figures = _figures_listed(driver)
+            if figures:
+                break
+        assert figures, f"{category}: none of the subcategories {subcategories} lists a figure"
     names = [row.text.strip() for row in figures]
     figures[0].find_element(By.XPATH, ".//a[@iconname='eye']").click()
     width = _wait(lambda: max([driver.execute_script("return arguments[0].naturalWidth", image)

@@ -17,7 +17,8 @@ def plot_mediation(summary: dict, out_path, dpi: int = 150) -> None:
     shares = pd.DataFrame(summary["shares"])
     top = pd.DataFrame(summary["top_heads"]).rename(columns={"component": "component"})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": (1.1, 1.4, 1.0)})
-    _head_map(fig, axes[0], shares[(shares["direction"] == "denoising") & (shares["kind"] == "head")])
+    _head_map(fig, axes[0], shares[(shares["direction"] == "denoising") & (shares["kind"] == "head")],
+              summary.get("heads_method", "exact"))
     _layer_bars(axes[1], shares)
     _path_bars(axes[2], shares, top)
     fitted_suptitle(fig, f"{summary['model']} on {summary['dataset']}: what carries {summary['condition']} − "
@@ -26,12 +27,13 @@ def plot_mediation(summary: dict, out_path, dpi: int = 150) -> None:
     fig.text(0.01, 0.01, "share = mean effect / mean total effect over items; effect on the log-probability of "
                          "the treated run's answer, treated − baseline;\ndenoising: the baseline run given the "
                          "treated run's activation at the shared tokens; noising: the treated run given the "
-                         "baseline's; bars: 95% bootstrap over items", fontsize=7, va="bottom")
+                         "baseline's; bars: 95% bootstrap over items; top 10 heads: those of largest mean effect, "
+                         "patched together", fontsize=7, va="bottom")
     fig.tight_layout(rect=(0, 0.07, 1, 0.93))
     _save(fig, out_path, dpi)
 
 
-def _head_map(fig, ax, heads: pd.DataFrame) -> None:
+def _head_map(fig, ax, heads: pd.DataFrame, method: str) -> None:
     layers, n_heads = int(heads["layer"].max()) + 1, int(heads["head"].max()) + 1
     grid = np.full((layers, n_heads), np.nan)
     grid[heads["layer"].to_numpy(int), heads["head"].to_numpy(int)] = heads["share"].to_numpy(float)
@@ -40,7 +42,8 @@ def _head_map(fig, ax, heads: pd.DataFrame) -> None:
     fig.colorbar(image, ax=ax, label="share of the total effect")
     ax.set_xlabel("head (0-based)")
     ax.set_ylabel("layer (0-based)")
-    ax.set_title("each head's share (denoising)", fontsize=9)
+    how = "exact patching" if method == "exact" else "attribution patching: a first-order estimate"
+    ax.set_title(f"each head's share (denoising; {how})", fontsize=9)
 
 
 def _layer_bars(ax, shares: pd.DataFrame) -> None:

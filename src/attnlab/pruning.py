@@ -199,6 +199,23 @@ class Patcher:
         self.gates.reference = None
         return gates.grad.detach().cpu()
 
+    def attribution_per_prompt(self) -> torch.Tensor:
+        """``attribution`` of each prompt alone: [prompts, layers, heads] of d metric_i / d gate,
+        one set of gates per row (a row's metric depends on its own gates only, so one backward
+        of the summed metric gives every row's gradient)."""
+        grads = []
+        for rows, reference in zip(self._chunks(), self.references):
+            n_rows = rows.stop - rows.start
+            gates = torch.ones(self.gates.n_layers, n_rows, self.gates.n_heads, device=self.device,
+                               dtype=torch.float64, requires_grad=True)
+            self.gates.reference, self.gates.gates = reference, gates
+            logits = self._logits(self.batch.clean, rows, read="all")
+            self.batch.metric(logits, self.batch.prompts_of(rows)).sum().backward()
+            grads.append(gates.grad.detach().cpu().permute(1, 0, 2))
+        self.gates.reference, self.gates.gates = None, torch.ones(self.gates.n_layers, self.gates.n_heads,
+                                                                  device=self.device)
+        return torch.cat(grads)
+
     def exact(self) -> torch.Tensor:
         """metric(all heads) − metric(that head ablated) for every head: [layers, heads].
 

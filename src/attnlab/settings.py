@@ -67,6 +67,8 @@ class Mediation:
 
     max_items: int | None
     arm_seeds: list[int]
+    heads: str
+    layers: list[int] | None
     batch_size: int
     device: str
     dtype: str

@@ -57,6 +57,7 @@ rule mediation_table:
             "results/tables/mediation.csv",
             caption="../report/mediation_table.rst",
             category="Mediation",
+            subcategory="all models",
         ),
     log:
         "results/logs/mediation_table.log",

@@ -3,7 +3,8 @@ act through the first layers), component by component, between two conditions of
 
 Per item: the treated condition's greedy answer is the continuation both prompts are scored on
 (``alignment``); the metric is its log-probability; the total effect is M(treated) − M(baseline).
-Each head, MLP and layer's residual stream is then patched from one run into the other at the
+Each head (exactly, or to first order where that costs too much), MLP and layer's residual stream
+is then patched from one run into the other at the
 tokens the two share (``runs``, ``effects``: denoising and noising), and its share of the total
 effect reported with an interval over items (``summary``). ARM on the baseline, over several
 seeds, is measured on the same metric.
@@ -48,9 +49,11 @@ def items_from_tables(baseline: pd.DataFrame, treated: pd.DataFrame, generations
 
 
 def mediate(model, items: list[Item], batch_size: int, arm: ArmSettings | None = None,
-            arm_seeds: tuple[int, ...] = ()) -> dict[str, pd.DataFrame]:
+            arm_seeds: tuple[int, ...] = (), heads_method: str = "exact",
+            layers: list[int] | None = None) -> dict[str, pd.DataFrame]:
     """Per item totals, every component's effect in both directions, their shares, the top heads'
-    share and ARM's effect on the baseline per seed."""
+    share and ARM's effect on the baseline per seed. ``heads_method`` and ``layers``:
+    ``effects.direction_table``."""
     ids = [item.id for item in items]
     metrics = {}
     for name, treated in (("baseline", False), ("treated", True)):
@@ -59,8 +62,8 @@ def mediate(model, items: list[Item], batch_size: int, arm: ArmSettings | None =
     totals = pd.DataFrame({"id": ids, "metric_baseline": metrics["baseline"], "metric_treated": metrics["treated"],
                            "total_effect": metrics["treated"] - metrics["baseline"],
                            "continuation_tokens": [len(item.continuation) for item in items]})
-    effects = pd.concat([direction_table(model, direction, ids, batch_size) for direction in directions(items)],
-                        ignore_index=True)
+    effects = pd.concat([direction_table(model, direction, ids, batch_size, heads_method, layers)
+                         for direction in directions(items)], ignore_index=True)
     total = totals.set_index("id")["total_effect"]
     arm_rows = []
     if arm is not None and arm_seeds:

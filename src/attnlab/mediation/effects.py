@@ -7,10 +7,12 @@ baseline run given the treated run's component) reports M(patched) − M(baselin
 treated run given the baseline's) M(treated) − M(patched). A component carrying the whole effect
 gives the total effect in both.
 
-Components: every head (its slice of the attention's output-projection input, by exact patching
-in resumed passes, ``pruning.Patcher.exact_per_prompt``), every MLP's output and every layer's
-residual stream (block output; ``replacement.OutputReplacement``), the first layer's attention
-output (all its heads) and, together, every head and every MLP at once (``all_heads_mlps``).
+Components: every head (its slice of the attention's output-projection input), by exact patching
+in resumed passes (``pruning.Patcher.exact_per_prompt``) or, where that costs too much, by
+attribution patching (``HEAD_METHODS``); the MLP's output and the residual stream (block output;
+``replacement.OutputReplacement``) of every layer asked for; and, each by one exact patch, the
+first layer's attention output (all its heads), the ten heads of largest mean effect together
+(``top10_heads``) and every head with every MLP at once (``all_heads_mlps``).
 """
 
 from __future__ import annotations
@@ -36,14 +38,25 @@ def _signed(direction: Direction, patched: np.ndarray, recipient: np.ndarray) ->
     return (patched - recipient) if direction.name == "denoising" else (recipient - patched)
 
 
-def head_effects(model, direction: Direction, batch_size: int) -> tuple[Patcher, np.ndarray]:
-    """(the recipient's patcher, its heads' effects [items, layers, heads])."""
+# How each head's effect is measured: "exact" patches it (a resumed pass per head: about half a
+# forward each); "attribution" takes the first-order estimate, the gradient of each item's metric
+# with respect to the head's gate times the patch (one forward and one backward for every head:
+# a ranking and a map, not a measurement; the shares the results quote stay exact patches).
+HEAD_METHODS = ("exact", "attribution")
+TOP_HEADS = 10
+
+
+def head_effects(model, direction: Direction, batch_size: int, method: str = "exact") -> tuple[Patcher, np.ndarray]:
+    """(the recipient's patcher, its heads' effects [items, layers, heads], by ``method``)."""
+    if method not in HEAD_METHODS:
+        raise ValueError(f"mediation heads: {method!r} is not one of {HEAD_METHODS}")
     source = Patcher(model, direction.source, "given", batch_size, references=[])
     recipient = Patcher(model, direction.recipient, "given", batch_size, references=[])
     references = [direction.transfer(s, r) for s, r in zip(source.head_inputs(direction.source.clean),
                                                            recipient.head_inputs(direction.recipient.clean))]
     patcher = Patcher(model, direction.recipient, "given", batch_size, references=references)
-    drops = patcher.exact_per_prompt().numpy()  # M(recipient) − M(head from the source)
+    # M(recipient) − M(head from the source), measured, or to first order: M(g=1) − M(g=0) ≈ dM/dg
+    drops = (patcher.exact_per_prompt() if method == "exact" else patcher.attribution_per_prompt()).numpy()
     return patcher, _sign(direction) * drops
 
 
@@ -69,13 +82,25 @@ def part_effects(model, direction: Direction, patcher: Patcher, batch_size: int,
     return effects
 
 
-def grouped_effects(model, direction: Direction, patcher: Patcher, batch_size: int) -> dict[str, np.ndarray]:
-    """The first layer's attention output (every head of layer 0 at once) and every head with
-    every MLP at once, per item."""
+def top_heads(heads: np.ndarray, k: int = TOP_HEADS) -> list[tuple[int, int]]:
+    """The ``k`` (layer, head) pairs of largest mean effect over items (``heads``: [items, layers,
+    heads]), largest first."""
+    means = heads.mean(0)
+    order = np.argsort(-means, axis=None, kind="stable")[:k]
+    return [tuple(int(i) for i in np.unravel_index(flat, means.shape)) for flat in order]
+
+
+def grouped_effects(model, direction: Direction, patcher: Patcher, batch_size: int,
+                    chosen: list[tuple[int, int]]) -> dict[str, np.ndarray]:
+    """The first layer's attention output (every head of layer 0 at once), the ``chosen`` heads
+    together, and every head with every MLP at once, per item: exact patches."""
     parts = anatomy.of(model)
     recipient = patcher.per_prompt(None)[1]
     first = torch.ones(parts.n_layers, parts.n_heads)
     first[0] = 0
+    top = torch.ones(parts.n_layers, parts.n_heads)
+    for layer, head in chosen:
+        top[layer, head] = 0
     everything = [("mlp", layer) for layer in range(parts.n_layers)]
     outputs = part_outputs(model, direction.source, batch_size, everything)
     replacement = OutputReplacement(everything, {p: direction.gathered(v) for p, v in outputs.items()},
@@ -83,6 +108,7 @@ def grouped_effects(model, direction: Direction, patcher: Patcher, batch_size: i
     with intervened(model, replace=replacement):
         all_patched = patcher.per_prompt(torch.zeros(parts.n_layers, parts.n_heads))[1]
     return {"L0.attention": _signed(direction, patcher.per_prompt(first)[1], recipient),
+            f"top{TOP_HEADS}_heads": _signed(direction, patcher.per_prompt(top)[1], recipient),
             "all_heads_mlps": _signed(direction, all_patched, recipient)}
 
 
@@ -97,21 +123,27 @@ def arm_effects(model, baseline, batch_size: int, settings: ArmSettings, seeds: 
     return effects
 
 
-def direction_table(model, direction: Direction, ids: list[str], batch_size: int) -> pd.DataFrame:
+def direction_table(model, direction: Direction, ids: list[str], batch_size: int, heads_method: str = "exact",
+                    layers: list[int] | None = None) -> pd.DataFrame:
     """Every component's effect per item in one direction: columns id, direction, component,
-    kind, layer, head, effect."""
+    kind, layer, head, method (how it was measured), members (the heads of a group), effect.
+    ``layers``: those whose MLP and residual stream are patched one at a time (None: every one;
+    layer 0, the paper's claimed path, always)."""
     parts = anatomy.of(model)
-    patcher, heads = head_effects(model, direction, batch_size)
+    patcher, heads = head_effects(model, direction, batch_size, heads_method)
     rows = [{"id": ids[i], "component": f"L{layer}.H{head}", "kind": "head", "layer": layer, "head": head,
-             "effect": float(heads[i, layer, head])}
+             "method": heads_method, "members": "", "effect": float(heads[i, layer, head])}
             for i in range(len(ids)) for layer in range(parts.n_layers) for head in range(parts.n_heads)]
-    layered = [(kind, layer) for layer in range(parts.n_layers) for kind in ("mlp", "residual")]
+    layered = [(kind, layer) for layer in (range(parts.n_layers) if layers is None else sorted({0, *layers}))
+               for kind in ("mlp", "residual")]
     for (kind, layer), values in part_effects(model, direction, patcher, batch_size, layered).items():
         rows += [{"id": ids[i], "component": f"L{layer}.{kind}", "kind": kind, "layer": layer, "head": -1,
-                  "effect": float(values[i])} for i in range(len(ids))]
-    for name, values in grouped_effects(model, direction, patcher, batch_size).items():
-        rows += [{"id": ids[i], "component": name, "kind": "group", "layer": -1, "head": -1,
-                  "effect": float(values[i])} for i in range(len(ids))]
+                  "method": "exact", "members": "", "effect": float(values[i])} for i in range(len(ids))]
+    chosen = top_heads(heads)
+    members = {f"top{TOP_HEADS}_heads": ",".join(f"L{layer}.H{head}" for layer, head in chosen)}
+    for name, values in grouped_effects(model, direction, patcher, batch_size, chosen).items():
+        rows += [{"id": ids[i], "component": name, "kind": "group", "layer": -1, "head": -1, "method": "exact",
+                  "members": members.get(name, ""), "effect": float(values[i])} for i in range(len(ids))]
     table = pd.DataFrame(rows)
     table.insert(1, "direction", direction.name)
     return table

@@ -22,39 +22,42 @@ def _resamples(n: int, n_resamples: int, seed: int) -> np.ndarray:
 
 def shares(effects: pd.DataFrame, totals: pd.Series, n_resamples: int = 2000, seed: int = 0) -> pd.DataFrame:
     """Per direction and component (``effects``: id, direction, component, kind, layer, head,
-    effect; ``totals``: the total effect per id): mean effect, share, its interval; plus one row per
-    layer summing its heads (kind "heads")."""
+    effect, method; ``totals``: the total effect per id): mean effect, share, its interval, how the
+    effect was measured; plus one row per layer summing its heads (kind "heads")."""
     ids = list(totals.index)
     total = totals.to_numpy(float)
     draws = _resamples(len(ids), n_resamples, seed)
     denominators = total[draws].mean(1)
     heads = effects[effects["kind"] == "head"].groupby(["direction", "layer", "id"], as_index=False)["effect"].sum()
-    heads = heads.assign(component=[f"L{layer}.heads" for layer in heads["layer"]], kind="heads", head=-1)
+    method = effects.loc[effects["kind"] == "head", "method"].iloc[0] if (effects["kind"] == "head").any() else "exact"
+    heads = heads.assign(component=[f"L{layer}.heads" for layer in heads["layer"]], kind="heads", head=-1,
+                         method=method)
     rows = []
     for (direction, component), frame in pd.concat([effects, heads]).groupby(["direction", "component"], sort=False):
         values = frame.set_index("id")["effect"].reindex(ids).to_numpy(float)
         ratios = values[draws].mean(1) / denominators
         rows.append({"direction": direction, "component": component, "kind": frame["kind"].iloc[0],
                      "layer": int(frame["layer"].iloc[0]), "head": int(frame["head"].iloc[0]),
+                     "method": frame["method"].iloc[0],
                      "mean_effect": float(values.mean()), "share": float(values.mean() / total.mean()),
                      "share_low": float(np.nanpercentile(ratios, 2.5)),
                      "share_high": float(np.nanpercentile(ratios, 97.5))})
     return pd.DataFrame(rows)
 
 
-def top_heads_share(effects: pd.DataFrame, totals: pd.Series, k: int = 10, n_resamples: int = 2000,
+def top_heads_share(effects: pd.DataFrame, totals: pd.Series, n_resamples: int = 2000,
                     seed: int = 0) -> pd.DataFrame:
-    """Per direction: the share of the ``k`` heads with the largest mean effect together (their
-    effects summed per item), with its interval (the heads chosen once, on all items)."""
+    """Per direction: the share of the heads of largest mean effect patched together (the group
+    rows named ``top{k}_heads``, one exact patch; the heads chosen once, on all items), with its
+    interval and the heads."""
     ids, total = list(totals.index), totals.to_numpy(float)
     draws = _resamples(len(ids), n_resamples, seed)
     rows = []
-    for direction, frame in effects[effects["kind"] == "head"].groupby("direction", sort=False):
-        means = frame.groupby("component")["effect"].mean().sort_values(ascending=False)
-        chosen = list(means.index[:k])
-        summed = frame[frame["component"].isin(chosen)].groupby("id")["effect"].sum().reindex(ids).to_numpy(float)
-        ratios = summed[draws].mean(1) / total[draws].mean(1)
-        rows.append({"direction": direction, "component": f"top{k}_heads", "heads": ",".join(chosen),
-                     "share": float(summed.mean() / total.mean()), "share_low": float(np.nanpercentile(ratios, 2.5)),
+    groups = effects[(effects["kind"] == "group") & effects["component"].str.match(r"top\d+_heads$")]
+    for (direction, component), frame in groups.groupby(["direction", "component"], sort=False):
+        values = frame.set_index("id")["effect"].reindex(ids).to_numpy(float)
+        ratios = values[draws].mean(1) / total[draws].mean(1)
+        rows.append({"direction": direction, "component": component, "heads": frame["members"].iloc[0],
+                     "share": float(values.mean() / total.mean()), "share_low": float(np.nanpercentile(ratios, 2.5)),
                      "share_high": float(np.nanpercentile(ratios, 97.5))})
     return pd.DataFrame(rows)

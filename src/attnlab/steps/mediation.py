@@ -15,6 +15,7 @@ def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summar
     grades. Writes every component's effect per item (Parquet) and the shares (JSON)."""
     import torch
 
+    from attnlab import anatomy
     from attnlab.mediation import SHARE_DEFINITION, items_from_tables, mediate
     from attnlab.mlp import ArmSettings
     from attnlab.models import load_model, pick_device, pick_dtype
@@ -30,13 +31,18 @@ def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summar
                               lambda ids: tokenizer.decode(ids, skip_special_tokens=False), settings.max_items)
     log.info("%s: %d items, continuations of %d tokens on average", keys, len(items),
              sum(len(item.continuation) for item in items) / max(1, len(items)))
+    n_layers = anatomy.of(model).n_layers
+    if settings.layers is not None and any(layer >= n_layers for layer in settings.layers):
+        raise ValueError(f"mediation.layers {settings.layers}: {keys['model']} has layers 0..{n_layers - 1}; "
+                         "name layers it has, or null for every layer")
     arm_settings = ArmSettings(**arm) if arm else None
     result = mediate(model, items, _batch_size(settings.batch_size, batch_size), arm_settings,
-                     tuple(settings.arm_seeds) if arm_settings else ())
+                     tuple(settings.arm_seeds) if arm_settings else (), settings.heads, settings.layers)
     effects = result["effects"].merge(result["totals"], on="id")
     io.write_parquet(effects, out_effects)
     totals = result["totals"]["total_effect"]
-    io.write_json({**keys, "items": len(items), "definition": SHARE_DEFINITION,
+    io.write_json({**keys, "items": len(items), "definition": SHARE_DEFINITION, "heads_method": settings.heads,
+                   "layers": settings.layers,
                    "total_effect_mean": float(totals.mean()), "total_effect_sd": float(totals.std()),
                    "shares": result["shares"].to_dict("records"), "top_heads": result["top_heads"].to_dict("records"),
                    "arm": _arm_summary(result["arm"]), "totals": result["totals"].to_dict("records")}, out_summary)
@@ -62,7 +68,8 @@ def mediation_table(summary_paths: list[str], out_path: str) -> None:
         for direction in ("denoising", "noising"):
             picked = shares[shares["direction"] == direction].set_index("component")
             row = {key: summary[key] for key in ("model", "dataset", "condition", "baseline")}
-            row.update(direction=direction, items=summary["items"], total_effect_mean=summary["total_effect_mean"])
+            row.update(direction=direction, items=summary["items"], total_effect_mean=summary["total_effect_mean"],
+                       heads_method=summary.get("heads_method", "exact"))
             for component in ("L0.attention", "L0.mlp", "all_heads_mlps"):
                 for column in ("share", "share_low", "share_high"):
                     row[f"{component}_{column}"] = float(picked.at[component, column])
