@@ -21,11 +21,10 @@ from __future__ import annotations
 import pandas as pd
 
 from attnlab.mediation.alignment import AlignmentError, Item, answer_continuation
-from attnlab.mediation.effects import arm_effects, direction_table
-from attnlab.mediation.runs import directions, sequences_batch
+from attnlab.mediation.effects import arm_effects, direction_table, record, recorded_parts
+from attnlab.mediation.runs import directions
 from attnlab.mediation.summary import SHARE_DEFINITION, shares, top_heads_share
 from attnlab.mlp import ArmSettings
-from attnlab.pruning import Patcher
 
 __all__ = ["AlignmentError", "Item", "SHARE_DEFINITION", "answer_continuation", "items_from_tables", "mediate"]
 
@@ -55,19 +54,24 @@ def mediate(model, items: list[Item], batch_size: int, arm: ArmSettings | None =
     share and ARM's effect on the baseline per seed. ``heads_method`` and ``layers``:
     ``effects.direction_table``."""
     ids = [item.id for item in items]
-    metrics = {}
-    for name, treated in (("baseline", False), ("treated", True)):
-        metrics[name] = Patcher(model, sequences_batch(items, treated), "given", batch_size,
-                                references=[]).per_prompt(None)[1]
-    totals = pd.DataFrame({"id": ids, "metric_baseline": metrics["baseline"], "metric_treated": metrics["treated"],
-                           "total_effect": metrics["treated"] - metrics["baseline"],
+    parts = recorded_parts(model, layers)
+    den, noi = directions(items)
+    runs = {"baseline": record(model, den.recipient, batch_size, parts),
+            "treated": record(model, den.source, batch_size, parts)}
+    totals = pd.DataFrame({"id": ids, "metric_baseline": runs["baseline"].metric,
+                           "metric_treated": runs["treated"].metric,
+                           "total_effect": runs["treated"].metric - runs["baseline"].metric,
                            "continuation_tokens": [len(item.continuation) for item in items]})
-    effects = pd.concat([direction_table(model, direction, ids, batch_size, heads_method, layers)
-                         for direction in directions(items)], ignore_index=True)
+    effects = pd.concat([
+        direction_table(model, den, {"source": runs["treated"], "recipient": runs["baseline"]}, ids, batch_size,
+                        heads_method, layers),
+        direction_table(model, noi, {"source": runs["baseline"], "recipient": runs["treated"]}, ids, batch_size,
+                        heads_method, layers)], ignore_index=True)
     total = totals.set_index("id")["total_effect"]
     arm_rows = []
     if arm is not None and arm_seeds:
-        for seed, values in arm_effects(model, sequences_batch(items, False), batch_size, arm, list(arm_seeds)).items():
+        for seed, values in arm_effects(model, den.recipient, runs["baseline"].metric, batch_size, arm,
+                                        list(arm_seeds)).items():
             arm_rows += [{"id": i, "seed": seed, "effect": float(v)} for i, v in zip(ids, values)]
     return {"totals": totals, "effects": effects, "shares": shares(effects, total),
             "top_heads": top_heads_share(effects, total), "arm": pd.DataFrame(arm_rows)}

@@ -12,10 +12,14 @@ in resumed passes (``pruning.Patcher.exact_per_prompt``) or, where that costs to
 attribution patching (``HEAD_METHODS``); the MLP's output and the residual stream (block output;
 ``replacement.OutputReplacement``) of every layer asked for; and, each by one exact patch, the
 first layer's attention output (all its heads), the ten heads of largest mean effect together
-(``top10_heads``) and every head with every MLP at once (``all_heads_mlps``).
+(``top10_heads``) and every head with every MLP at once (``all_heads_mlps``). Each condition is
+run once, unpatched, recording all the activations the patches take (``record``); a patch is then
+one forward (heads by attribution: one forward and one backward for all of them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -46,39 +50,55 @@ HEAD_METHODS = ("exact", "attribution")
 TOP_HEADS = 10
 
 
-def head_effects(model, direction: Direction, batch_size: int, method: str = "exact") -> tuple[Patcher, np.ndarray]:
+@dataclass(frozen=True)
+class Run:
+    """One condition's sequences run once, unpatched: each item's metric, every layer's
+    output-projection input (the heads) and the outputs of ``parts`` ([rows, width, hidden])."""
+
+    metric: np.ndarray
+    head_inputs: list[torch.Tensor]
+    outputs: dict[tuple[str, int], torch.Tensor]
+
+
+def record(model, batch, batch_size: int, parts: list[tuple[str, int]]) -> Run:
+    """``batch``'s ``Run``: one forward per chunk records everything the patches take from it."""
+    tap = OutputReplacement(parts)
+    with intervened(model, replace=tap):
+        metric, inputs = Patcher(model, batch, "given", batch_size, references=[]).per_prompt_with_head_inputs()
+    return Run(metric, inputs, {part: torch.cat(values) for part, values in tap.recorded.items()})
+
+
+def recorded_parts(model, layers: list[int] | None) -> list[tuple[str, int]]:
+    """What a run records: every MLP's output (all of them are patched together), and the residual
+    stream at the layers patched one at a time (``layers``; None: every one; 0 always)."""
+    n_layers = anatomy.of(model).n_layers
+    chosen = range(n_layers) if layers is None else sorted({0, *layers})
+    return [("mlp", layer) for layer in range(n_layers)] + [("residual", layer) for layer in chosen]
+
+
+def head_effects(model, direction: Direction, runs: dict[str, Run], batch_size: int,
+                 method: str = "exact") -> tuple[Patcher, np.ndarray]:
     """(the recipient's patcher, its heads' effects [items, layers, heads], by ``method``)."""
     if method not in HEAD_METHODS:
         raise ValueError(f"mediation heads: {method!r} is not one of {HEAD_METHODS}")
-    source = Patcher(model, direction.source, "given", batch_size, references=[])
-    recipient = Patcher(model, direction.recipient, "given", batch_size, references=[])
-    references = [direction.transfer(s, r) for s, r in zip(source.head_inputs(direction.source.clean),
-                                                           recipient.head_inputs(direction.recipient.clean))]
+    source, recipient = runs["source"], runs["recipient"]
+    references = [direction.transfer(s, r) for s, r in zip(source.head_inputs, recipient.head_inputs)]
     patcher = Patcher(model, direction.recipient, "given", batch_size, references=references)
     # M(recipient) − M(head from the source), measured, or to first order: M(g=1) − M(g=0) ≈ dM/dg
     drops = (patcher.exact_per_prompt() if method == "exact" else patcher.attribution_per_prompt()).numpy()
     return patcher, _sign(direction) * drops
 
 
-def part_outputs(model, batch, batch_size: int, parts: list[tuple[str, int]]) -> dict:
-    """Every part's output [rows, width, hidden] of ``batch``'s sequences, unpatched."""
-    tap = OutputReplacement(parts)
-    with intervened(model, replace=tap):
-        Patcher(model, batch, "given", batch_size, references=[]).per_prompt(None)
-    return {part: torch.cat(values) for part, values in tap.recorded.items()}
-
-
-def part_effects(model, direction: Direction, patcher: Patcher, batch_size: int,
+def part_effects(model, direction: Direction, patcher: Patcher, runs: dict[str, Run],
                  parts: list[tuple[str, int]]) -> dict[tuple[str, int], np.ndarray]:
     """Each part's effect per item, the source's output moved in at every aligned token."""
-    outputs = part_outputs(model, direction.source, batch_size, parts)
-    recipient = patcher.per_prompt(None)[1]
     effects = {}
     for part in parts:
-        replacement = OutputReplacement([part], {part: direction.gathered(outputs[part])}, direction.aligned)
+        replacement = OutputReplacement([part], {part: direction.gathered(runs["source"].outputs[part])},
+                                        direction.aligned)
         with intervened(model, replace=replacement):
             patched = patcher.per_prompt(None)[1]
-        effects[part] = _signed(direction, patched, recipient)
+        effects[part] = _signed(direction, patched, runs["recipient"].metric)
     return effects
 
 
@@ -90,20 +110,19 @@ def top_heads(heads: np.ndarray, k: int = TOP_HEADS) -> list[tuple[int, int]]:
     return [tuple(int(i) for i in np.unravel_index(flat, means.shape)) for flat in order]
 
 
-def grouped_effects(model, direction: Direction, patcher: Patcher, batch_size: int,
+def grouped_effects(model, direction: Direction, patcher: Patcher, runs: dict[str, Run],
                     chosen: list[tuple[int, int]]) -> dict[str, np.ndarray]:
     """The first layer's attention output (every head of layer 0 at once), the ``chosen`` heads
     together, and every head with every MLP at once, per item: exact patches."""
     parts = anatomy.of(model)
-    recipient = patcher.per_prompt(None)[1]
+    recipient = runs["recipient"].metric
     first = torch.ones(parts.n_layers, parts.n_heads)
     first[0] = 0
     top = torch.ones(parts.n_layers, parts.n_heads)
     for layer, head in chosen:
         top[layer, head] = 0
     everything = [("mlp", layer) for layer in range(parts.n_layers)]
-    outputs = part_outputs(model, direction.source, batch_size, everything)
-    replacement = OutputReplacement(everything, {p: direction.gathered(v) for p, v in outputs.items()},
+    replacement = OutputReplacement(everything, {p: direction.gathered(runs["source"].outputs[p]) for p in everything},
                                     direction.aligned)
     with intervened(model, replace=replacement):
         all_patched = patcher.per_prompt(torch.zeros(parts.n_layers, parts.n_heads))[1]
@@ -112,10 +131,10 @@ def grouped_effects(model, direction: Direction, patcher: Patcher, batch_size: i
             "all_heads_mlps": _signed(direction, all_patched, recipient)}
 
 
-def arm_effects(model, baseline, batch_size: int, settings: ArmSettings, seeds: list[int]) -> dict[int, np.ndarray]:
-    """ARM on the baseline prompt, per seed: M(baseline with ARM) − M(baseline), per item."""
+def arm_effects(model, baseline, plain: np.ndarray, batch_size: int, settings: ArmSettings,
+                seeds: list[int]) -> dict[int, np.ndarray]:
+    """ARM on the baseline prompt, per seed: M(baseline with ARM) − M(baseline) (``plain``), per item."""
     patcher = Patcher(model, baseline, "given", batch_size, references=[])
-    plain = patcher.per_prompt(None)[1]
     effects = {}
     for seed in seeds:
         with intervened(model, arm=ArmSettings(**{**settings.__dict__, "seed": seed})):
@@ -123,25 +142,25 @@ def arm_effects(model, baseline, batch_size: int, settings: ArmSettings, seeds: 
     return effects
 
 
-def direction_table(model, direction: Direction, ids: list[str], batch_size: int, heads_method: str = "exact",
-                    layers: list[int] | None = None) -> pd.DataFrame:
-    """Every component's effect per item in one direction: columns id, direction, component,
-    kind, layer, head, method (how it was measured), members (the heads of a group), effect.
-    ``layers``: those whose MLP and residual stream are patched one at a time (None: every one;
-    layer 0, the paper's claimed path, always)."""
+def direction_table(model, direction: Direction, runs: dict[str, Run], ids: list[str], batch_size: int,
+                    heads_method: str = "exact", layers: list[int] | None = None) -> pd.DataFrame:
+    """Every component's effect per item in one direction (``runs``: the source's and the
+    recipient's ``Run``): columns id, direction, component, kind, layer, head, method (how it was
+    measured), members (the heads of a group), effect. ``layers``: those whose MLP and residual
+    stream are patched one at a time (None: every one; layer 0, the paper's claimed path, always)."""
     parts = anatomy.of(model)
-    patcher, heads = head_effects(model, direction, batch_size, heads_method)
+    patcher, heads = head_effects(model, direction, runs, batch_size, heads_method)
     rows = [{"id": ids[i], "component": f"L{layer}.H{head}", "kind": "head", "layer": layer, "head": head,
              "method": heads_method, "members": "", "effect": float(heads[i, layer, head])}
             for i in range(len(ids)) for layer in range(parts.n_layers) for head in range(parts.n_heads)]
     layered = [(kind, layer) for layer in (range(parts.n_layers) if layers is None else sorted({0, *layers}))
                for kind in ("mlp", "residual")]
-    for (kind, layer), values in part_effects(model, direction, patcher, batch_size, layered).items():
+    for (kind, layer), values in part_effects(model, direction, patcher, runs, layered).items():
         rows += [{"id": ids[i], "component": f"L{layer}.{kind}", "kind": kind, "layer": layer, "head": -1,
                   "method": "exact", "members": "", "effect": float(values[i])} for i in range(len(ids))]
     chosen = top_heads(heads)
     members = {f"top{TOP_HEADS}_heads": ",".join(f"L{layer}.H{head}" for layer, head in chosen)}
-    for name, values in grouped_effects(model, direction, patcher, batch_size, chosen).items():
+    for name, values in grouped_effects(model, direction, patcher, runs, chosen).items():
         rows += [{"id": ids[i], "component": name, "kind": "group", "layer": -1, "head": -1, "method": "exact",
                   "members": members.get(name, ""), "effect": float(values[i])} for i in range(len(ids))]
     table = pd.DataFrame(rows)
