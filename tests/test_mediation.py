@@ -188,13 +188,15 @@ def test_attributed_head_effects_are_each_items_gradient_times_the_patch(llama_a
 
 
 def test_the_top_heads_are_patched_together_exactly(llama_attribution):
-    """The group ``top10_heads``: its heads are the 10 of largest mean effect, and its effect is
-    their joint patch written here (not a sum of single-head effects); only the layers asked for
-    (and layer 0) have their MLP and residual stream patched."""
+    """The group ``top10_heads``: its heads are the 10 of largest mean effect in the total
+    effect's direction, and its effect is their joint patch written here (not a sum of single-head
+    effects); only the layers asked for (and layer 0) have their MLP and residual stream patched;
+    the total effect's interval holds its mean."""
     model, items, result = llama_attribution
     effects = result["effects"]
     denoising = effects[effects["direction"] == "denoising"]
-    means = denoising[denoising["kind"] == "head"].groupby("component")["effect"].mean()
+    sign = np.sign(result["totals"]["total_effect"].mean())
+    means = denoising[denoising["kind"] == "head"].groupby("component")["effect"].mean() * sign
     group = denoising[denoising["component"] == "top10_heads"]
     members = group["members"].iloc[0].split(",")
     assert set(members) == set(means.sort_values(ascending=False).index[:10])
@@ -207,3 +209,5 @@ def test_the_top_heads_are_patched_together_exactly(llama_attribution):
     assert set(effects.loc[effects["kind"].isin(["mlp", "residual"]), "layer"]) == {0, 1}
     top = result["top_heads"]
     assert set(top["direction"]) == {"denoising", "noising"} and top["heads"].iloc[0] == group["members"].iloc[0]
+    low, high = result["total_interval"]
+    assert low < result["totals"]["total_effect"].mean() < high

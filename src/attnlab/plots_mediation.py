@@ -23,7 +23,8 @@ def plot_mediation(summary: dict, out_path, dpi: int = 150) -> None:
     _path_bars(axes[2], shares, top)
     fitted_suptitle(fig, f"{summary['model']} on {summary['dataset']}: what carries {summary['condition']} − "
                          f"{summary['baseline']} ({summary['items']} items; mean total effect "
-                         f"{summary['total_effect_mean']:+.3f} nats)")
+                         f"{summary['total_effect_mean']:+.3f} nats [{summary.get('total_effect_low', float('nan')):+.3f}, "
+                         f"{summary.get('total_effect_high', float('nan')):+.3f}])")
     fig.text(0.01, 0.01, "share = mean effect / mean total effect over items; effect on the log-probability of "
                          "the treated run's answer, treated − baseline;\ndenoising: the baseline run given the "
                          "treated run's activation at the shared tokens; noising: the treated run given the "

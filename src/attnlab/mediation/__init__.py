@@ -18,12 +18,13 @@ seeds, is measured on the same metric.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from attnlab.mediation.alignment import AlignmentError, Item, answer_continuation
 from attnlab.mediation.effects import arm_effects, direction_table, record, recorded_parts
 from attnlab.mediation.runs import directions
-from attnlab.mediation.summary import SHARE_DEFINITION, shares, top_heads_share
+from attnlab.mediation.summary import SHARE_DEFINITION, mean_interval, shares, top_heads_share
 from attnlab.mlp import ArmSettings
 
 __all__ = ["AlignmentError", "Item", "SHARE_DEFINITION", "answer_continuation", "items_from_tables", "mediate"]
@@ -62,11 +63,12 @@ def mediate(model, items: list[Item], batch_size: int, arm: ArmSettings | None =
                            "metric_treated": runs["treated"].metric,
                            "total_effect": runs["treated"].metric - runs["baseline"].metric,
                            "continuation_tokens": [len(item.continuation) for item in items]})
+    sign = float(np.sign(totals["total_effect"].mean()))
     effects = pd.concat([
         direction_table(model, den, {"source": runs["treated"], "recipient": runs["baseline"]}, ids, batch_size,
-                        heads_method, layers),
+                        heads_method, layers, sign),
         direction_table(model, noi, {"source": runs["baseline"], "recipient": runs["treated"]}, ids, batch_size,
-                        heads_method, layers)], ignore_index=True)
+                        heads_method, layers, sign)], ignore_index=True)
     total = totals.set_index("id")["total_effect"]
     arm_rows = []
     if arm is not None and arm_seeds:
@@ -74,4 +76,5 @@ def mediate(model, items: list[Item], batch_size: int, arm: ArmSettings | None =
                                         list(arm_seeds)).items():
             arm_rows += [{"id": i, "seed": seed, "effect": float(v)} for i, v in zip(ids, values)]
     return {"totals": totals, "effects": effects, "shares": shares(effects, total),
-            "top_heads": top_heads_share(effects, total), "arm": pd.DataFrame(arm_rows)}
+            "top_heads": top_heads_share(effects, total), "total_interval": mean_interval(total.to_numpy(float)),
+            "arm": pd.DataFrame(arm_rows)}

@@ -11,8 +11,8 @@ Components: every head (its slice of the attention's output-projection input), b
 in resumed passes (``pruning.Patcher.exact_per_prompt``) or, where that costs too much, by
 attribution patching (``HEAD_METHODS``); the MLP's output and the residual stream (block output;
 ``replacement.OutputReplacement``) of every layer asked for; and, each by one exact patch, the
-first layer's attention output (all its heads), the ten heads of largest mean effect together
-(``top10_heads``) and every head with every MLP at once (``all_heads_mlps``). Each condition is
+first layer's attention output (all its heads), the ten heads that carry most of the effect
+together (``top10_heads``) and every head with every MLP at once (``all_heads_mlps``). Each condition is
 run once, unpatched, recording all the activations the patches take (``record``); a patch is then
 one forward (heads by attribution: one forward and one backward for all of them).
 """
@@ -102,10 +102,12 @@ def part_effects(model, direction: Direction, patcher: Patcher, runs: dict[str, 
     return effects
 
 
-def top_heads(heads: np.ndarray, k: int = TOP_HEADS) -> list[tuple[int, int]]:
-    """The ``k`` (layer, head) pairs of largest mean effect over items (``heads``: [items, layers,
-    heads]), largest first."""
-    means = heads.mean(0)
+def top_heads(heads: np.ndarray, total_sign: float, k: int = TOP_HEADS) -> list[tuple[int, int]]:
+    """The ``k`` (layer, head) pairs that carry most of the total effect: the largest mean effect
+    over items (``heads``: [items, layers, heads]) in the total effect's direction (``total_sign``:
+    the sign of the mean total effect; a negative effect is carried by the most negative heads),
+    largest first."""
+    means = heads.mean(0) * (1.0 if total_sign >= 0 else -1.0)
     order = np.argsort(-means, axis=None, kind="stable")[:k]
     return [tuple(int(i) for i in np.unravel_index(flat, means.shape)) for flat in order]
 
@@ -143,11 +145,13 @@ def arm_effects(model, baseline, plain: np.ndarray, batch_size: int, settings: A
 
 
 def direction_table(model, direction: Direction, runs: dict[str, Run], ids: list[str], batch_size: int,
-                    heads_method: str = "exact", layers: list[int] | None = None) -> pd.DataFrame:
+                    heads_method: str = "exact", layers: list[int] | None = None,
+                    total_sign: float = 1.0) -> pd.DataFrame:
     """Every component's effect per item in one direction (``runs``: the source's and the
     recipient's ``Run``): columns id, direction, component, kind, layer, head, method (how it was
     measured), members (the heads of a group), effect. ``layers``: those whose MLP and residual
-    stream are patched one at a time (None: every one; layer 0, the paper's claimed path, always)."""
+    stream are patched one at a time (None: every one; layer 0, the paper's claimed path, always);
+    ``total_sign``: the mean total effect's sign (``top_heads``)."""
     parts = anatomy.of(model)
     patcher, heads = head_effects(model, direction, runs, batch_size, heads_method)
     rows = [{"id": ids[i], "component": f"L{layer}.H{head}", "kind": "head", "layer": layer, "head": head,
@@ -158,7 +162,7 @@ def direction_table(model, direction: Direction, runs: dict[str, Run], ids: list
     for (kind, layer), values in part_effects(model, direction, patcher, runs, layered).items():
         rows += [{"id": ids[i], "component": f"L{layer}.{kind}", "kind": kind, "layer": layer, "head": -1,
                   "method": "exact", "members": "", "effect": float(values[i])} for i in range(len(ids))]
-    chosen = top_heads(heads)
+    chosen = top_heads(heads, total_sign)
     members = {f"top{TOP_HEADS}_heads": ",".join(f"L{layer}.H{head}" for layer, head in chosen)}
     for name, values in grouped_effects(model, direction, patcher, runs, chosen).items():
         rows += [{"id": ids[i], "component": name, "kind": "group", "layer": -1, "head": -1, "method": "exact",

@@ -20,6 +20,13 @@ def _resamples(n: int, n_resamples: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n, size=(n_resamples, n))
 
 
+def mean_interval(values: np.ndarray, n_resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The 95% percentile bootstrap interval of the mean of ``values`` over items (the same
+    resamples as the shares'): where it holds 0, no share of the total effect means much."""
+    means = values[_resamples(len(values), n_resamples, seed)].mean(1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
 def shares(effects: pd.DataFrame, totals: pd.Series, n_resamples: int = 2000, seed: int = 0) -> pd.DataFrame:
     """Per direction and component (``effects``: id, direction, component, kind, layer, head,
     effect, method; ``totals``: the total effect per id): mean effect, share, its interval, how the
@@ -47,7 +54,7 @@ def shares(effects: pd.DataFrame, totals: pd.Series, n_resamples: int = 2000, se
 
 def top_heads_share(effects: pd.DataFrame, totals: pd.Series, n_resamples: int = 2000,
                     seed: int = 0) -> pd.DataFrame:
-    """Per direction: the share of the heads of largest mean effect patched together (the group
+    """Per direction: the share of the heads that carry most of the effect patched together (the group
     rows named ``top{k}_heads``, one exact patch; the heads chosen once, on all items), with its
     interval and the heads."""
     ids, total = list(totals.index), totals.to_numpy(float)

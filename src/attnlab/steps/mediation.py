@@ -44,6 +44,7 @@ def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summar
     io.write_json({**keys, "items": len(items), "definition": SHARE_DEFINITION, "heads_method": settings.heads,
                    "layers": settings.layers,
                    "total_effect_mean": float(totals.mean()), "total_effect_sd": float(totals.std()),
+                   "total_effect_low": result["total_interval"][0], "total_effect_high": result["total_interval"][1],
                    "shares": result["shares"].to_dict("records"), "top_heads": result["top_heads"].to_dict("records"),
                    "arm": _arm_summary(result["arm"]), "totals": result["totals"].to_dict("records")}, out_summary)
 
@@ -69,6 +70,7 @@ def mediation_table(summary_paths: list[str], out_path: str) -> None:
             picked = shares[shares["direction"] == direction].set_index("component")
             row = {key: summary[key] for key in ("model", "dataset", "condition", "baseline")}
             row.update(direction=direction, items=summary["items"], total_effect_mean=summary["total_effect_mean"],
+                       total_effect_low=summary["total_effect_low"], total_effect_high=summary["total_effect_high"],
                        heads_method=summary.get("heads_method", "exact"))
             for component in ("L0.attention", "L0.mlp", "all_heads_mlps"):
                 for column in ("share", "share_low", "share_high"):
