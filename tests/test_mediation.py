@@ -211,3 +211,18 @@ def test_the_top_heads_are_patched_together_exactly(llama_attribution):
     assert set(top["direction"]) == {"denoising", "noising"} and top["heads"].iloc[0] == group["members"].iloc[0]
     low, high = result["total_interval"]
     assert low < result["totals"]["total_effect"].mean() < high
+
+
+def test_max_items_takes_items_evenly_spaced_over_the_file():
+    """Generated datasets are ordered by their operands: a cap takes items from all of it."""
+    import pandas as pd
+    from attnlab.mediation import items_from_tables
+    ids = [f"q{i}" for i in range(10)]
+    baseline = pd.DataFrame({"id": ids, "input_ids": [[1, 2, 3]] * 10})
+    treated = pd.DataFrame({"id": ids, "input_ids": [[1, 9, 2, 3]] * 10, "cut_start": 1, "cut_end": 2})
+    generations = pd.DataFrame({"id": ids, "new_token_ids": [[5, 6]] * 10, "response": ["56"] * 10})
+    grades = pd.DataFrame({"id": ids, "pred": ["56"] * 10})
+    decode = lambda tokens: "".join(str(t) for t in tokens)  # noqa: E731
+    picked = items_from_tables(baseline, treated, generations, grades, decode, max_items=4)
+    assert [item.id for item in picked] == ["q0", "q3", "q6", "q9"]
+    assert len(items_from_tables(baseline, treated, generations, grades, decode)) == 10

@@ -33,7 +33,8 @@ __all__ = ["AlignmentError", "Item", "SHARE_DEFINITION", "answer_continuation", 
 def items_from_tables(baseline: pd.DataFrame, treated: pd.DataFrame, generations: pd.DataFrame,
                       grades: pd.DataFrame, decode, max_items: int | None = None) -> list[Item]:
     """The items both prompt tables hold (prompts files: input_ids, cut_start, cut_end), the
-    treated generations' tokens cut after the graded answer (``answer_continuation``)."""
+    treated generations' tokens cut after the graded answer (``answer_continuation``);
+    ``max_items``: that many, evenly spaced over the file."""
     treated = treated.set_index("id")
     generations, grades = generations.set_index("id"), grades.set_index("id")
     items = []
@@ -45,7 +46,10 @@ def items_from_tables(baseline: pd.DataFrame, treated: pd.DataFrame, generations
                                            generations.at[row.id, "response"], grades.at[row.id, "pred"], decode)
         items.append(Item.of(row.id, list(row.input_ids), list(t["input_ids"]),
                              (int(t["cut_start"]), int(t["cut_end"])), continuation))
-    return items[:max_items] if max_items else items
+    if not max_items or max_items >= len(items):
+        return items
+    # evenly spaced over the file, not its head: generated datasets are ordered by operands
+    return [items[int(i)] for i in np.linspace(0, len(items) - 1, max_items).round()]
 
 
 def mediate(model, items: list[Item], batch_size: int, arm: ArmSettings | None = None,
