@@ -353,10 +353,11 @@ def test_two_runs_give_identical_csvs(tiny_run, tmp_path):
     workdir, config, snakefile = tiny_run
     second = tmp_path / "second"
     shutil.copytree(workdir / "resources", second / "resources")  # same converted weights
-    result = snakemake("--cores", "2", "--configfile", str(config), workdir=second, snakefile=snakefile,
-                       timeout=1800)
-    assert result.returncode == 0, result.stdout[-3000:]
     first_csvs = sorted(p.relative_to(workdir) for p in (workdir / "results").rglob("*.csv"))
+    # the tables only, as targets: the second run skips the figures, which hold no number to compare
+    result = snakemake("--cores", "2", "--configfile", str(config), *map(str, first_csvs), workdir=second,
+                       snakefile=snakefile, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:]
     assert first_csvs == sorted(p.relative_to(second) for p in (second / "results").rglob("*.csv"))
     different = [str(p) for p in first_csvs if (workdir / p).read_bytes() != (second / p).read_bytes()]
     assert not different
