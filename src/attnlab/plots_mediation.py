@@ -28,8 +28,8 @@ def plot_mediation(summary: dict, out_path, dpi: int = 150) -> None:
     fig.text(0.01, 0.01, "share = mean effect / mean total effect over items; effect on the log-probability of "
                          "the treated run's answer, treated − baseline;\ndenoising: the baseline run given the "
                          "treated run's activation at the shared tokens; noising: the treated run given the "
-                         "baseline's; bars: 95% bootstrap over items; top 10 heads: those of largest mean effect, "
-                         "patched together", fontsize=7, va="bottom")
+                         "baseline's; bars: 95% bootstrap over items; top 10 heads: those of largest mean effect "
+                         "in the total effect's direction, patched together", fontsize=7, va="bottom")
     fig.tight_layout(rect=(0, 0.07, 1, 0.93))
     _save(fig, out_path, dpi)
 
@@ -44,7 +44,7 @@ def _head_map(fig, ax, heads: pd.DataFrame, method: str) -> None:
     ax.set_xlabel("head (0-based)")
     ax.set_ylabel("layer (0-based)")
     how = "exact patching" if method == "exact" else "attribution patching: a first-order estimate"
-    ax.set_title(f"each head's share (denoising; {how})", fontsize=9)
+    ax.set_title(f"each head's share, denoising\n({how})", fontsize=9)
 
 
 def _layer_bars(ax, shares: pd.DataFrame) -> None:
@@ -60,9 +60,13 @@ def _layer_bars(ax, shares: pd.DataFrame) -> None:
                     fmt="none", ecolor="black", lw=0.6)
     ax.axhline(1, color="0.4", ls="--", lw=0.8)
     ax.axhline(0, color="0.4", lw=0.6)
+    layers = sorted(shares.loc[shares["kind"] == "mlp", "layer"].unique())
+    if len(layers) <= 12:
+        ax.set_xticks(layers)
     ax.set_xlabel("layer (0-based)")
     ax.set_ylabel("share of the total effect")
-    ax.set_title("each layer's MLP output and residual stream", fontsize=9)
+    ax.set_title("each layer's MLP output and residual stream" + ("" if len(layers) > 12 else
+                 f"\n(layers patched one at a time: {', '.join(map(str, layers))})"), fontsize=9)
     ax.legend(fontsize=7)
 
 
