@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 CATEGORIES = ["Accuracy", "Attention", "Head pruning", "MLP activations", "Mediation"]  # the tiny run's
+GENERAL = ("Workflow", "Statistics", "About")  # the menu's entries above the result categories
 
 
 def _browser(profile: Path):
@@ -87,6 +88,7 @@ def test_every_category_opens_and_shows_a_figure(tiny_run, tmp_path):
     if not (CHROMIUM and DRIVER):
         pytest.skip("no Chromium here (Debian packages chromium and chromium-driver; .ci/run installs them as root)")
     pytest.importorskip("selenium", reason="selenium is a test requirement (requirements-test.txt)")
+    from selenium.webdriver.common.by import By
     workdir, config, snakefile = tiny_run
     report = tmp_path / "report.zip"
     result = snakemake("--cores", "1", "--configfile", str(config), "--report", str(report),
@@ -97,7 +99,11 @@ def test_every_category_opens_and_shows_a_figure(tiny_run, tmp_path):
     driver = _browser(tmp_path / "profile")
     try:
         page = (tmp_path / "unzipped" / "report" / "report.html").as_uri()
-        for category in CATEGORIES:
+        driver.get(page)
+        listed = _wait(lambda: [a.text.strip() for a in driver.find_elements(By.XPATH, "//nav//a")
+                                if a.text.strip() and a.text.strip() not in GENERAL])
+        assert set(listed) >= set(CATEGORIES), listed
+        for category in listed:  # every category the report lists, not only those expected
             names, width = _open_first_figure(driver, page, category)
             assert names, f"{category}: no figure listed"
             assert width > 100, f"{category}: {names[0]} did not display"
