@@ -68,7 +68,7 @@ class Mediation:
     max_items: int | None
     arm_seeds: list[int]
     heads: str
-    layers: list[int] | None
+    patched_layers: list[int] | None
     batch_size: int
     device: str
     dtype: str

@@ -32,17 +32,17 @@ def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summar
     log.info("%s: %d items, continuations of %d tokens on average", keys, len(items),
              sum(len(item.continuation) for item in items) / max(1, len(items)))
     n_layers = anatomy.of(model).n_layers
-    if settings.layers is not None and any(layer >= n_layers for layer in settings.layers):
-        raise ValueError(f"mediation.layers {settings.layers}: {keys['model']} has layers 0..{n_layers - 1}; "
+    if settings.patched_layers is not None and any(layer >= n_layers for layer in settings.patched_layers):
+        raise ValueError(f"mediation.patched_layers {settings.patched_layers}: {keys['model']} has layers 0..{n_layers - 1}; "
                          "name layers it has, or null for every layer")
     arm_settings = ArmSettings(**arm) if arm else None
     result = mediate(model, items, _batch_size(settings.batch_size, batch_size), arm_settings,
-                     tuple(settings.arm_seeds) if arm_settings else (), settings.heads, settings.layers)
+                     tuple(settings.arm_seeds) if arm_settings else (), settings.heads, settings.patched_layers)
     effects = result["effects"].merge(result["totals"], on="id")
     io.write_parquet(effects, out_effects)
     totals = result["totals"]["total_effect"]
     io.write_json({**keys, "items": len(items), "definition": SHARE_DEFINITION, "heads_method": settings.heads,
-                   "layers": settings.layers,
+                   "patched_layers": settings.patched_layers,
                    "total_effect_mean": float(totals.mean()), "total_effect_sd": float(totals.std()),
                    "total_effect_low": result["total_interval"][0], "total_effect_high": result["total_interval"][1],
                    "shares": result["shares"].to_dict("records"), "top_heads": result["top_heads"].to_dict("records"),
