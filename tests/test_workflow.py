@@ -355,7 +355,8 @@ def test_two_runs_give_identical_csvs(tiny_run, tmp_path):
     shutil.copytree(workdir / "resources", second / "resources")  # same converted weights
     first_csvs = sorted(p.relative_to(workdir) for p in (workdir / "results").rglob("*.csv"))
     # the tables only, as targets: the second run skips the figures, which hold no number to compare
-    result = snakemake("--cores", "2", "--configfile", str(config), *map(str, first_csvs), workdir=second,
+    # (targets before --configfile, which takes every value after it)
+    result = snakemake("--cores", "2", *map(str, first_csvs), "--configfile", str(config), workdir=second,
                        snakefile=snakefile, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:]
     assert first_csvs == sorted(p.relative_to(second) for p in (second / "results").rglob("*.csv"))
