@@ -94,25 +94,18 @@ class Patcher:
         self.references = (self._references(ablation) if references is None else
                            [[z[rows].to(self.device) for z in references] for rows in self._chunks()])
 
-    def head_inputs(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """Each layer's output-projection input [rows, tokens, heads · head_dim] of ``ids`` (the
-        batch's rows, its mask and positions), unpatched."""
-        return self._captured_run(ids)[1]
-
     def per_prompt_with_head_inputs(self) -> tuple[np.ndarray, list[torch.Tensor]]:
-        """``per_prompt(None)``'s metrics and ``head_inputs`` of the batch's sequences, in one run."""
-        metrics, inputs = self._captured_run(self.batch.clean)
-        return torch.cat(metrics).double().cpu().numpy(), inputs
-
-    def _captured_run(self, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``per_prompt(None)``'s metrics and each layer's output-projection input [rows, tokens,
+        heads · head_dim] of the batch's sequences, unpatched, in one run."""
         self.gates.capturing, self.gates.reference = True, None
         chunks, metrics = [], []
         with torch.no_grad():
             for rows in self._chunks():
-                metrics.append(self.batch.metric(self._logits(ids, rows), self.batch.prompts_of(rows)))
+                metrics.append(self._metric(self.batch.clean, rows))
                 chunks.append(list(self.gates.captured))
         self.gates.capturing = False
-        return metrics, [torch.cat([chunk[layer] for chunk in chunks]) for layer in range(self.gates.n_layers)]
+        inputs = [torch.cat([chunk[layer] for chunk in chunks]) for layer in range(self.gates.n_layers)]
+        return torch.cat(metrics).double().cpu().numpy(), inputs
 
     def _chunks(self) -> list[slice]:
         return self.batch.chunks(self.batch_size)

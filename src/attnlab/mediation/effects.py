@@ -68,12 +68,18 @@ def record(model, batch, batch_size: int, parts: list[tuple[str, int]]) -> Run:
     return Run(metric, inputs, {part: torch.cat(values) for part, values in tap.recorded.items()})
 
 
+def patched_one_at_a_time(model, layers: list[int] | None) -> list[tuple[str, int]]:
+    """The MLP and residual-stream parts patched one at a time: at ``layers`` (None: every one;
+    layer 0, the paper's claimed path, always)."""
+    chosen = range(anatomy.of(model).n_layers) if layers is None else sorted({0, *layers})
+    return [(kind, layer) for layer in chosen for kind in ("mlp", "residual")]
+
+
 def recorded_parts(model, layers: list[int] | None) -> list[tuple[str, int]]:
-    """What a run records: every MLP's output (all of them are patched together), and the residual
-    stream at the layers patched one at a time (``layers``; None: every one; 0 always)."""
-    n_layers = anatomy.of(model).n_layers
-    chosen = range(n_layers) if layers is None else sorted({0, *layers})
-    return [("mlp", layer) for layer in range(n_layers)] + [("residual", layer) for layer in chosen]
+    """What a run records: every MLP's output (all of them are patched together), and the parts
+    patched one at a time (``patched_one_at_a_time``)."""
+    every_mlp = [("mlp", layer) for layer in range(anatomy.of(model).n_layers)]
+    return every_mlp + [part for part in patched_one_at_a_time(model, layers) if part not in every_mlp]
 
 
 def head_effects(model, direction: Direction, runs: dict[str, Run], batch_size: int,
@@ -157,9 +163,8 @@ def direction_table(model, direction: Direction, runs: dict[str, Run], ids: list
     rows = [{"id": ids[i], "component": f"L{layer}.H{head}", "kind": "head", "layer": layer, "head": head,
              "method": heads_method, "members": "", "effect": float(heads[i, layer, head])}
             for i in range(len(ids)) for layer in range(parts.n_layers) for head in range(parts.n_heads)]
-    layered = [(kind, layer) for layer in (range(parts.n_layers) if layers is None else sorted({0, *layers}))
-               for kind in ("mlp", "residual")]
-    for (kind, layer), values in part_effects(model, direction, patcher, runs, layered).items():
+    for (kind, layer), values in part_effects(model, direction, patcher, runs,
+                                              patched_one_at_a_time(model, layers)).items():
         rows += [{"id": ids[i], "component": f"L{layer}.{kind}", "kind": kind, "layer": layer, "head": -1,
                   "method": "exact", "members": "", "effect": float(values[i])} for i in range(len(ids))]
     chosen = top_heads(heads, total_sign)
