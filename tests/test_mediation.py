@@ -226,3 +226,32 @@ def test_max_items_takes_items_evenly_spaced_over_the_file():
     picked = items_from_tables(baseline, treated, generations, grades, decode, max_items=4)
     assert [item.id for item in picked] == ["q0", "q3", "q6", "q9"]
     assert len(items_from_tables(baseline, treated, generations, grades, decode)) == 10
+
+
+def test_a_second_configs_mediation_table_names_its_config_and_logs_the_rows_it_drops(tmp_path, caplog):
+    """As the accuracy table: each row says which config it holds, and a second config's run names
+    in its log every row of the first's it no longer holds."""
+    import logging
+
+    import pandas as pd
+
+    from attnlab import io, steps
+
+    def summary(condition):
+        shares = [{"direction": d, "component": c, "share": 0.5, "share_low": 0.1, "share_high": 0.9}
+                  for d in ("denoising", "noising") for c in ("L0.attention", "L0.mlp", "all_heads_mlps")]
+        top = [{"direction": d, "heads": "L0.H0", "share": 0.5, "share_low": 0.1, "share_high": 0.9}
+               for d in ("denoising", "noising")]
+        path = tmp_path / f"{condition}.json"
+        io.write_json({"model": "m", "dataset": "d", "condition": condition, "baseline": "none", "items": 4,
+                       "total_effect_mean": 1.0, "total_effect_low": 0.5, "total_effect_high": 1.5,
+                       "heads_method": "attribution", "shares": shares, "top_heads": top, "arm": {}}, path)
+        return str(path)
+    table = tmp_path / "mediation.csv"
+    steps.mediation_table([summary("mless"), summary("mless_q")], str(table), config="mechanism")
+    with caplog.at_level(logging.WARNING, logger="attnlab"):
+        steps.mediation_table([summary("mless")], str(table), config="other")
+    rows = pd.read_csv(table)
+    assert set(rows["config"]) == {"other"} and len(rows) == 2  # one condition, two directions
+    assert "no longer holds the row {'model': 'm', 'dataset': 'd', 'condition': 'mless_q', 'direction': 'denoising'}" in caplog.text
+    assert "(config mechanism)" in caplog.text

@@ -59,6 +59,8 @@ rule mediation_table:
             category="Mediation",
             subcategory="all models",
         ),
+    params:
+        config=CONFIG_LABEL,
     log:
         "results/logs/mediation_table.log",
     conda:

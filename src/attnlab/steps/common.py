@@ -95,3 +95,22 @@ def _model_and_prompts(model_dir: str, prompts_path: str, settings: Extraction |
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     return load_model(model_dir, device, dtype), prompts, device, dtype, batch_size
+
+
+def log_replaced_rows(table: pd.DataFrame, out_path: str, keys: list[str]) -> None:
+    """Say in the log which rows of the last table written to ``out_path`` this one drops or
+    rewrites. Snakemake removes an output before its job runs, so the last table's rows are kept
+    beside it (``.<name>.last.csv``, not an output) for the next run to compare with."""
+    last = os.path.join(os.path.dirname(out_path), f".{os.path.basename(out_path).removesuffix('.csv')}.last.csv")
+    if os.path.exists(last):
+        previous = pd.read_csv(last, dtype=str).set_index(keys)
+        current = table.astype(str).set_index(keys)
+        dropped = previous.index.difference(current.index)
+        shared = previous.index.intersection(current.index)
+        rewritten = [key for key in shared if not previous.loc[key].equals(current.loc[key].reindex(previous.columns))]
+        label = table["config"].iloc[0] if "config" in table and len(table) else "?"
+        for kind, rows in (("no longer holds", dropped), ("rewrites", rewritten)):
+            for key in rows:
+                log.warning("%s: this run (config %s) %s the row %s of the last table (config %s)", out_path,
+                            label, kind, dict(zip(keys, key)), previous.loc[key].get("config", "?"))
+    io.write_csv(table, last)

@@ -6,7 +6,7 @@ import pandas as pd
 
 from attnlab import io
 from attnlab.settings import Mediation
-from attnlab.steps.common import _batch_size, log
+from attnlab.steps.common import _batch_size, log, log_replaced_rows
 
 
 def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summary: str, settings: dict,
@@ -58,9 +58,10 @@ def _arm_summary(arm: pd.DataFrame) -> dict:
             "sd_over_seeds": float(per_seed.std()), "min": float(per_seed.min()), "max": float(per_seed.max())}
 
 
-def mediation_table(summary_paths: list[str], out_path: str) -> None:
+def mediation_table(summary_paths: list[str], out_path: str, config: str = "") -> None:
     """One row per model × dataset × condition × direction: the total effect and the shares a
-    reader asks first (layer 0's attention and MLP, the top 10 heads, every head and MLP)."""
+    reader asks first (layer 0's attention and MLP, the top 10 heads, every head and MLP); each row
+    names the ``config`` it ran under, and the log the rows of the last table it drops or rewrites."""
     rows = []
     for path in summary_paths:
         summary = io.read_json(path)
@@ -80,7 +81,10 @@ def mediation_table(summary_paths: list[str], out_path: str) -> None:
                        top10_share_low=top_row["share_low"], top10_share_high=top_row["share_high"])
             row.update({f"arm_{k}": v for k, v in summary["arm"].items() if k != "per_seed"})
             rows.append(row)
-    io.write_csv(pd.DataFrame(rows), out_path)
+    table = pd.DataFrame(rows)
+    table.insert(0, "config", config)
+    log_replaced_rows(table, out_path, ["model", "dataset", "condition", "direction"])
+    io.write_csv(table, out_path)
 
 
 def plot_mediation(summary_path: str, out_path: str, dpi: int) -> None:

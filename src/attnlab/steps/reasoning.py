@@ -8,7 +8,7 @@ import pandas as pd
 
 from attnlab import io
 from attnlab.settings import Generation
-from attnlab.steps.common import _arm, _batch_size, _ordered, _read_summaries, _seed_everything, log
+from attnlab.steps.common import _arm, _batch_size, _ordered, _read_summaries, _seed_everything, log, log_replaced_rows
 
 
 def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
@@ -68,27 +68,6 @@ def accuracy_table(summary_paths: list[str], out_path: str, config: str = "") ->
     io.write_csv(table, out_path)
 
 
-def log_replaced_rows(table: pd.DataFrame, out_path: str, keys: list[str]) -> None:
-    """Say in the log which rows of the last table written to ``out_path`` this one drops or
-    rewrites. Snakemake removes an output before its job runs, so the last table's rows are kept
-    beside it (``.<name>.last.csv``, not an output) for the next run to compare with."""
-    import os
-
-    last = os.path.join(os.path.dirname(out_path), f".{os.path.basename(out_path).removesuffix('.csv')}.last.csv")
-    if os.path.exists(last):
-        previous = pd.read_csv(last, dtype=str).set_index(keys)
-        current = table.astype(str).set_index(keys)
-        dropped = previous.index.difference(current.index)
-        shared = previous.index.intersection(current.index)
-        rewritten = [key for key in shared if not previous.loc[key].equals(current.loc[key].reindex(previous.columns))]
-        for kind, rows in (("no longer holds", dropped), ("rewrites", rewritten)):
-            for key in rows:
-                log.warning("%s: this run (config %s) %s the row %s of the last table (config %s)", out_path,
-                            table["config"].iloc[0] if "config" in table else "?", kind, dict(zip(keys, key)),
-                            previous.loc[key].get("config", "?"))
-    io.write_csv(table, last)
-
-
 def accuracy_paired(item_paths: list[str], out_path: str, baseline: str, confidence: float, config: str = "") -> None:
     """Every condition against ``baseline`` on the same items, per model × dataset × grader
     (``attnlab.paired``), for the cells given (one dataset's in the workflow); empty (with its
@@ -113,6 +92,7 @@ def accuracy_paired(item_paths: list[str], out_path: str, baseline: str, confide
         tables.append(rows)
     table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=PAIRED_COLUMNS)
     table.insert(0, "config", config)
+    log_replaced_rows(table, out_path, ["model", "dataset", "condition", "grader"])
     io.write_csv(table, out_path)
 
 
