@@ -154,3 +154,15 @@ def tiny_run(tmp_path_factory):
                        timeout=1800)
     assert result.returncode == 0, result.stdout[-5000:]
     return workdir, config, snakefile
+
+
+@pytest.fixture(scope="session")
+def tiny_report(tiny_run, tmp_path_factory) -> Path:
+    """``snakemake --report`` of the tiny run, built once (the zip's path): the report tests and
+    the browser test read it."""
+    workdir, config, snakefile = tiny_run
+    report = tmp_path_factory.mktemp("report") / "report.zip"
+    result = snakemake("--cores", "1", "--configfile", str(config), "--report", str(report),
+                       workdir=workdir, snakefile=snakefile)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return report
