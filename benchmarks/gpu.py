@@ -14,6 +14,11 @@ each timed and written as it ends (a failing section records its error and the r
 - ``extraction``: received attention of 4 × 2,048 tokens, bf16, against a plain sdpa forward;
 - ``training``: a post-training step of 16 × 1,024 tokens against plain fine-tuning;
 - ``generation``: every engine on 64 GSM8K chat prompts, 256 new tokens, batch 64;
+- ``generation-gemma3``: Gemma-3-270M base (``--gemma-dir``, else ``resources/models/gemma3-270m``,
+  else converted from its wheel), ``static`` and ``static_cache`` on the same items with 4
+  few-shot examples and the default config's stop strings (prompts of 315–401 tokens: a row
+  passes its sliding layers' 512-token window only if it decodes more than about 110 tokens;
+  ``longest_row_tokens`` says how far the longest went);
 - ``edges``: EAP-IG scoring and one circuit at the IOI crossing, 256 prompts;
 - ``sparse`` (not in the default): post-trains the copy of ``config/sparse-gpu.yaml``
   (benchmarks/sparse_gpu.py) and counts the heads of the dense model and the copy
@@ -37,7 +42,7 @@ import yaml
 
 from common import OUT, REPO, embedded_model, versions
 
-SECTIONS = ("checks", "extraction", "training", "generation", "edges", "sparse")
+SECTIONS = ("checks", "extraction", "training", "generation", "generation-gemma3", "edges", "sparse")
 DEFAULT_SECTIONS = SECTIONS[:-1]
 FULL = {"checks": ((300, 231, 180), 128), "extraction": (4, 2048), "training": (16, 1024),
         "generation": (64, 256, 64), "edges": (256, [20000])}
@@ -45,11 +50,11 @@ SMOKE = {"checks": ((24, 19, 12), 16), "extraction": (1, 64), "training": (2, 64
          "edges": (4, [100])}
 
 
-def _model_dir(given: str | None) -> Path:
+def _model_dir(given: str | None, name: str = "smollm2-135m") -> Path:
     if given:
         return Path(given)
-    prepared = REPO / "resources" / "models" / "smollm2-135m"
-    return prepared if (prepared / "config.json").is_file() else embedded_model("smollm2-135m")
+    prepared = REPO / "resources" / "models" / name
+    return prepared if (prepared / "config.json").is_file() else embedded_model(name)
 
 
 def _recipe() -> dict:
@@ -61,10 +66,10 @@ def _recipe() -> dict:
     return config["models"]["smollm2-135m-sparse"]["source"]["sparsify"]
 
 
-def _gsm8k_prompts(items: int):
+def _gsm8k_prompts(items: int, model: str = "smollm2-135m"):
     from generation_engines import workload
 
-    return lambda tokenizer: workload(tokenizer, "smollm2-135m", items)
+    return lambda tokenizer: workload(tokenizer, model, items)
 
 
 def _section(name: str, model_dir: Path, device: torch.device, sizes: dict, args) -> dict:
@@ -80,6 +85,13 @@ def _section(name: str, model_dir: Path, device: torch.device, sizes: dict, args
     if name == "generation":
         items, new_tokens, batch = sizes["generation"]
         return gpu_speed.generation_speed(model_dir, device, _gsm8k_prompts(items), batch, new_tokens)
+    if name == "generation-gemma3":
+        from generation_engines import MODELS
+
+        items, new_tokens, batch = sizes["generation"]
+        return gpu_speed.generation_speed(_model_dir(args.gemma_dir, "gemma3-270m"), device,
+                                          _gsm8k_prompts(items, "gemma3-270m"), batch, new_tokens,
+                                          MODELS["gemma3-270m"]["stops"], engines=("static", "static_cache"))
     if name == "edges":
         prompts, keep = sizes["edges"]
         return gpu_speed.edge_speed(model_dir, device, prompts, keep, steps=5)
@@ -113,6 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS))
     parser.add_argument("--model-dir", help="a prepared SmolLM2-135M-Instruct (default: see above)")
+    parser.add_argument("--gemma-dir", help="a prepared Gemma-3-270M (default: see above)")
     parser.add_argument("--out", default=str(OUT / "gpu.json"),
                         help="the JSON (on a borrowed machine, a folder that comes back, e.g. $OUT/gpu.json)")
     parser.add_argument("--repeats", type=int, default=5)

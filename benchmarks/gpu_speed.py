@@ -148,16 +148,17 @@ def _sdpa_without_cudnn():
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def _generation_run(model, tokenizer, prompts, engine: str, batch: int, new_tokens: int, device) -> tuple:
+def _generation_run(model, tokenizer, prompts, engine: str, batch: int, new_tokens: int, device,
+                    stops: list[str]) -> tuple:
     from attnlab.generation import generate_all
 
-    generate_all(model, tokenizer, prompts.head(2), 2, 4, engine=engine)  # warm-up
+    generate_all(model, tokenizer, prompts.head(2), 2, 4, stops, engine=engine)  # warm-up
     reset_peak(device)
     out, elapsed = None, 0.0
 
     def run():
         nonlocal out
-        out = generate_all(model, tokenizer, prompts, batch, new_tokens, engine=engine)
+        out = generate_all(model, tokenizer, prompts, batch, new_tokens, stops, engine=engine)
 
     elapsed = seconds(run)
     useful = int(out["n_new_tokens"].sum())
@@ -165,33 +166,38 @@ def _generation_run(model, tokenizer, prompts, engine: str, batch: int, new_toke
                  "engine_ran": sorted(set(out["engine"])), "peak_mib": peak_mib(device)}
 
 
-def generation_speed(model_dir, device, prompts_of, batch: int, new_tokens: int) -> dict:
-    """Every engine in float32 and bfloat16; ``prompts_of(tokenizer)`` the workload."""
+GENERATION_ENGINES = ("static", "static_cache", "continuous")
+
+
+def generation_speed(model_dir, device, prompts_of, batch: int, new_tokens: int, stops: list[str] = (),
+                     engines: tuple[str, ...] = GENERATION_ENGINES) -> dict:
+    """``engines`` in float32 and bfloat16 (``static`` first: the others' tokens are compared with
+    its); ``prompts_of(tokenizer)`` the workload, rows ending at EOS, ``stops`` or the limit."""
     tokenizer = load_tokenizer(model_dir)
     prompts = prompts_of(tokenizer)
-    result, tokens = {"batch": batch, "new_tokens": new_tokens, "items": len(prompts)}, {}
+    result, tokens = {"batch": batch, "new_tokens": new_tokens, "items": len(prompts), "stops": list(stops)}, {}
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(model_dir, device, dtype)
         name = str(dtype).removeprefix("torch.")
-        for engine in ("static", "static_cache", "continuous"):
+        for engine in engines:
             try:
                 out, result[f"{engine} {name}"] = _generation_run(model, tokenizer, prompts, engine, batch,
-                                                                  new_tokens, device)
+                                                                  new_tokens, device, list(stops))
                 tokens[(engine, name)] = out["new_token_ids"].tolist()
+                if (engine, name) == ("static", "float32"):  # prompt and generated tokens of the longest row
+                    lengths = prompts.set_index("id")["n_prompt_tokens"] + out.set_index("id")["n_new_tokens"]
+                    result["longest_row_tokens"] = int(lengths.max())
             except Exception as error:  # noqa: BLE001 -- one engine failing must not hide the others
                 result[f"{engine} {name}"] = {"error": f"{type(error).__name__}: {error}"}
         if device.type == "cuda" and dtype == torch.bfloat16:
             with _sdpa_without_cudnn():
                 _, result["static bfloat16, sdpa without cuDNN"] = _generation_run(
-                    model, tokenizer, prompts, "static", batch, new_tokens, device)
+                    model, tokenizer, prompts, "static", batch, new_tokens, device, list(stops))
         del model
         _free()
-    result["same_tokens_float32"] = {
-        engine: tokens.get((engine, "float32")) == tokens.get(("static", "float32"))
-        for engine in ("static_cache", "continuous")}
-    result["same_tokens_bfloat16"] = {
-        engine: tokens.get((engine, "bfloat16")) == tokens.get(("static", "bfloat16"))
-        for engine in ("static_cache", "continuous")}
+    for name in ("float32", "bfloat16"):
+        result[f"same_tokens_{name}"] = {engine: tokens.get((engine, name)) == tokens.get(("static", name))
+                                         for engine in engines if engine != "static"}
     return result
 
 

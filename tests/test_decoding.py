@@ -14,7 +14,16 @@ from attnlab.generation import chosen_engine, generate_all
 from attnlab.interventions import intervened
 from attnlab.mlp import ArmSettings
 from attnlab.models import left_pad
-from test_attention import TINY
+from test_attention import TINY, _tiny
+from transformers import MistralConfig, Qwen2Config
+
+# Sliding windows shorter than the prompts (up to 12 tokens), besides TINY's Gemma-3 (window 5):
+# Qwen2 with its later layers sliding (a dict of masks by layer kind), Mistral with every layer
+# sliding and no layer_types (one mask).
+SLIDING = {
+    "qwen2-sliding": lambda: _tiny(Qwen2Config, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "mistral": lambda: _tiny(MistralConfig, sliding_window=4),
+}
 
 EOS = 7
 
@@ -38,7 +47,7 @@ class _Batch(dict):
 
 
 def _model(arch="llama-gqa"):
-    model = TINY[arch]()
+    model = {**TINY, **SLIDING}[arch]()
     model.set_attn_implementation("sdpa")
     model.generation_config.eos_token_id = EOS
     return model
@@ -99,8 +108,12 @@ def test_ends_are_found_incrementally_as_in_one_pass():
 
 def test_models_the_loop_cannot_serve_take_the_static_engine(caplog):
     gemma = _model("gemma3-sliding")
-    assert chosen_engine("static_cache", gemma)[0] == "static"
-    assert "sliding-window" in chosen_engine("static_cache", gemma)[1]
+    assert chosen_engine("static_cache", gemma) == ("static_cache", None)  # sliding windows served
+    gemma.config.layer_types = ["sliding_attention", "chunked_attention", "full_attention"]
+    assert "layer kinds ['chunked_attention']" in chosen_engine("static_cache", gemma)[1]
+    unstated = _model()
+    unstated.config.sliding_window, unstated.config.use_sliding_window = 4, False
+    assert "which layers slide" in chosen_engine("static_cache", unstated)[1]
     llama = _model()
     assert chosen_engine("auto", llama) == ("static", None)  # on a CPU auto is static
     assert chosen_engine("static_cache", llama) == ("static_cache", None)
@@ -131,12 +144,13 @@ def _position_sensitive(arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["gpt2-positions", "llama-gqa"])
+@pytest.mark.parametrize("arch", ["gpt2-positions", "llama-gqa", "gemma3-sliding", *SLIDING])
 @pytest.mark.parametrize("engine", ["static", "static_cache", "continuous"])
 def test_each_decode_steps_logits_equal_a_forward_over_the_whole_sequence(engine, arch):
     """Every logit vector that chose a token (the prefill's, then each decode step's, recorded at
     the model's output) against a forward over that row's prompt and tokens so far, alone and
-    without a cache: a position id off by one in a decode step moves them (≤ 1e-5 in float64)."""
+    without a cache: a position id off by one in a decode step moves them, and so does a sliding
+    window applied one column off or not at all (≤ 1e-5 in float64)."""
     # longest first: the engines batch the prompts in that order, so batch rows are prompt rows
     model, tokenizer, prompts = _position_sensitive(arch), _Tokenizer(), _prompts((12, 9, 7, 5))
     calls, forward = [], model.forward

@@ -41,7 +41,7 @@ def test_device_and_dtype_choice():
             pick_device("cuda")
 
 
-def _arithmetic_prompts(tokenizer, prompt_format: str, fewshot: int = 0, n: int = 5):
+def _arithmetic_prompts(tokenizer, prompt_format: str, fewshot: int = 0, n: int = 5, slashes: int = 11):
     from attnlab.data import fewshot_pool, prepare_dataset
     from attnlab.plan import fewshot_spec
     from attnlab.prompts import make_prompts
@@ -50,7 +50,7 @@ def _arithmetic_prompts(tokenizer, prompt_format: str, fewshot: int = 0, n: int 
             "answer": "answer", "answer_format": "latex", "n": n, "seed": 0}
     items = prepare_dataset("arithmetic", spec)
     examples = fewshot_pool("arithmetic", fewshot_spec("arithmetic", spec), items, fewshot, 0) if fewshot else None
-    return make_prompts(tokenizer, items, "mless", {"kind": "repeat", "unit": "/", "length": 11},
+    return make_prompts(tokenizer, items, "mless", {"kind": "repeat", "unit": "/", "length": slashes},
                         {"system": "Put your final answer within \\boxed{}", "raw_template": "{system}\n{user}\nSolution:"},
                         prompt_format, 8192, examples)
 
@@ -181,3 +181,22 @@ def test_static_cache_engine_gives_the_static_engine_tokens_on_smollm2(smollm2_d
         assert set(cached["engine"]) == {"static_cache"}
         pd.testing.assert_frame_equal(cached.drop(columns="engine"), static.drop(columns="engine"))
         assert static["hit_token_limit"].any() and not static["hit_token_limit"].all()
+
+
+def test_static_cache_engine_gives_the_static_engine_tokens_on_gemma3_past_its_window(gemma3_dir):
+    """Gemma-3 base, float32, with prompts longer than its sliding window (512): its sliding layers
+    read through their own mask in the static-cache loop, and give the static engine's tokens, rows
+    ending at the few-shot examples' blank line or at the limit; batches of 3 for 4 prompts of
+    different lengths (left padding)."""
+    from attnlab.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(gemma3_dir)
+    model = load_model(gemma3_dir, torch.device("cpu"), torch.float32)
+    window = model.config.get_text_config().sliding_window
+    prompts = _arithmetic_prompts(tokenizer, "raw", fewshot=3, n=4, slashes=window)
+    assert prompts["n_prompt_tokens"].min() > window + 20
+    static = generate_all(model, tokenizer, prompts, 3, 24, ["\n\n"], engine="static")
+    cached = generate_all(model, tokenizer, prompts, 3, 24, ["\n\n"], engine="static_cache")
+    assert set(cached["engine"]) == {"static_cache"}
+    pd.testing.assert_frame_equal(cached.drop(columns="engine"), static.drop(columns="engine"))
+    assert static["response"].str.contains("boxed").all()

@@ -15,9 +15,17 @@ the whole cache instead of the keys so far; masked keys weigh exactly 0. In floa
 the same tokens (tested on the CPU, where the same loop runs without graphs); in bfloat16 a
 near-tie of two logits can break differently between any two engines, this one included.
 Rows end at EOS or at a stop string, checked token by token as the static engine's stopping
-criterion does, and are then padded. Models that this loop cannot serve as built (sliding-
-window layers, another attention than sdpa, forward hooks such as ARM's that may read values on
-the host) go to the static engine (``unsupported``).
+criterion does, and are then padded.
+
+Sliding-window layers (Gemma-3, Qwen2 with ``use_sliding_window``, Mistral-style configs) keep
+every column here, as full layers do, and read them through a mask of their own: key column k
+is readable from query column q iff it is readable at all and q - k < window, transformers' own
+sliding-window rule (a row's columns and positions differ by its padding alone). transformers'
+sliding cache is a ring buffer whose writes branch on Python ints that a CUDA graph would
+freeze; a full column per token costs the (short) rest of the generation in memory instead.
+Models that this loop cannot serve as built (another attention than sdpa, layer kinds other
+than full and sliding attention, forward hooks such as ARM's that may read values on the host)
+go to the static engine (``unsupported``).
 """
 
 from __future__ import annotations
@@ -40,13 +48,62 @@ def unsupported(model) -> str | None:
     if implementation != "sdpa":
         return f"attention implementation '{implementation}' (the loop's boolean masks need sdpa)"
     text = model.config.get_text_config()
-    layer_types = getattr(text, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types) or getattr(text, "use_sliding_window", False):
-        return "sliding-window layers (their static cache is a ring buffer the mask here does not follow)"
+    other = sorted(set(getattr(text, "layer_types", None) or []) - set(_WINDOW_OF_KIND))
+    if other:
+        return f"layer kinds {other} (the loop serves full and sliding-window attention)"
+    if getattr(text, "layer_types", None) is None and _window_size(text) is not None \
+            and getattr(text, "use_sliding_window", None) is False:
+        return ("sliding_window set, use_sliding_window false and no layer_types (which layers slide "
+                "is not stated)")
     hooked = first_hooked_module(model)
     if hooked is not None:
         return f"forward hooks on {hooked or 'the model'} (an intervention such as ARM)"
     return None
+
+
+_WINDOW_OF_KIND = {"full_attention": False, "sliding_attention": True}  # layer kind: whether it slides
+
+
+def _window_size(text) -> int | None:
+    return getattr(text, "sliding_window", None)
+
+
+def mask_windows(text) -> dict[str | None, int | None]:
+    """The masks a forward takes, each with its window (None: no window). Keyed by layer kind
+    where some layers slide and the config lists the kinds (the model then reads a dict of
+    masks, one per kind); key None where one mask serves every layer: all full, or, without
+    ``layer_types``, all sliding when ``sliding_window`` is set (as transformers' caches read
+    such configs)."""
+    kinds = getattr(text, "layer_types", None)
+    if kinds is None:
+        return {None: _window_size(text)}
+    if not any(_WINDOW_OF_KIND[kind] for kind in kinds):
+        return {None: None}
+    return {kind: _window_size(text) if _WINDOW_OF_KIND[kind] else None for kind in sorted(set(kinds))}
+
+
+def _windowed(readable: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, window: int | None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``readable`` [B, 1, Q, L] restricted to key columns within ``window`` of each query column
+    (``queries`` [Q, 1], ``keys`` [L]): k > q - window. Written into ``out`` where given."""
+    if window is None:
+        return readable
+    return torch.logical_and(readable, keys > queries - window, out=out)
+
+
+def _attention_mask(windows: dict[str | None, int | None], masks: dict[int | None, torch.Tensor]):
+    """What the forward's ``attention_mask`` takes: one mask, or a dict of them by layer kind."""
+    if None in windows:
+        return masks[windows[None]]
+    return {kind: masks[window] for kind, window in windows.items()}
+
+
+def _full_layer_cache(model, width: int):
+    """A static cache whose every layer keeps all ``width`` columns (sliding layers included)."""
+    from transformers.cache_utils import Cache, StaticLayer
+
+    layers = model.config.get_text_config().num_hidden_layers
+    return Cache(layers=[StaticLayer(max_cache_len=width) for _ in range(layers)])
 
 
 @dataclass
@@ -57,6 +114,9 @@ class _State:
     position: torch.Tensor  # [B, 1] its position (real tokens only)
     column: torch.Tensor  # [1] its cache column
     mask: torch.Tensor  # [B, 1, 1, L] bool: the cache columns a query may read
+    windows: dict[str | None, int | None]  # the masks the forward takes (mask_windows)
+    masks: dict[int | None, torch.Tensor]  # per window: ``mask`` within it (None: ``mask`` itself)
+    key_columns: torch.Tensor  # [L] 0, 1, ..., L - 1
     history: torch.Tensor  # [B, max_new_tokens] the tokens decoded so far
     step: torch.Tensor  # [1] the history column the next token goes to
 
@@ -74,20 +134,30 @@ def _prefill(model, rows: list[list[int]], pad_id: int, width: int, cache) -> _S
     # value in the cache poisons every query, masked or not, through 0 · NaN).
     padding_rows = ~real.bool().to(device)
     mask[:, 0, :, :prompt] |= torch.diag_embed(padding_rows)
-    logits = model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
-                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    windows = mask_windows(model.config.get_text_config())
+    key_columns = torch.arange(width, device=device)
+    queries = torch.arange(prompt, device=device)[:, None]
+    prefill_masks = {window: _windowed(mask, queries, key_columns, window) for window in windows.values()}
+    logits = model(input_ids=ids.to(device), attention_mask=_attention_mask(windows, prefill_masks),
+                   position_ids=positions.to(device), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).logits
     history = torch.zeros(batch, width - prompt, dtype=torch.long, device=device)
     history[:, 0] = logits[:, -1].argmax(-1)
+    readable = key_real[:, None, None, :].clone()
+    masks = {window: readable if window is None else torch.empty_like(readable) for window in windows.values()}
     return _State(token=history[:, :1].clone(), position=positions[:, -1:].to(device) + 1,
-                  column=torch.tensor([prompt], device=device), mask=key_real[:, None, None, :].clone(),
-                  history=history, step=torch.tensor([1], device=device))
+                  column=torch.tensor([prompt], device=device), mask=readable, windows=windows, masks=masks,
+                  key_columns=key_columns, history=history, step=torch.tensor([1], device=device))
 
 
 def _decode_step(model, state: _State, cache) -> None:
     """One greedy step on the fixed buffers (what a CUDA graph captures)."""
     state.mask.index_fill_(-1, state.column, True)  # the last token's column becomes readable
-    logits = model(input_ids=state.token, attention_mask=state.mask, position_ids=state.position,
-                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    for window, out in state.masks.items():
+        if window is not None:  # in place: a CUDA graph replays the same buffers
+            _windowed(state.mask, state.column[:, None], state.key_columns, window, out=out)
+    logits = model(input_ids=state.token, attention_mask=_attention_mask(state.windows, state.masks),
+                   position_ids=state.position, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     state.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
     state.history.index_copy_(1, state.step, state.token)
     state.position.add_(1)
@@ -166,13 +236,11 @@ def decode_batch(model, rows: list[list[int]], max_new_tokens: int, eos_ids: set
                  stopped=None, graphs: bool | None = None) -> tuple[torch.Tensor, list[int], bool]:
     """([B, steps] new tokens, padded after each row's end; each row's generated count; whether a
     CUDA graph ran the steps). ``stopped(tokens)``: whether a row's tokens hold a stop string."""
-    from transformers import StaticCache
-
     graphs = model.device.type == "cuda" if graphs is None else graphs
     width = max(len(row) for row in rows) + max_new_tokens
     ends = RowEnds(len(rows), eos_ids, stopped)
     with torch.inference_mode():
-        cache = StaticCache(config=model.config, max_cache_len=width)
+        cache = _full_layer_cache(model, width)
         state = _prefill(model, rows, pad_id, width, cache)
         run = _Graphed(lambda: _decode_step(model, state, cache)) if graphs else None
         steps = 1
