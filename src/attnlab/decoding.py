@@ -40,6 +40,11 @@ from attnlab.models import first_hooked_module, left_pad
 log = logging.getLogger(__name__)
 
 CHECK_EVERY = 8  # decode steps between two reads of the tokens by the host
+_WINDOW_OF_KIND = {"full_attention": False, "sliding_attention": True}  # layer kind: whether it slides
+
+
+def _window_size(text) -> int | None:
+    return getattr(text, "sliding_window", None)
 
 
 def unsupported(model) -> str | None:
@@ -59,13 +64,6 @@ def unsupported(model) -> str | None:
     if hooked is not None:
         return f"forward hooks on {hooked or 'the model'} (an intervention such as ARM)"
     return None
-
-
-_WINDOW_OF_KIND = {"full_attention": False, "sliding_attention": True}  # layer kind: whether it slides
-
-
-def _window_size(text) -> int | None:
-    return getattr(text, "sliding_window", None)
 
 
 def mask_windows(text) -> dict[str | None, int | None]:
