@@ -72,8 +72,12 @@ GATES = {
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("gate_name", list(GATES))
 def test_kernels_equal_the_eager_formula_values_gradients_and_statistics(gate_name, window):
+    _compare_with_eager(gate_name, window)
+
+
+def _compare_with_eager(gate_name: str, window: int | None, **shape):
     gate = GATES[gate_name]
-    q, k, v = _inputs()
+    q, k, v = _inputs(**shape)
     batch, heads, length = q.shape[:3]
     layout = _padded_layout(batch, length, window)
     allowed = allowed_by(layout, batch, length, length, "cpu")

@@ -35,21 +35,35 @@ class Gate:
 
 
 # Tiles per (kernel, 16-bit or float32 operands, head-dimension bound): (BLOCK_M, BLOCK_N, warps,
-# stages) on CUDA. Chosen from the compiler's resource report for sm_90 and sm_80
-# (benchmarks/kernel_resources.py, its table in benchmarks/README.md): no spilled register at any
-# head dimension up to 128 in 16 bits, the training kernels included.
+# stages) on CUDA. Chosen from the compiler's resource report for sm_90 and sm_80 under Triton
+# 3.7.1 (benchmarks/kernel_resources.py, its table in benchmarks/README.md): no spilled register
+# in 16 bits at any head dimension, the training kernels included.
 TILES = {
-    ("forward", "16bit"): {64: (64, 32, 4, 2), 128: (64, 32, 8, 2), 256: (32, 32, 4, 1)},
+    ("forward", "16bit"): {64: (64, 32, 4, 2), 128: (64, 32, 8, 2), 256: (64, 16, 8, 1)},
     ("received", "16bit"): {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)},
-    ("backward_kv", "16bit"): {64: (64, 32, 4, 2), 128: (64, 16, 4, 2), 256: (32, 32, 4, 1)},
+    ("backward_kv", "16bit"): {64: (64, 32, 4, 2), 128: (64, 16, 4, 2), 256: (32, 16, 8, 1)},
     # at head dimension 128 no tile with wgmma's 64 rows stays spill-free: mma on 32 × 32 instead
-    ("backward_q", "16bit"): {64: (64, 16, 4, 2), 128: (32, 32, 4, 2), 256: (32, 32, 4, 1)},
+    ("backward_q", "16bit"): {64: (64, 16, 4, 2), 128: (32, 32, 4, 2), 256: (32, 16, 8, 1)},
 }
 # sm_80 (A100) spills a few bytes with some of those: its own where it does
 SM80_TILES = {
-    ("forward", "16bit"): {64: (64, 32, 8, 2), 128: (32, 32, 4, 2), 256: (32, 32, 4, 1)},
-    ("backward_kv", "16bit"): {64: (64, 32, 8, 2), 128: (64, 16, 4, 2), 256: (32, 32, 4, 1)},
+    ("forward", "16bit"): {64: (64, 32, 8, 2), 128: (32, 32, 4, 2), 256: (32, 16, 8, 1)},
+    ("backward_kv", "16bit"): {64: (64, 32, 8, 2), 128: (64, 16, 4, 2), 256: (32, 16, 8, 1)},
 }
+# Triton 3.6 (the one beside torch 2.11, as on the borrowed GPU machines) allocates registers
+# otherwise: 3.7.1's tiles spill in 34 of its 72 16-bit sm_90 variants up to head dimension 128
+# (4–336 bytes). Its own per target where they differ, from the same report under 3.6:
+# spill-free but for 4–8 bytes in two forward variants at head dimension 256 on sm_90;
+# backward_kv at 128 on mma there, as no 64-row tile stays spill-free.
+TRITON36_TILES = {
+    90: {("forward", "16bit"): {64: (64, 16, 4, 2), 128: (64, 16, 8, 2), 256: (64, 16, 8, 1)},
+         ("backward_kv", "16bit"): {64: (64, 16, 8, 1), 128: (32, 32, 8, 2), 256: (16, 16, 8, 1)},
+         ("backward_q", "16bit"): {64: (64, 16, 4, 2), 128: (64, 16, 8, 2), 256: (32, 16, 8, 1)}},
+    80: {("forward", "16bit"): {64: (64, 32, 8, 2), 128: (32, 32, 8, 2), 256: (32, 16, 8, 1)},
+         ("backward_kv", "16bit"): {64: (32, 32, 4, 2), 128: (32, 32, 8, 2), 256: (16, 16, 8, 1)},
+         ("backward_q", "16bit"): {64: (64, 16, 4, 2), 128: (32, 32, 8, 2), 256: (32, 16, 8, 1)}},
+}
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 # float32 never runs on CUDA unless forced (``fused.float32_kernels``): the tiles of before
 FLOAT32_TILES = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 1)}
 for _kernel in ("forward", "received", "backward_kv", "backward_q"):
@@ -60,8 +74,9 @@ SMALL_QUERIES = 16  # fewer query rows than this (a decoding step: one) run on 1
 def blocks(head_dim: int, device: torch.device, dtype: torch.dtype = torch.float32, kernel: str = "forward",
            queries: int | None = None, arch: int | None = None) -> tuple[int, int, int, dict]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, launch options) of ``kernel`` for this head size and dtype on
-    ``device`` (``TILES``; sm_80 and older: ``SM80_TILES`` where they differ; ``arch``: the
-    compute capability's major × 10, else the device's); 16 × 16 in Triton's CPU interpreter. With
+    ``device`` (``TILES``; sm_80 and older: ``SM80_TILES`` where they differ; Triton before 3.7:
+    ``TRITON36_TILES`` of the target where they differ; ``arch``: the compute capability's major ×
+    10, else the device's); 16 × 16 in Triton's CPU interpreter. With
     few ``queries`` (a decoding step) the query block shrinks to 16 rows: a 64-row block would
     leave 63 of 64 rows idle."""
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -71,11 +86,18 @@ def blocks(head_dim: int, device: torch.device, dtype: torch.dtype = torch.float
         arch = 10 * torch.cuda.get_device_capability(device)[0]
     kind = "float32" if dtype == torch.float32 else "16bit"
     bound = next(bound for bound in (64, 128, 256) if block_d <= bound)
-    table = SM80_TILES.get((kernel, kind)) if arch < 90 else None
-    block_m, block_n, warps, stages = (table or TILES[(kernel, kind)])[bound]
+    block_m, block_n, warps, stages = _tile_table(kernel, kind, arch)[bound]
     if queries is not None and queries < SMALL_QUERIES:
         block_m = SMALL_QUERIES
     return block_m, block_n, block_d, {"num_warps": warps, "num_stages": stages}
+
+
+def _tile_table(kernel: str, kind: str, arch: int) -> dict:
+    if TRITON_VERSION < (3, 7) and (kernel, kind) in TRITON36_TILES[90 if arch >= 90 else 80]:
+        return TRITON36_TILES[90 if arch >= 90 else 80][(kernel, kind)]
+    if arch < 90 and (kernel, kind) in SM80_TILES:
+        return SM80_TILES[(kernel, kind)]
+    return TILES[(kernel, kind)]
 
 
 def precision(dtype: torch.dtype) -> str:
