@@ -1,6 +1,7 @@
 """The static-cache decoding loop (attnlab.decoding, engine static_cache) against transformers'
 greedy generate (engine static) on tiny random models: the same tokens, EOS, stop strings and
-token limits; which models it refuses. The real-model check is in test_generation.py."""
+token limits, sliding windows shorter than the prompts; which models it refuses. The real-model
+checks (SmolLM2; Gemma-3 past its 512-token window) are in test_generation.py."""
 
 import functools
 import logging
@@ -8,6 +9,7 @@ import logging
 import pandas as pd
 import pytest
 import torch
+from transformers import MistralConfig, Qwen2Config
 
 from attnlab import decoding, sparse
 from attnlab.generation import chosen_engine, generate_all
@@ -15,7 +17,6 @@ from attnlab.interventions import intervened
 from attnlab.mlp import ArmSettings
 from attnlab.models import left_pad
 from test_attention import TINY, _tiny
-from transformers import MistralConfig, Qwen2Config
 
 # Sliding windows shorter than the prompts (up to 12 tokens), besides TINY's Gemma-3 (window 5):
 # Qwen2 with its later layers sliding (a dict of masks by layer kind), Mistral with every layer
