@@ -169,20 +169,20 @@ def _generation_run(model, tokenizer, prompts, engine: str, batch: int, new_toke
 GENERATION_ENGINES = ("static", "static_cache", "continuous")
 
 
-def generation_speed(model_dir, device, prompts_of, batch: int, new_tokens: int, stops: list[str] = (),
+def generation_speed(model_dir, device, prompts_of, batch: int, new_tokens: int, stops=(),
                      engines: tuple[str, ...] = GENERATION_ENGINES) -> dict:
     """``engines`` in float32 and bfloat16 (``static`` first: the others' tokens are compared with
     its); ``prompts_of(tokenizer)`` the workload, rows ending at EOS, ``stops`` or the limit."""
     tokenizer = load_tokenizer(model_dir)
-    prompts = prompts_of(tokenizer)
-    result, tokens = {"batch": batch, "new_tokens": new_tokens, "items": len(prompts), "stops": list(stops)}, {}
+    prompts, stops = prompts_of(tokenizer), list(stops)
+    result, tokens = {"batch": batch, "new_tokens": new_tokens, "items": len(prompts), "stops": stops}, {}
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(model_dir, device, dtype)
         name = str(dtype).removeprefix("torch.")
         for engine in engines:
             try:
                 out, result[f"{engine} {name}"] = _generation_run(model, tokenizer, prompts, engine, batch,
-                                                                  new_tokens, device, list(stops))
+                                                                  new_tokens, device, stops)
                 tokens[(engine, name)] = out["new_token_ids"].tolist()
                 if (engine, name) == ("static", "float32"):  # prompt and generated tokens of the longest row
                     lengths = prompts.set_index("id")["n_prompt_tokens"] + out.set_index("id")["n_new_tokens"]
@@ -192,7 +192,7 @@ def generation_speed(model_dir, device, prompts_of, batch: int, new_tokens: int,
         if device.type == "cuda" and dtype == torch.bfloat16:
             with _sdpa_without_cudnn():
                 _, result["static bfloat16, sdpa without cuDNN"] = _generation_run(
-                    model, tokenizer, prompts, "static", batch, new_tokens, device, list(stops))
+                    model, tokenizer, prompts, "static", batch, new_tokens, device, stops)
         del model
         _free()
     for name in ("float32", "bfloat16"):

@@ -68,11 +68,11 @@ def mediate(model, items: list[Item], batch_size: int, arm: ArmSettings | None =
                            "total_effect": runs["treated"].metric - runs["baseline"].metric,
                            "continuation_tokens": [len(item.continuation) for item in items]})
     sign = float(np.sign(totals["total_effect"].mean()))
-    effects = pd.concat([
-        direction_table(model, den, {"source": runs["treated"], "recipient": runs["baseline"]}, ids, batch_size,
-                        heads_method, layers, sign),
-        direction_table(model, noi, {"source": runs["baseline"], "recipient": runs["treated"]}, ids, batch_size,
-                        heads_method, layers, sign)], ignore_index=True)
+    # denoising: the baseline run given the treated run's activations; noising: the reverse
+    pairs = ((den, "treated", "baseline"), (noi, "baseline", "treated"))
+    effects = pd.concat([direction_table(model, direction, {"source": runs[source], "recipient": runs[recipient]},
+                                         ids, batch_size, heads_method, layers, sign)
+                         for direction, source, recipient in pairs], ignore_index=True)
     total = totals.set_index("id")["total_effect"]
     arm_rows = []
     if arm is not None and arm_seeds:
