@@ -40,7 +40,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from common import OUT, REPO, embedded_model, versions
+# a machine's own Python, without the project installed, imports attnlab from this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from common import OUT, REPO, embedded_model, versions  # noqa: E402
 
 SECTIONS = ("checks", "extraction", "training", "generation", "generation-gemma3", "edges", "sparse")
 DEFAULT_SECTIONS = SECTIONS[:-1]

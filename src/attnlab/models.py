@@ -187,3 +187,14 @@ def padded_span_mask(lengths: list[int], spans, width: int) -> torch.Tensor:
         pad = width - length
         mask[row, pad + start: pad + end] = True
     return mask
+
+
+def enable_activation_checkpointing(model, options: dict) -> None:
+    """Checkpoint ``model``'s blocks with ``options`` (torch.utils.checkpoint's keywords).
+
+    transformers 5.23 names this ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
+    kept as a deprecated alias); 5.17, which GPU images carry, has only the older name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)

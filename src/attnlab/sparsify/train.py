@@ -155,7 +155,7 @@ class Trainer:
 
     def __init__(self, base_dir: str, settings: SparsifySettings, device: torch.device):
 
-        from attnlab.models import load_model
+        from attnlab.models import enable_activation_checkpointing, load_model
 
         settings = self.settings = SparsifySettings.of(settings)
         self.device = device
@@ -171,8 +171,8 @@ class Trainer:
         sparse.make_sparse(student, settings.gate_bias, base=settings.base)
         if settings.gradient_checkpointing:
             # the recomputation in the backward pass replays the forward's gates (intervened)
-            student.activation_checkpointing_enable({"use_reentrant": False,
-                                                     "context_fn": interventions.recompute_context})
+            enable_activation_checkpointing(student, {"use_reentrant": False,
+                                                      "context_fn": interventions.recompute_context})
             student.config.use_cache = False
         self.student = self._trainable(student).train()
         self.optimizer = self._optimizer(self.student)
