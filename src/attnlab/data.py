@@ -40,13 +40,13 @@ def arithmetic_problems(low: int, high: int, ops: list[str]) -> pd.DataFrame:
 
 def _load_source(source: dict, dataset: str = "") -> tuple[pd.DataFrame, str]:
     """Rows of the source as a DataFrame, and a human-readable origin for errors."""
-    import datasets
-
     if "arithmetic" in source:
         check_arithmetic_range(dataset, source)
         spec = source["arithmetic"]
         return arithmetic_problems(spec["low"], spec["high"], spec["ops"]), "generated arithmetic"
     if "hub" in source:
+        import datasets  # only hub sources need it (GPU images lack it)
+
         split = source.get("split", "test")
         data = datasets.load_dataset(source["hub"], source.get("subset"), split=split)
         return data.to_pandas(), f"{source['hub']} ({split})"
