@@ -1,3 +1,5 @@
+import dataclasses
+
 import pandas as pd
 import pytest
 import torch
@@ -200,3 +202,57 @@ def test_static_cache_engine_gives_the_static_engine_tokens_on_gemma3_past_its_w
     assert set(cached["engine"]) == {"static_cache"}
     pd.testing.assert_frame_equal(cached.drop(columns="engine"), static.drop(columns="engine"))
     assert static["response"].str.contains("boxed").all()
+
+
+@dataclasses.dataclass
+class _ConfigOf517:
+    """transformers 5.17's ContinuousBatchingConfig fields that generation sets (GPU images carry
+    5.17): the page is ``block_size``, and there is no ``auto_switch_to_flash``."""
+    block_size: int = 256
+    num_blocks: int | None = None
+    max_batch_tokens: int | None = None
+    max_requests_per_batch: int | None = None
+    allow_block_sharing: bool = True
+    seed: int | None = None
+
+
+@dataclasses.dataclass
+class _ConfigWithoutSeed:
+    page_size: int = 256
+    num_blocks: int | None = None
+    max_batch_tokens: int | None = None
+    max_requests_per_batch: int | None = None
+    allow_block_sharing: bool = True
+
+
+def test_the_continuous_config_is_built_from_the_installed_transformers_fields():
+    from transformers import ContinuousBatchingConfig
+
+    from attnlab.generation import ContinuousBatchingFailed, continuous_batching_config
+
+    settings = dict(num_blocks=9, max_requests_per_batch=4, max_batch_tokens=512, allow_block_sharing=False, seed=0)
+    installed = continuous_batching_config(ContinuousBatchingConfig, 64, **settings)
+    assert (installed.page_size, installed.auto_switch_to_flash, installed.num_blocks) == (64, False, 9)
+    older = continuous_batching_config(_ConfigOf517, 64, **settings)
+    assert older == _ConfigOf517(block_size=64, num_blocks=9, max_batch_tokens=512, max_requests_per_batch=4,
+                                 allow_block_sharing=False, seed=0)
+    with pytest.raises(ContinuousBatchingFailed, match="has no seed"):
+        continuous_batching_config(_ConfigWithoutSeed, 64, **settings)
+
+
+def test_a_continuous_config_this_transformers_refuses_falls_back_to_static(smollm2_dir, smollm2_tokenizer,
+                                                                          monkeypatch, caplog):
+    import transformers
+
+    from attnlab.generation import ContinuousBatchingFailed
+
+    monkeypatch.setattr(transformers, "ContinuousBatchingConfig", _ConfigWithoutSeed)
+    model = load_model(smollm2_dir, torch.device("cpu"), torch.float32)
+    prompts = _arithmetic_prompts(smollm2_tokenizer, "chat", n=2)
+    with pytest.raises(ContinuousBatchingFailed, match="has no seed.*continuous_or_static"):
+        generate_all(model, smollm2_tokenizer, prompts, 2, 4, engine="continuous")
+    with caplog.at_level("WARNING"):
+        out = generate_all(model, smollm2_tokenizer, prompts, 2, 4, engine="continuous_or_static")
+    static = generate_all(model, smollm2_tokenizer, prompts, 2, 4, engine="static")
+    assert set(out["engine"]) == {"static"} and "has no seed" in caplog.text
+    assert out["new_token_ids"].tolist() == static["new_token_ids"].tolist()

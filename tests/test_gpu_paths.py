@@ -64,3 +64,64 @@ def test_gpu_benchmark_writes_its_json_before_any_model_work(tmp_path):
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["sections"] == ["checks"] and "torch" in result["versions"]
     assert "error" in result["checks"] and "section_seconds" in result["checks"]
+
+
+def test_checkpointing_is_enabled_under_both_transformers_names(tiny_base):
+    """5.23 names it activation_checkpointing_enable; 5.17 (GPU images) has only
+    gradient_checkpointing_enable, with the options as gradient_checkpointing_kwargs."""
+    from transformers import AutoModelForCausalLM
+
+    from attnlab.models import enable_activation_checkpointing
+
+    class Older:  # 5.17's method, alone
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            self.options = gradient_checkpointing_kwargs
+
+    older = Older()
+    enable_activation_checkpointing(older, {"use_reentrant": False})
+    assert older.options == {"use_reentrant": False}
+    model = AutoModelForCausalLM.from_pretrained(tiny_base[0])
+    enable_activation_checkpointing(model, {"use_reentrant": False})
+    assert model.is_gradient_checkpointing
+
+
+def test_a_failing_training_mode_keeps_the_modes_timed_around_it(tiny_base, monkeypatch):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_speed
+    from sparse_tiny import tiny_settings
+
+    base, corpus = tiny_base
+    monkeypatch.setattr(gpu_speed, "_training_ids", lambda tokenizer, batch, length: torch.randint(0, 49152, (batch, length)))
+    plain = gpu_speed._plain_step
+
+    def step(model_dir, device, ids, transformers_loss, checkpointing):
+        if checkpointing:
+            raise AttributeError("no activation_checkpointing_enable here")
+        return plain(model_dir, device, ids, transformers_loss, checkpointing)
+    monkeypatch.setattr(gpu_speed, "_plain_step", step)
+    result = gpu_speed.training_speed(base, torch.device("cpu"), tiny_settings(corpus), 2, 16, 1)
+    assert result["errors"] == {"plain fine-tuning, checkpointing": "AttributeError: no activation_checkpointing_enable here"}
+    assert set(result["seconds"]) == {"plain fine-tuning (chunked CE)", "plain fine-tuning (transformers' loss)",
+                                      "post-training step (kernels)", "post-training step (eager blocks, checkpointing)"}
+    assert result["throughput_vs_plain"]["plain fine-tuning (chunked CE)"] == 1.0
+
+
+def test_engines_that_did_not_run_are_not_reported_as_agreeing():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_speed import same_tokens
+
+    assert same_tokens(None, None) is None and same_tokens([[1]], None) is None
+    assert same_tokens([[1, 2]], [[1, 2]]) is True and same_tokens([[1, 2]], [[1, 3]]) is False
+
+
+def test_gpu_benchmark_puts_this_checkout_first_on_its_path():
+    """A machine's own Python, without the project installed, imports attnlab from src/: the
+    path is set before the first import that reaches attnlab (common)."""
+    import ast
+
+    tree = ast.parse((REPO / "benchmarks" / "gpu.py").read_text())
+    statements = [ast.unparse(node) for node in tree.body]
+    inserts = [i for i, text in enumerate(statements) if text.startswith("sys.path.insert") and "'src'" in text]
+    first_local = min(i for i, node in enumerate(tree.body) if isinstance(node, ast.ImportFrom)
+                      and node.module.split(".")[0] in ("common", "attnlab"))
+    assert inserts and inserts[0] < first_local

@@ -193,6 +193,27 @@ class ContinuousBatchingFailed(RuntimeError):
     """The continuous-batching engine stopped before every prompt was answered."""
 
 
+def continuous_batching_config(config_class, page: int, **settings):
+    """``config_class`` (transformers' ContinuousBatchingConfig) built from the fields the installed
+    transformers has: the page is ``page_size`` from 5.23 on, ``block_size`` before (5.17, which GPU
+    images carry); ``auto_switch_to_flash`` (5.23) is set False where it exists, as 5.17 never
+    switches. A setting the class lacks raises ContinuousBatchingFailed, so that
+    ``continuous_or_static`` falls back to static instead of crashing."""
+    import dataclasses
+
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    page_field = next((name for name in ("page_size", "block_size") if name in fields), None)
+    missing = sorted(set(settings) - fields) + ([] if page_field else ["page_size or block_size"])
+    if missing:
+        raise ContinuousBatchingFailed(f"this transformers' ContinuousBatchingConfig has no {', '.join(missing)}")
+    if "auto_switch_to_flash" in fields:
+        settings["auto_switch_to_flash"] = False  # keep the model's own attention, as the static engine does
+    try:
+        return config_class(**{page_field: page}, **settings)
+    except (TypeError, ValueError) as error:  # a value this version's checks refuse
+        raise ContinuousBatchingFailed(f"ContinuousBatchingConfig refused the settings: {error}") from error
+
+
 def _generate_continuous(model, tokenizer, prompts: pd.DataFrame, batch_size: int,
                          max_new_tokens: int, stop_strings: list[str]) -> pd.DataFrame:
     """Continuous batching through the engine's manager, streaming when stop strings are set
@@ -205,10 +226,9 @@ def _generate_continuous(model, tokenizer, prompts: pd.DataFrame, batch_size: in
     page = 64  # tokens per cache page: small pages waste little on short prompts
     # KV cache for batch_size rows of the longest sequence: the memory budget scales with the
     # (attempt-halved) batch size, as the static engine's does.
-    cb_config = ContinuousBatchingConfig(
-        page_size=page, num_blocks=batch_size * -(-longest // page) + 1,
-        max_requests_per_batch=batch_size, max_batch_tokens=max(longest, 512),
-        allow_block_sharing=False, auto_switch_to_flash=False, seed=0)
+    cb_config = continuous_batching_config(
+        ContinuousBatchingConfig, page, num_blocks=batch_size * -(-longest // page) + 1,
+        max_requests_per_batch=batch_size, max_batch_tokens=max(longest, 512), allow_block_sharing=False, seed=0)
     tokens: dict[str, list[int]] = {}
     progress = tqdm(total=len(ids), desc="generate (continuous)", unit="prompt", mininterval=5)
     try:
