@@ -91,9 +91,11 @@ def _section(name: str, model_dir: Path, device: torch.device, sizes: dict, args
         from generation_engines import MODELS
 
         items, new_tokens, batch = sizes["generation"]
-        return gpu_speed.generation_speed(_model_dir(args.gemma_dir, "gemma3-270m"), device,
-                                          _gsm8k_prompts(items, "gemma3-270m"), batch, new_tokens,
-                                          MODELS["gemma3-270m"]["stops"], engines=("static", "static_cache"))
+        gemma = _model_dir(args.gemma_dir, "gemma3-270m")
+        measured = gpu_speed.generation_speed(gemma, device, _gsm8k_prompts(items, "gemma3-270m"), batch,
+                                              new_tokens, MODELS["gemma3-270m"]["stops"],
+                                              engines=("static", "static_cache"))
+        return {**measured, "model_dir": str(gemma), "model_converted_by": converted_by(gemma)}
     if name == "edges":
         prompts, keep = sizes["edges"]
         return gpu_speed.edge_speed(model_dir, device, prompts, keep, steps=5)
@@ -155,12 +157,23 @@ def _run_sections(result: dict, out: Path, args, device: torch.device, sizes: di
             if model_dir is None:  # converting the model (minutes without a prepared one) can fail too
                 model_dir = _model_dir(args.model_dir)
                 result["model_dir"] = str(model_dir)
+                result["model_converted_by"] = converted_by(model_dir)
             result[name] = _section(name, model_dir, device, sizes, args)
         except Exception as error:  # noqa: BLE001 -- one section failing must not lose the others
             result[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
         result[name]["section_seconds"] = time.perf_counter() - started
         out.write_text(json.dumps(result, indent=2, default=str))  # every section as it ends
         print(json.dumps({name: result[name]}, indent=2, default=str), flush=True)
+
+
+def converted_by(model_dir: Path) -> dict | None:
+    """The torch and transformers that wrote a prepared model (its attnlab_source.json): a model
+    converted under another transformers can answer differently (Gemma-3 under 5.17 did)."""
+    provenance = Path(model_dir) / "attnlab_source.json"
+    if not provenance.is_file():
+        return None
+    recorded = json.loads(provenance.read_text())
+    return {key: recorded.get(key) for key in ("torch", "transformers", "source")}
 
 
 def _triton() -> str | None:

