@@ -97,6 +97,32 @@ def test_decode_batch_pads_after_each_end_and_stops_when_all_rows_end():
     assert tokens.shape[1] == 40 or (every_row_ends and tokens.shape[1] < 40)
 
 
+@pytest.mark.parametrize("limit", [1, 5, 8, 9, 17, 40])
+def test_checking_rows_behind_the_decoding_gives_the_same_tokens(limit, monkeypatch):
+    """overlap (CUDA's default) reads chunk i while chunk i + 1 decodes and drops that chunk when
+    every row has ended: the same tokens, lengths and width as reading each chunk at once, with
+    rows ending at EOS, at a stop, and at the limit; each read lags one chunk behind the steps."""
+    model = _model()
+    rows = _prompts()["input_ids"].tolist()
+    stopped = lambda tokens: tokens[-1:] == [tokens[0]] and len(tokens) > 1  # noqa: E731 -- a repeat ends a row
+    reads, wait, decoded, decode_step = [], decoding._HostReads.wait, [0], decoding._decode_step
+    monkeypatch.setattr(decoding, "_decode_step", lambda *a: (decoded.__setitem__(0, decoded[0] + 1), decode_step(*a))[1])
+    monkeypatch.setattr(decoding._HostReads, "wait", staticmethod(
+        lambda pending: (reads.append((pending[0], 1 + decoded[0])), wait(pending))[1]))
+    every_row_at_10 = lambda tokens: len(tokens) >= 10  # noqa: E731 -- all rows end within the third chunk
+    for stop in (None, stopped, every_row_at_10):
+        at_once = decoding.decode_batch(model, rows, limit, {EOS}, 0, stop, graphs=False, overlap=False)
+        reads.clear()
+        decoded[0] = 0
+        behind = decoding.decode_batch(model, rows, limit, {EOS}, 0, stop, graphs=False, overlap=True)
+        assert torch.equal(behind[0], at_once[0]) and behind[1] == at_once[1]
+        assert reads[0] == (1, 1) and reads[-1][0] == at_once[0].shape[1]
+        # (tokens read, tokens decoded when read): a chunk further on, but at the limit
+        assert all(now == min(seen + decoding.CHECK_EVERY, limit) for seen, now in reads[1:])
+    every_row_ends = decoding.decode_batch(model, rows, 40, {EOS}, 0, lambda tokens: True, graphs=False, overlap=True)
+    assert every_row_ends[0].shape[1] == 1 and every_row_ends[1] == [1] * len(rows)
+
+
 def test_ends_are_found_incrementally_as_in_one_pass():
     rows = [[5, 6, EOS, 1], [5, 5, 5, 5], [9, 3, 3, 1]]
     stopped = lambda tokens: tokens[-2:] == [3, 3]  # noqa: E731

@@ -8,7 +8,9 @@ tokens; every later step reads and writes only fixed buffers (the last token, it
 boolean mask over the cache's columns, the cache itself), so on CUDA it is captured once as a
 CUDA graph and replayed: one launch per step. The step itself writes its token into a history
 buffer, and the host reads that buffer every ``CHECK_EVERY`` steps to see which rows have
-ended, so the host never stalls the GPU between steps.
+ended. On CUDA it reads one chunk behind: chunk i's tokens go to pinned memory while chunk i + 1
+is queued, so the stop-string checks (hundreds of decodes per chunk at batch 64) overlap the
+device's work instead of idling it; a chunk decoded after every row ended is dropped.
 
 The computation is the static engine's (transformers' greedy ``generate``) with the mask over
 the whole cache instead of the keys so far; masked keys weigh exactly 0. In float32 the two give
@@ -230,27 +232,79 @@ class RowEnds:
         return [width if end is None else end + 1 for end in self.ends]
 
 
+class _HostReads:
+    """The decoded tokens copied to the host behind the queued work: on CUDA each copy goes to
+    pinned memory without blocking, with an event to wait on, so the host reads chunk i while the
+    device decodes chunk i + 1 (two buffers, one per copy in flight). On a CPU the copy is done
+    when it returns."""
+
+    def __init__(self, history: torch.Tensor):
+        self.history, self.cuda = history, history.is_cuda
+        self.buffers = [torch.empty(history.shape, dtype=history.dtype, pin_memory=self.cuda) for _ in range(2)]
+        self.started = 0
+
+    def start(self, steps: int) -> tuple[int, torch.Tensor, object]:
+        buffer = self.buffers[self.started % 2]
+        self.started += 1
+        buffer[:, :steps].copy_(self.history[:, :steps], non_blocking=self.cuda)
+        event = torch.cuda.Event() if self.cuda else None
+        if event is not None:
+            event.record()
+        return steps, buffer, event
+
+    @staticmethod
+    def wait(pending) -> tuple[int, list[list[int]]]:
+        steps, buffer, event = pending
+        if event is not None:
+            event.synchronize()
+        return steps, buffer[:, :steps].tolist()
+
+
 def decode_batch(model, rows: list[list[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int,
-                 stopped=None, graphs: bool | None = None) -> tuple[torch.Tensor, list[int], bool]:
+                 stopped=None, graphs: bool | None = None,
+                 overlap: bool | None = None) -> tuple[torch.Tensor, list[int], bool]:
     """([B, steps] new tokens, padded after each row's end; each row's generated count; whether a
-    CUDA graph ran the steps). ``stopped(tokens)``: whether a row's tokens hold a stop string."""
+    CUDA graph ran the steps). ``stopped(tokens)``: whether a row's tokens hold a stop string.
+    ``overlap`` (default: on CUDA) checks each chunk's rows while the next chunk decodes; when a
+    check finds every row ended, the chunk decoded meanwhile is dropped, so the tokens and their
+    count are those of checking right after each chunk."""
     graphs = model.device.type == "cuda" if graphs is None else graphs
+    overlap = model.device.type == "cuda" if overlap is None else overlap
     width = max(len(row) for row in rows) + max_new_tokens
     ends = RowEnds(len(rows), eos_ids, stopped)
     with torch.inference_mode():
         cache = _full_layer_cache(model, width)
         state = _prefill(model, rows, pad_id, width, cache)
         run = _Graphed(lambda: _decode_step(model, state, cache)) if graphs else None
-        steps = 1
-        finished = ends.update(state.history[:, :1].tolist())
-        while steps < max_new_tokens and not finished:
-            for _ in range(min(CHECK_EVERY, max_new_tokens - steps)):
-                run() if run is not None else _decode_step(model, state, cache)
-                steps += 1
-            finished = ends.update(state.history[:, :steps].tolist())
+        step = run if run is not None else (lambda: _decode_step(model, state, cache))
+        steps = _decode_chunks(step, state, ends, max_new_tokens, lag=1 if overlap else 0)
         tokens = state.history[:, :steps].tolist()
     for row, end in zip(tokens, ends.ends):
         if end is not None:
             row[end + 1:] = [pad_id] * (len(row) - end - 1)
     return (torch.tensor(tokens, dtype=torch.long), ends.lengths(steps),
             run is not None and run.graph is not None)
+
+
+def _decode_chunks(step, state: _State, ends: RowEnds, max_new_tokens: int, lag: int) -> int:
+    """Decode in chunks of CHECK_EVERY steps until every row has ended or ``max_new_tokens``;
+    the host reads a chunk's tokens ``lag`` chunks later (0: at once). The steps decoded, as of
+    the check that ended the loop."""
+    reads = _HostReads(state.history)
+    steps, in_flight = 1, []
+    finished = ends.update(reads.wait(reads.start(1))[1])
+    while not finished:
+        queued = min(CHECK_EVERY, max_new_tokens - steps)
+        for _ in range(queued):
+            step()
+        steps += queued
+        if queued:
+            in_flight.append(reads.start(steps))
+        if in_flight and (len(in_flight) > lag or not queued):
+            seen, tokens = reads.wait(in_flight.pop(0))
+            finished = ends.update(tokens)
+            if finished:
+                return seen  # the chunk decoded meanwhile is dropped
+        if not queued and not in_flight:
+            return steps
+    return steps
