@@ -99,25 +99,29 @@ def _section(name: str, model_dir: Path, device: torch.device, sizes: dict, args
     if name == "edges":
         prompts, keep = sizes["edges"]
         return gpu_speed.edge_speed(model_dir, device, prompts, keep, steps=5)
-    return _sparse_regime(model_dir, Path(args.out).parent / "sparse_gpu")
+    return _sparse_regime(model_dir, Path(args.sparse_dir) if args.sparse_dir else Path(args.out).parent / "sparse_gpu")
 
 
 def _sparse_regime(model_dir: Path, folder: Path) -> dict:
     """Post-train the copy, then count heads of the dense model and of the copy (subprocesses: the
-    scripts a user runs by hand, with their own logs in ``folder``)."""
+    scripts a user runs by hand, each writing its log to ``folder``/<step>.log as it goes, so a
+    run stopped by a deadline keeps what it logged)."""
     here = Path(__file__).parent
     train = [sys.executable, str(here / "sparse_gpu.py"), "--config", str(REPO / "config" / "sparse-gpu.yaml"),
              "--model", "smollm2-135m-sparse", "--base-dir", str(model_dir), "--out", str(folder / "run")]
     heads = [sys.executable, str(here / "sparse_heads.py"), "measure", "--n", "192", "--ablations", "corrupted",
              "--rankings", "exact", "--tasks", "ioi", "docstring", "--batch-size", "1024", "--out", str(folder / "heads")]
     done = {}
+    folder.mkdir(parents=True, exist_ok=True)
     for label, command in (("post_training", train),
                            ("heads_dense", heads + ["--label", "dense", "--model", str(model_dir)]),
                            ("heads_sparse", heads + ["--label", "sparse", "--model", str(folder / "run" / "model")])):
         started = time.perf_counter()
-        finished = subprocess.run(command, cwd=here, capture_output=True, text=True)
+        log = folder / f"{label}.log"
+        with log.open("w") as stream:
+            finished = subprocess.run(command, cwd=here, stdout=stream, stderr=subprocess.STDOUT, text=True)
         done[label] = {"seconds": time.perf_counter() - started, "returncode": finished.returncode,
-                       "log_tail": finished.stderr[-2000:]}
+                       "log": str(log), "log_tail": log.read_text()[-2000:]}
         if finished.returncode:
             break
     summary = folder / "run" / "summary.json"
@@ -132,6 +136,8 @@ def main() -> None:
     parser.add_argument("--gemma-dir", help="a prepared Gemma-3-270M (default: see above)")
     parser.add_argument("--out", default=str(OUT / "gpu.json"),
                         help="the JSON (on a borrowed machine, a folder that comes back, e.g. $OUT/gpu.json)")
+    parser.add_argument("--sparse-dir", help="where --sections sparse writes the copy, head counts and logs "
+                                             "(default: sparse_gpu/ beside --out)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check that every section runs")
     args = parser.parse_args()

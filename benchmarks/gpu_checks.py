@@ -65,6 +65,10 @@ def extraction_differences(model, prompts) -> dict:
     return worst
 
 
+NEAR_THRESHOLD = 1e-4  # gate-logit distance from 0 within which float32 rounding can flip an edge
+# (logits of up to ~30 carry rounding of about 30 x 1.2e-7 per operation, a few e-6 after a dot product)
+
+
 def sparse_inference_differences(model, prompts) -> dict:
     rows = [torch.tensor(r) for r in prompts["input_ids"]]
     width = max(len(r) for r in rows)
@@ -75,7 +79,7 @@ def sparse_inference_differences(model, prompts) -> dict:
     ids, mask = ids.to(model.device), mask.to(model.device)
 
     def run():
-        tracker = sparse.GateTracker()
+        tracker = sparse.GateTracker(near_threshold=NEAR_THRESHOLD)  # counted by the eager path only
         with intervened(model, gates=tracker), torch.no_grad():
             logits = model(ids, attention_mask=mask).logits
         return logits, tracker
@@ -88,7 +92,26 @@ def sparse_inference_differences(model, prompts) -> dict:
     # (on the CPU interpreter, SmolLM2 at b = 0: 4.8e-3 of logits up to ~20, the same open edges)
     return {"logits_max_abs_diff": float((eager - kernels)[mask.bool()].abs().max()),
             "logits_max_abs": float(eager[mask.bool()].abs().max()),
-            "same_open_edges_per_head": same_density, "density": eager_tracker.inference_density()}
+            "same_open_edges_per_head": same_density, "density": eager_tracker.inference_density(),
+            "open_edges": open_edge_differences(eager_tracker, kernel_tracker)}
+
+
+def open_edge_differences(eager_tracker, kernel_tracker) -> dict:
+    """Where the two paths' open edges first differ: the layer, the open edges by which its heads
+    differ (a lower bound on flipped edges), and how many of that layer's allowed edges have a
+    gate logit within ``NEAR_THRESHOLD`` of 0 in the eager path. Differences within that count
+    can be rounding's; beyond it, or in a layer with none near, the kernels open other edges.
+    Later layers see other inputs once one edge differs."""
+    eager_open, allowed = eager_tracker.density_counts()
+    kernel_open, _ = kernel_tracker.density_counts()
+    differing = {layer: int((eager_open[layer] - kernel_open[layer]).abs().sum()) for layer in sorted(eager_open)}
+    first = next((layer for layer, n in differing.items() if n), None)
+    near = {layer: int(n) for layer, n in eager_tracker.near_per_layer.items()}
+    return {"first_layer_differing": first, "differing_in_first_layer": differing.get(first, 0),
+            "near_threshold": NEAR_THRESHOLD, "near_threshold_in_first_layer": near.get(first),
+            "near_threshold_in_layer_0": near.get(0),
+            "differing_all_layers": sum(differing.values()),
+            "allowed_all_layers": int(sum(float(v.sum()) for v in allowed.values()))}
 
 
 def training_differences(model_dir, device, length: int = 128) -> dict:

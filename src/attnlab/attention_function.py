@@ -192,7 +192,8 @@ class _Block:
             return sparse.training_gate(tracker, self.layer, logits, self.bias, allowed)
         gate = sparse.deterministic_gate(logits, self.bias)
         if tracker is not None:
-            sparse.count_open_edges(tracker, self.layer, gate, allowed)
+            near = logits.float() + self.bias if tracker.near_threshold is not None else None  # a diagnostic's
+            sparse.count_open_edges(tracker, self.layer, gate, allowed, near)
         return gate
 
 
