@@ -81,6 +81,40 @@ def test_the_bootstrap_interval_of_a_count_matches_its_binomial_answer():
     assert len(counted.per_prompt) == (heads + 1) * n
 
 
+class CurvedPatcher(StepPatcher):
+    """Prompt i's metric at k kept of ``heads``: (k / heads) ** power_i, so the explained effect of
+    a resample of prompts is the mean of its powers of k / heads and varies from one to the next."""
+
+    def __init__(self, powers: np.ndarray, heads: int):
+        self.powers, self.heads, self.measured = powers, heads, []
+
+    def per_prompt(self, k):
+        self.measured.append(k)
+        values = (k / self.heads) ** self.powers
+        return float(values.mean()), values
+
+
+def test_the_curves_band_is_the_2_5th_and_97_5th_percentile_of_resampled_effects():
+    """At the 95% level the band at each measured k is np.percentile at 2.5 and 97.5 of the
+    resamples' explained effects, the resamples drawn here (numpy's generator, the bootstrap's
+    seed: n_resamples rows of n prompt indices) and their effects computed here from each
+    prompt's metric (m(k) − m(0)) / (m(all) − m(0)), every resample's mean over its prompts."""
+    heads, n, seed = 20, 30, 4
+    powers = np.random.default_rng(1).uniform(0.3, 3.0, n)
+    counted = count_heads(CurvedPatcher(powers, heads), list(range(heads)), [0, 2, 5, 10, 15, 20], 0.9,
+                          Bootstrap(500, 0.95, seed), list(range(n)))
+    curve = counted.curve
+    ks = curve["heads_kept"].to_numpy()
+    draws = np.random.default_rng(seed).integers(0, n, size=(500, n))
+    means = ((ks[:, None, None] / heads) ** powers[draws][None]).mean(-1).T  # [resamples, k]
+    effects = (means - means[:, :1]) / (means[:, -1:] - means[:, :1])
+    assert np.all(np.isfinite(effects))
+    assert curve["effect_low"].to_numpy() == pytest.approx(np.percentile(effects, 2.5, axis=0), abs=1e-12)
+    assert curve["effect_high"].to_numpy() == pytest.approx(np.percentile(effects, 97.5, axis=0), abs=1e-12)
+    inner = (curve["heads_kept"] > 0) & (curve["heads_kept"] < heads)
+    assert ((curve["effect_high"] - curve["effect_low"])[inner] > 0.02).all()  # a band, not a line
+
+
 def test_a_grid_sweep_measures_every_k_just_below_each_end_of_the_interval():
     heads, n = 200, 400
     thresholds = np.repeat(np.arange(1, heads + 1), n // heads)

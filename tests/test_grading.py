@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -232,3 +233,45 @@ def test_a_second_configs_accuracy_table_names_its_config_and_logs_the_rows_it_r
     assert "no longer holds the row {'model': 'm', 'dataset': 'd', 'condition': 'mless'} of the last table (config config)" in messages
     assert "rewrites the row {'model': 'm', 'dataset': 'd', 'condition': 'none'}" in messages
     assert "q55" not in messages  # a new row is no one's loss
+
+
+def _wilson_by_hand(correct: int, n: int, level: float) -> tuple[float, float]:
+    """Wilson's score interval from its formula: centre (p + z²/2n) / (1 + z²/n), half-width
+    z √(p(1 − p)/n + z²/4n²) / (1 + z²/n), z the normal quantile of the level's upper tail."""
+    from scipy.stats import norm
+
+    z, p = norm.ppf(1 - (1 - level) / 2), correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def test_the_accuracy_interval_is_wilsons_at_the_configs_level():
+    """Five items, math-verify 3 correct, lenient 4 (one substring match): each grader's interval
+    ends are Wilson's at the level config/config.yaml gives (the schema's default, 95%), from the
+    formula written here and, for 3 of 5, from the published ends [23.07, 88.24]%; at 90% they
+    narrow as the formula does (a level fixed inside summarise fails one or the other)."""
+    import pandas as pd
+    import yaml
+
+    from attnlab.config import validate_config
+    from attnlab.grading import grade_items, summarise
+
+    repo = Path(__file__).resolve().parents[1]
+    config = yaml.safe_load((repo / "config" / "config.yaml").read_text())
+    validate_config(config, repo / "config" / "schema.yaml")
+    level = config["grading"]["confidence"]
+    assert level == 0.95
+    prompts = pd.DataFrame({"id": list("abcde"), "answer": ["4", "12", "7", "41", "9"], "inserted_tokens": 0})
+    responses = [r"\boxed{4}", r"\boxed{12}", r"\boxed{7}", r"\boxed{1}", r"\boxed{8}"]
+    generations = pd.DataFrame({"id": list("abcde"), "response": responses, "n_new_tokens": 8,
+                                "hit_token_limit": False})
+    graded = grade_items(prompts, generations, "last_number")
+    summary = summarise(graded, level)
+    assert (summary["math_verify_ci_low"], summary["math_verify_ci_high"]) == pytest.approx((23.07, 88.24), abs=0.005)
+    for confidence, got in ((level, summary), (0.90, summarise(graded, 0.90))):
+        for grader, correct in (("math_verify", 3), ("lenient", 4)):
+            want = [100 * end for end in _wilson_by_hand(correct, 5, confidence)]
+            assert [got[f"{grader}_ci_low"], got[f"{grader}_ci_high"]] == pytest.approx(want, abs=1e-9), \
+                (grader, confidence)
+    assert summary["interval"].endswith("95%")

@@ -143,6 +143,57 @@ def test_triton_3_6_takes_its_own_tiles(monkeypatch):
     assert tile("backward_kv", 64, 80) == launch.SM80_TILES[("backward_kv", "16bit")][64] == (64, 32, 8, 2)
 
 
+REPORT_36 = Path(__file__).resolve().parents[1] / "benchmarks/results/kernel_resources_triton36_2026-11-27.json"
+# The only variants the 3.6 report finds spilling, with their spilled bytes (stores = loads; 8 of
+# stack each): two forward variants at head dimension 256 on sm_90, in both 16-bit dtypes.
+SPILLING_UNDER_36 = {(f"forward/{variant}/d256/{dtype}", "sm_90"): spilled
+                     for variant, spilled in (("deterministic/causal", 4), ("sampled/window", 8))
+                     for dtype in ("bf16", "fp16")}
+
+
+def _report_36() -> list[dict]:
+    import json
+
+    rows = json.loads(REPORT_36.read_text())
+    assert len(rows) == 216 and {row["triton"] for row in rows} == {"3.6.0"}
+    return rows
+
+
+def test_every_triton_3_6_tile_is_the_one_its_resource_report_measured_without_spills():
+    """Each entry of ``TRITON36_TILES`` (target × kernel × head-dimension bound) against the
+    committed 3.6 report: every variant measured there (gates, windows, bf16 and fp16) ran on that
+    tile (BLOCK_M, BLOCK_N, warps, stages) and spilled nothing, but for the variants named in
+    ``SPILLING_UNDER_36``, which spill exactly the bytes named there; no other row spills."""
+    rows = _report_36()
+    for arch, table in launch.TRITON36_TILES.items():
+        for (kernel, kind), by_bound in table.items():
+            assert kind == "16bit"
+            for bound, tile in by_bound.items():
+                measured = [row for row in rows if row["arch"] == f"sm_{arch}"
+                            and row["variant"].startswith(f"{kernel}/") and f"/d{bound}/" in row["variant"]]
+                assert len(measured) == (12 if kernel == "forward" else 8), (arch, kernel, bound)  # 3 or 2 gates
+                for row in measured:
+                    assert (row["block_m"], row["block_n"], row["num_warps"], row["num_stages"]) == tile, \
+                        (row["variant"], row["arch"], tile)
+    for row in rows:
+        allowed = SPILLING_UNDER_36.get((row["variant"], row["arch"]), 0)
+        assert (row["spill_store_bytes"], row["spill_load_bytes"]) == (allowed, allowed), (row["variant"], row["arch"])
+        assert row["stack_bytes"] == (8 if allowed else 0), (row["variant"], row["arch"])
+
+
+def test_under_triton_3_6_the_launcher_picks_the_tile_of_every_variant_in_its_report(monkeypatch):
+    """Every row of the 3.6 report (all four kernels, the received one from ``TILES``, both
+    targets and 16-bit dtypes): ``launch.blocks`` under Triton 3.6 gives its measured tile."""
+    monkeypatch.setattr(launch, "TRITON_VERSION", (3, 6))
+    dtypes, cuda = {"bf16": torch.bfloat16, "fp16": torch.float16}, torch.device("cuda")
+    for row in _report_36():
+        kernel, *_, dim, dtype = row["variant"].split("/")
+        block_m, block_n, _, options = launch.blocks(int(dim[1:]), cuda, dtypes[dtype], kernel,
+                                                     arch=int(row["arch"][3:]))
+        assert (block_m, block_n, options["num_warps"], options["num_stages"]) == (
+            row["block_m"], row["block_n"], row["num_warps"], row["num_stages"]), (row["variant"], row["arch"])
+
+
 # Every tile shape (BLOCK_M, BLOCK_N) the launcher picks on a GPU, any target or Triton version.
 GPU_TILES = sorted({tile[:2] for table in (launch.TILES, launch.SM80_TILES, *launch.TRITON36_TILES.values())
                     for by_bound in table.values() for tile in by_bound.values()})

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from attnlab.mediation import AlignmentError, Item, answer_continuation, mediate
+from attnlab.mlp import ArmSettings
 from attnlab.prompts import PLACEMENTS, build_prompt, insertion_text, random_position
 from test_attention import TINY
 from test_prompts import CONDITIONS, QUESTIONS, RAW, SYSTEM
@@ -68,10 +69,27 @@ def test_the_continuation_ends_with_the_answer():
     assert answer_continuation(tokens, decode(tokens), "<9>", decode) == tokens
 
 
+def test_the_continuation_ends_at_the_answers_last_occurrence():
+    """An answer the response states twice ("7 ... so 7"): the continuation stops after the token
+    that completes its second occurrence, found here by hand (character by character tokens,
+    the last "7" at index 9 of "3+4=7 so 7 ."), not after the first."""
+    decode = lambda ids: "".join(chr(i) for i in ids)  # noqa: E731 -- one token: one character
+    response = "3+4=7 so 7 ."
+    tokens = [ord(c) for c in response]
+    assert response.index("7") == 4 and response.rindex("7") == 9
+    assert answer_continuation(tokens, response, "7", decode) == tokens[:10]
+    bracketed = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731
+    twice = [1, 3, 2, 3, 5]
+    assert answer_continuation(twice, bracketed(twice), "<3>", bracketed) == [1, 3, 2, 3]
+
+
+ARM = ArmSettings(layer=0, c=0.5)  # c 0.5: more units redrawn, so two seeds' effects differ clearly
+
+
 @pytest.fixture(scope="module")
 def llama_mediation():
     model, items = TINY["llama-gqa"](), _items()
-    return model, items, mediate(model, items, batch_size=8)
+    return model, items, mediate(model, items, batch_size=8, arm=ARM, arm_seeds=(0, 1))
 
 
 def test_the_total_effect_is_the_difference_of_two_plain_forwards(llama_mediation):
@@ -81,6 +99,75 @@ def test_the_total_effect_is_the_difference_of_two_plain_forwards(llama_mediatio
                 - _continuation_logprob(model, item.baseline, item.continuation))
         assert row.total_effect == pytest.approx(want, abs=1e-5)
     assert result["totals"]["total_effect"].abs().max() > 1e-2  # the conditions differ: the check can fail
+
+
+def test_each_arm_seeds_effect_is_a_forward_under_that_seeds_arm(llama_mediation):
+    """ARM on the baseline over seeds 0 and 1: each seed's effect per item is the continuation's
+    log-probability of the baseline prompt alone under ARM with that seed, minus without ARM,
+    two plain forwards here; the seeds' effects differ, so one seed run twice cannot pass."""
+    import dataclasses
+
+    from attnlab.interventions import intervened
+
+    model, items, result = llama_mediation
+    arm = result["arm"]
+    assert sorted(set(arm["seed"])) == [0, 1] and len(arm) == 2 * len(items)
+    for seed in (0, 1):
+        got = arm[arm["seed"] == seed].set_index("id")["effect"]
+        for item in items:
+            with intervened(model, arm=dataclasses.replace(ARM, seed=seed)):
+                armed = _continuation_logprob(model, item.baseline, item.continuation)
+            want = armed - _continuation_logprob(model, item.baseline, item.continuation)
+            assert got[item.id] == pytest.approx(want, abs=1e-5), (seed, item.id)
+    by_seed = arm.pivot(index="id", columns="seed", values="effect")
+    assert (by_seed[0] - by_seed[1]).abs().max() > 1e-3
+
+
+def _mixed_sign_effects() -> tuple:
+    """(effects, totals) of five items whose total effects change sign (mean 0.262, mean |total|
+    1.774); per direction two heads of layer 0, its MLP (random effects) and all_heads_mlps (the
+    total itself)."""
+    import pandas as pd
+
+    ids = list("abcde")
+    total = pd.Series([2.13, -3.31, 1.77, -0.47, 1.19], index=ids)  # no resample of these sums to 0
+    rng, rows = np.random.default_rng(7), []
+    for direction in ("denoising", "noising"):
+        parts = [("L0.H0", "head", 0), ("L0.H1", "head", 1), ("L0.mlp", "mlp", -1)]
+        for component, kind, head in parts:
+            rows += [{"id": i, "direction": direction, "component": component, "kind": kind, "layer": 0,
+                      "head": head, "method": "exact", "members": "", "effect": float(rng.normal())} for i in ids]
+        rows += [{"id": i, "direction": direction, "component": "all_heads_mlps", "kind": "group", "layer": -1,
+                  "head": -1, "method": "exact", "members": "", "effect": total[i]} for i in ids]
+    return pd.DataFrame(rows), total
+
+
+def test_a_share_is_the_mean_effect_over_the_signed_mean_total(llama_mediation):
+    """Totals of mixed sign, so mean |total| is not mean total: each share (and layer 0's heads
+    summed) is mean effect / mean total computed here, its interval the 2.5th and 97.5th
+    percentiles of that ratio over resamples drawn here (seed 0, 2,000); all heads and MLPs
+    together have share 1 in both directions, here and in the tiny Llama's mediation, whose
+    totals also change sign."""
+    from attnlab.mediation.summary import shares
+
+    effects, total = _mixed_sign_effects()
+    got = shares(effects, total).set_index(["direction", "component"])
+    draws = np.random.default_rng(0).integers(0, 5, size=(2000, 5))
+    for (direction, component), frame in effects.groupby(["direction", "component"]):
+        values = frame.set_index("id")["effect"][total.index].to_numpy()
+        row = got.loc[(direction, component)]
+        assert row["share"] == pytest.approx(values.mean() / total.mean(), rel=1e-12), (direction, component)
+        ratios = values[draws].mean(1) / total.to_numpy()[draws].mean(1)
+        assert [row["share_low"], row["share_high"]] == pytest.approx(np.percentile(ratios, [2.5, 97.5]))
+        heads = effects[(effects["direction"] == direction) & (effects["kind"] == "head")]
+        summed = heads.groupby("id")["effect"].sum()[total.index].mean() / total.mean()
+        assert got.loc[(direction, "L0.heads"), "share"] == pytest.approx(summed, rel=1e-12)
+        assert got.loc[(direction, "all_heads_mlps"), "share"] == pytest.approx(1.0, rel=1e-12)
+    model_shares = llama_mediation[2]["shares"].set_index(["direction", "component"])["share"]
+    totals = llama_mediation[2]["totals"]["total_effect"]
+    assert totals.min() < 0 < totals.max()
+    for direction in ("denoising", "noising"):
+        assert model_shares[(direction, "all_heads_mlps")] == pytest.approx(1.0, abs=1e-3)
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
@@ -130,6 +217,35 @@ def test_one_heads_effect_equals_a_patch_written_here(llama_mediation):
         want = patched - _continuation_logprob(model, item.baseline, item.continuation)
         assert effect == pytest.approx(want, abs=1e-5)
     assert got["effect"].abs().max() > 1e-4  # the head matters: the comparison can fail
+
+
+def test_one_heads_noising_effect_equals_a_patch_written_here(llama_mediation):
+    """Noising, layer 1's head 2: each treated prompt alone, that head's slice of o_proj's input
+    replaced at every token with a twin (all but the inserted span) by the baseline run's at that
+    twin, by hooks written here; the effect, signed treated − baseline, is M(treated) − M(patched)."""
+    model, items, result = llama_mediation
+    layer, head, e = 1, 2, model.config.head_dim
+    cut = slice(head * e, (head + 1) * e)
+    projection = model.model.layers[layer].self_attn.o_proj
+    effects = result["effects"]
+    got = effects[(effects["direction"] == "noising") & (effects["component"] == f"L{layer}.H{head}")]
+    for item, effect in zip(items, got["effect"]):
+        seen = {}
+        handle = projection.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0].detach().clone()))
+        _continuation_logprob(model, item.baseline, item.continuation)
+        handle.remove()
+        twin = torch.from_numpy(item.treated_position())  # baseline token p is treated token twin[p]
+
+        def patch(module, args):
+            z = args[0].clone()
+            z[0, twin, cut] = seen["z"][0, :, cut]
+            return (z,)
+        handle = projection.register_forward_pre_hook(patch)
+        patched = _continuation_logprob(model, item.treated, item.continuation)
+        handle.remove()
+        want = _continuation_logprob(model, item.treated, item.continuation) - patched
+        assert effect == pytest.approx(want, abs=1e-5)
+    assert got["effect"].abs().max() > 1e-4  # the head matters: a flipped sign cannot pass
 
 
 def _gated_logprob(model, item: Item, heads: list[tuple[int, int]], gate: torch.Tensor) -> torch.Tensor:
