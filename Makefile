@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.attnlab-installed
 
-.PHONY: install run mechanism sparse sparse-gpu test test-fast lint dry-run report clean bench-peers bench-edge-peers
+.PHONY: install run mechanism sparse sparse-gpu groundtruth groundtruth-models test test-fast lint dry-run report clean bench-peers bench-edge-peers
 
 install: $(STAMP)
 
@@ -38,6 +38,20 @@ sparse: install
 # The paper's regime on one GPU (config/sparse-gpu.yaml): stops before training without CUDA.
 sparse-gpu: install
 	$(BIN)/snakemake --cores all --configfile config/sparse-gpu.yaml
+
+# Every circuit method against circuits known by construction (data/groundtruth, committed).
+groundtruth: install
+	$(BIN)/snakemake --cores all --configfile config/groundtruth.yaml
+
+# Rebuild data/groundtruth with tracr, in a virtualenv of its own (tracr and jax are an optional
+# extra that the workflow never needs): compiles, converts, and checks each model against tracr.
+TRACR_VENV ?= .venv-tracr
+groundtruth-models:
+	test -x $(TRACR_VENV)/bin/python || $(PYTHON) -m venv $(TRACR_VENV)
+	$(TRACR_VENV)/bin/python -m pip install --quiet -r requirements.txt -c constraints.txt
+	$(TRACR_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(TRACR_VENV)/bin/python -m pip install --quiet "tracr-pypi==1.0.0"
+	$(TRACR_VENV)/bin/python -m attnlab.groundtruth.build data/groundtruth
 
 TEST_STAMP = $(VENV)/.attnlab-test-installed
 

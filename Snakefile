@@ -23,6 +23,7 @@ include: "workflow/rules/attention.smk"
 include: "workflow/rules/mlp.smk"
 include: "workflow/rules/pruning.smk"
 include: "workflow/rules/edges.smk"
+include: "workflow/rules/groundtruth.smk"
 include: "workflow/rules/mediation.smk"
 include: "workflow/rules/plots.smk"
 
@@ -33,6 +34,7 @@ localrules:
     all,
     accuracy_table,
     accuracy_paired,
+    groundtruth_table,
     mediation_table,
     placement_table,
     prepare_model,

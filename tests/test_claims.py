@@ -20,7 +20,8 @@ def test_the_readme_lists_exactly_the_rules_that_ask_for_a_gpu():
     sentence = re.search(r"\(GPU rules: (.*?)\) declare `gpu=1`", README, re.S).group(1)
     listed = set(re.findall(r"`(\w+)`", sentence))
     assert listed == declared_gpu_rules() == {"generate", "extract_attention", "mlp_activations", "score_heads",
-                                              "sweep_heads", "edge_circuit", "sparsify_model", "mediate"}
+                                              "sweep_heads", "edge_circuit", "sparsify_model", "mediate",
+                                              "groundtruth_score"}
 
 
 def test_the_readmes_example_config_validates_and_plans_jobs(tmp_path):

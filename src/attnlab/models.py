@@ -126,7 +126,16 @@ def prepare_model(name: str, source: dict, out_dir: str | Path, prompt_format: s
             provenance = {"name": name, "source": source, "torch": torch.__version__,
                           "transformers": __import__("transformers").__version__}
             (tmp / "attnlab_source.json").write_text(json.dumps(provenance, indent=2))
+            _carry_program_spec(source, tmp)
     log.info("wrote %s", out_dir)
+
+
+def _carry_program_spec(source: dict, folder: Path) -> None:
+    """A compiled-program model's spec (attnlab.groundtruth: its program, blocks and tasks) goes
+    with it from a local source into the prepared folder, where its tasks read it."""
+    spec = Path(source.get("local", "")).expanduser() / "attnlab_program.json"
+    if "local" in source and spec.is_file():
+        (folder / spec.name).write_bytes(spec.read_bytes())
 
 
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):

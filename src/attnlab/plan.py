@@ -216,6 +216,7 @@ def selections(config: dict) -> dict[str, list]:
                          if mlp["enabled"] else []),
         "pruning_models": pruning_models,
         "edge_models": [m for m in selected(pruning["edges"]["models"], pruning_models) if m in pruning_models],
+        "groundtruth_models": list(config.get("groundtruth", {}).get("models", [])),
     }
 
 def check_attention_figures(figures: list[dict], conditions: dict, models: list[str],

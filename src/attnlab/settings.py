@@ -123,3 +123,16 @@ class EdgeSweep:
     n_counted: int | None  # the first n of the head sweep's counted prompts (None: all)
     threshold: float
     bootstrap: dict[str, Any]  # n_resamples, confidence
+
+
+@dataclass(frozen=True)
+class GroundTruth:
+    """groundtruth, with pruning's seed and device: scoring every method of a compiled-program
+    model against the circuit derived from its program."""
+
+    seed: int
+    device: str
+    batch_size: int
+    eap_ig_steps: list[int]  # edge scores at each step count (1: plain EAP), ROC AUC for each
+    control_n: int  # negative-control pairs
+    tolerance: float  # a negative control passes when every effect is at most this

@@ -265,11 +265,11 @@ GENERATORS = {"ioi": ioi, "ioi_long": ioi_long, "greater_than": greater_than, "d
 
 def generate_task(task: str, tokenizer, n: int, seed: int) -> TaskPrompts:
     prompts = GENERATORS[task](tokenizer, n, seed)
-    _check_alignment(tokenizer, prompts)
+    check_alignment(tokenizer, prompts)
     return prompts
 
 
-def _check_alignment(tokenizer, prompts: TaskPrompts) -> None:
+def check_alignment(tokenizer, prompts: TaskPrompts) -> None:
     """Clean and corrupted prompts must have equal token lengths, per template."""
     lengths: dict[int, int] = {}
     for clean, corrupted, template in zip(prompts.clean, prompts.corrupted, prompts.templates):

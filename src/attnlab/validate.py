@@ -37,6 +37,7 @@ def check(config: dict, schema_path: str | Path = SCHEMA, models_dir: str | Path
     _check_sources(config)
     _check_names(config, chosen)
     _check_pruning(config["pruning"])
+    _check_groundtruth(config, chosen)
     _check_models(config, chosen, Path(models_dir), rebuilding)
 
 
@@ -52,6 +53,36 @@ def _check_pruning(pruning: dict) -> None:
         raise ConfigError(f"pruning.edges.tasks names {unswept}, which pruning.tasks lacks "
                           f"({sorted(pruning['tasks'])}): edge circuits run on a head sweep's prompts; "
                           "add the task to pruning.tasks, or drop it from pruning.edges.tasks")
+
+
+def _program_spec(model: dict) -> Path | None:
+    """A compiled-program model's spec file (a local source holding it), or None."""
+    folder = model["source"].get("local")
+    spec = Path(folder).expanduser() / "attnlab_program.json" if folder else None
+    return spec if spec is not None and spec.is_file() else None
+
+
+def _check_groundtruth(config: dict, chosen: dict) -> None:
+    """The task 'program' runs on compiled-program models alone; a model scored against its truth
+    is one, swept on that task with its edge circuit."""
+    models, pruning = config["models"], config["pruning"]
+    if "program" in pruning["tasks"]:
+        plain = [m for m in chosen["pruning_models"] if _program_spec(models[m]) is None]
+        if plain:
+            raise ConfigError(f"pruning.tasks has 'program', a compiled program's own task, but {plain} are not "
+                              "compiled-program models (a local source folder with attnlab_program.json, as "
+                              "data/groundtruth has): set pruning.models to those models, or drop the task")
+    for name in chosen["groundtruth_models"]:
+        if name not in models:
+            raise ConfigError(f"groundtruth.models names '{name}', not in models: {sorted(models)}")
+        if _program_spec(models[name]) is None:
+            raise ConfigError(f"groundtruth.models: '{name}' has no attnlab_program.json in its source "
+                              f"{models[name]['source']}: only compiled-program models (data/groundtruth, "
+                              "`make groundtruth-models`) have a truth to score against")
+        if name not in chosen["edge_models"] or "program" not in pruning["edges"]["tasks"]:
+            raise ConfigError(f"groundtruth.models: '{name}' must be swept on the task 'program' with its edge "
+                              "circuit: add program to pruning.tasks and pruning.edges.tasks, and keep the model "
+                              "in pruning.models and pruning.edges.models")
 
 
 def _check_sources(config: dict) -> None:

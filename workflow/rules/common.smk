@@ -74,6 +74,9 @@ EDGE_PAIRS = [pair for pair in SPARSE_PAIRS if set(pair) <= set(EDGE_MODELS)]
 EDGE_DENSITY = {kind: {f"{model}/{task}": f"results/circuits/{model}/{task}/{name}"
                        for model in dict.fromkeys(m for pair in EDGE_PAIRS for m in pair) for task in EDGE_TASKS}
                 for kind, name in (("summary", "summary.json"), ("curve", "curve.csv"), ("per_prompt", "per_prompt.parquet"))}
+# Compiled-program models scored against their truth (attnlab.groundtruth), on their own task.
+GROUNDTRUTH = config["groundtruth"]
+GROUNDTRUTH_MODELS = CHOSEN["groundtruth_models"]
 MLP = config["mlp"]
 MLP_DATASETS = CHOSEN["mlp_datasets"]
 MEDIATION = config["mediation"]
@@ -275,6 +278,14 @@ def edge_settings(wildcards):
     return typed.slice_of(typed.EdgeSweep, {**PRUNING, **PRUNING["edges"]})
 
 
+def groundtruth_settings(wildcards):
+    return typed.slice_of(typed.GroundTruth, {**PRUNING, **GROUNDTRUTH})
+
+
+def groundtruth_batch(wildcards, attempt):
+    return _halved(GROUNDTRUTH["batch_size"], attempt)
+
+
 def edge_batch(wildcards, attempt):
     return _halved(PRUNING["edges"]["batch_size"], attempt)
 
@@ -358,6 +369,12 @@ def edge_targets():
     ]
 
 
+def groundtruth_targets():
+    if not GROUNDTRUTH_MODELS:
+        return []
+    return ["results/tables/groundtruth.csv", f"results/figures/groundtruth/roc.{EXT}"]
+
+
 def mlp_targets():
     return [target for model in MODELS for dataset in MLP_DATASETS if dataset in MODEL_DATASETS[model]
             for target in (f"results/tables/mlp/{model}/{dataset}.csv", f"results/figures/mlp/{model}/{dataset}.{EXT}")]
@@ -384,7 +401,8 @@ def all_targets():
         *length_sweep_targets(),
         *pruning_targets(),
         *edge_targets(),
-        "results/tables/accuracy.csv",
+        *groundtruth_targets(),
+        *(["results/tables/accuracy.csv"] if all_summaries() else []),  # none: every model has datasets: []
         *expand("results/figures/accuracy/{dataset}.{ext}",
                 dataset=[dataset for dataset in DATASETS if models_on(config, dataset)], ext=config["plots"]["format"]),
         *expand("results/tables/accuracy_paired/{dataset}.csv",

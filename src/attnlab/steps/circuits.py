@@ -22,14 +22,15 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
 
     from attnlab.models import load_model, pick_device
     from attnlab.pruning import Patcher, build_batch
-    from attnlab.tasks import generate_task, split_for_ranking, subset
+    from attnlab.groundtruth.pairs import prompts_for
+    from attnlab.tasks import split_for_ranking, subset
     from attnlab.tokenization import load_tokenizer
 
     settings = Scoring(**settings)
     torch.set_num_threads(threads)
     _seed_everything(settings.seed)
     tokenizer = load_tokenizer(model_dir)
-    prompts = generate_task(task, tokenizer, settings.n, settings.seed)
+    prompts = prompts_for(task, tokenizer, settings.n, settings.seed, model_dir)
     io.write_json(dataclasses.asdict(prompts), prompts_path)
     ranked_on, counted_on = split_for_ranking(len(prompts.clean), settings.rank_share, settings.seed)
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
