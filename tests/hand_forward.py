@@ -46,17 +46,22 @@ class HandForward:
         self.model, self.gate_bias, self.training = model, gate_bias, training
         self.expected: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: (Σ σ(s + b), edges)
         config = model.config
-        self.kind = config.model_type  # llama, qwen2, gemma3_text, gpt2, olmo, olmo2
+        self.kind = config.model_type  # llama, qwen2, qwen3, mistral, gemma3_text, gpt2, olmo, olmo2
         self.graph = Graph.of(model)
         self.gpt2 = self.kind == "gpt2"
-        self.gemma = self.kind == "gemma3_text"
+        self.gemma = self.kind in ("gemma3_text", "gemma2")  # RMS norms scale by 1 + w; sandwich norms
+        self.head_norms = self.kind in ("gemma3_text", "qwen3")  # q/k RMS norms per head, before rope
+        # Mistral-style configs: one window on every layer, set on the config, not the module
+        self.window = config.sliding_window if self.kind in ("mistral", "phi3") else None
+        self.phi3 = self.kind == "phi3"  # fused qkv_proj (q, k, v heads stacked) and gate_up_proj
         base = model.transformer if self.gpt2 else model.model
         self.layers, self.final = (base.h, base.ln_f) if self.gpt2 else (base.layers, base.norm)
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = config.hidden_size // self.heads if self.gpt2 else config.head_dim
-        assert getattr(config, "final_logit_softcapping", None) is None
-        assert getattr(config, "attn_logit_softcapping", None) is None
+        # Gemma-2: attention scores and final logits soft-capped, tanh(s / c) · c
+        self.attention_cap = getattr(config, "attn_logit_softcapping", None)
+        self.final_cap = getattr(config, "final_logit_softcapping", None)
         self.clip = getattr(config, "clip_qkv", None)  # OLMo's clamp of every q, k and v
 
     # ---- pieces ----
@@ -90,10 +95,11 @@ class HandForward:
     def rope(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [rows, 1, tokens, head_dim] of the layer's rotary embedding."""
         parameters = self.model.config.rope_parameters
-        if self.gemma:
+        if self.kind == "gemma3_text":  # one rope per layer kind
             parameters = parameters[self.model.config.layer_types[layer]]
         assert parameters["rope_type"] == "default"
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+        rotated = int(self.head_dim * parameters.get("partial_rotary_factor", 1.0))  # the first dims rotate
+        exponents = torch.arange(0, rotated, 2, dtype=torch.float64) / rotated
         inverse = 1.0 / parameters["rope_theta"] ** exponents
         angles = positions.double()[..., None] * inverse
         angles = torch.cat([angles, angles], dim=-1)[:, None]
@@ -105,10 +111,12 @@ class HandForward:
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         logits = q @ k.transpose(-1, -2) * attention.scaling
+        if self.attention_cap is not None:  # the gates read the capped scores too
+            logits = torch.tanh(logits / self.attention_cap) * self.attention_cap
         tokens = logits.shape[-1]
         query, key = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
         allowed = (key <= query) & mask.bool()[:, None, None, :]
-        window = getattr(attention, "sliding_window", None)
+        window = getattr(attention, "sliding_window", None) or self.window
         if window is not None:
             allowed = allowed & (query - key < window)
         # a finite fill: a padded query with no key to read gets a uniform row, not NaN
@@ -133,6 +141,10 @@ class HandForward:
             width = self.heads * self.head_dim
             return {kind: (lambda x, i=i: _linear(attention.c_attn, x, transposed=True)[..., i * width:(i + 1) * width])
                     for i, kind in enumerate("qkv")}
+        if self.phi3:  # rows: every query head, then every key head, then every value head
+            q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            cuts = {"q": (0, q_width), "k": (q_width, q_width + kv_width), "v": (q_width + kv_width, q_width + 2 * kv_width)}
+            return {kind: (lambda x, a=a, b=b: _linear(attention.qkv_proj, x)[..., a:b]) for kind, (a, b) in cuts.items()}
         whole = {"q": attention.q_proj, "k": attention.k_proj, "v": attention.v_proj}
         if self.kind == "olmo2":  # q_norm, k_norm over every head's projection at once
             return {kind: (lambda x, p=p, n=getattr(attention, f"{kind}_norm", None):
@@ -144,6 +156,9 @@ class HandForward:
     def mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         if self.gpt2:
             return _linear(mlp.c_proj, mlp.act(_linear(mlp.c_fc, x, transposed=True)), transposed=True)
+        if self.phi3:
+            gate, up = _linear(mlp.gate_up_proj, x).chunk(2, dim=-1)
+            return _linear(mlp.down_proj, mlp.activation_fn(gate) * up)
         return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
 
     def out_weight(self, attention) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -180,7 +195,10 @@ class HandForward:
             self._layer(index, layer, read, senders, constants, mask, positions)
         assert len(senders) == graph.n_senders
         x = self.norm(self.final, read(graph.logits_receiver))
-        return x @ self.model.lm_head.weight.double().T, senders
+        logits = x @ self.model.lm_head.weight.double().T
+        if self.final_cap is not None:
+            logits = torch.tanh(logits / self.final_cap) * self.final_cap
+        return logits, senders
 
     def _layer(self, index, layer, read, senders, constants, mask, positions) -> None:
         """One block: its heads' and its MLP's contributions appended to ``senders``."""
@@ -199,11 +217,13 @@ class HandForward:
             return torch.stack(outs, dim=1)
 
         q, k, v = heads_of("q", 0, h), heads_of("k", h, g), heads_of("v", h + g, g)
-        if self.gemma:  # per-head q/k norms
+        if self.head_norms:  # per-head q/k norms
             q, k = self.norm(attention.q_norm, q), self.norm(attention.k_norm, k)
         if not self.gpt2:
             cos, sin = self.rope(index, positions)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            r = cos.shape[-1]  # partial rotary: the dimensions after r pass unrotated
+            q = torch.cat([q[..., :r] * cos + _rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
+            k = torch.cat([k[..., :r] * cos + _rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
         z = self.attend(attention, q, k, v, mask)  # [rows, heads, tokens, e]
         weight, bias = self.out_weight(attention)
         contributions = torch.einsum("bhte,dhe->hbtd", z, weight)

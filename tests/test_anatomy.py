@@ -76,7 +76,11 @@ def _by_hand(model) -> dict:
                 "attention_in": block.ln_1, "mlp_in": block.ln_2, "activation": block.mlp.act,
                 "final": model.transformer.ln_f, "blocks": 3}
     block = model.model.layers[1]
-    gemma = model.config.model_type == "gemma3_text"
+    if model.config.model_type == "phi3":  # fused qkv_proj and gate_up_proj
+        return {"block": block, "attention": block.self_attn, "o": block.self_attn.o_proj,
+                "qkv": block.self_attn.qkv_proj, "activation": block.mlp.activation_fn, "final": model.model.norm,
+                "blocks": 3, "attention_in": block.input_layernorm, "mlp_in": block.post_attention_layernorm}
+    gemma = model.config.model_type in ("gemma3_text", "gemma2")  # sandwich norms
     olmo2 = model.config.model_type == "olmo2"
     parts = {"block": block, "attention": block.self_attn, "o": block.self_attn.o_proj, "q": block.self_attn.q_proj,
              "k": block.self_attn.k_proj, "v": block.self_attn.v_proj, "activation": block.mlp.act_fn,
@@ -140,8 +144,8 @@ def test_a_model_of_an_unknown_family_is_refused_before_any_job(tmp_path):
     """A prepared model whose config.json names a model_type the anatomy does not know: refused by
     the config check (a dry run's), naming the family, the stages the config runs on it and where
     the model_type was read; GPT-2's own field names pass."""
-    fake_prepared_model(tmp_path / "smollm2-135m", model_type="mistral")
-    with pytest.raises(ConfigError, match=re.escape("model 'smollm2-135m' is of model_type 'mistral'")) as error:
+    fake_prepared_model(tmp_path / "smollm2-135m", model_type="falcon")
+    with pytest.raises(ConfigError, match=re.escape("model 'smollm2-135m' is of model_type 'falcon'")) as error:
         check(_tiny_config(), models_dir=tmp_path)
     message = str(error.value)
     assert "(generation, extraction, head patching, MLP analysis and ARM)" in message

@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, LlamaConfig, Olmo2Config, OlmoConfig,
-                          Qwen2Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig, Olmo2Config,
+                          OlmoConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
 from attnlab import interventions
 from attnlab.attention import BatchReduction
@@ -96,6 +96,16 @@ def _random_norms(model, seed: int = 1):
     return model
 
 
+def _sharper_scores(model, factor: float = 6.0):
+    """q_proj and k_proj scaled by ``factor``: the tiny model's attention scores (about 0.1 at
+    initialisation) reach a few units, where a soft cap of 2 bends them and heads matter."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(factor)
+            layer.self_attn.k_proj.weight.mul_(factor)
+    return model
+
+
 TINY = {
     "llama-gqa": lambda: _tiny(LlamaConfig),
     "qwen2": lambda: _tiny(Qwen2Config),
@@ -104,6 +114,17 @@ TINY = {
     "gpt2": _tiny_gpt2,
     "olmo": lambda: _tiny(OlmoConfig, pad_token_id=0, eos_token_id=2),  # LayerNorms without parameters
     "olmo2": lambda: _tiny(Olmo2Config, pad_token_id=0, eos_token_id=2),  # post-norms, q/k norms over all heads
+    "qwen3": lambda: _tiny(Qwen3Config),  # per-head q/k RMS norms
+    "mistral-sliding": lambda: _tiny(MistralConfig, sliding_window=5),  # a window on every layer
+    # soft-capped attention (cap 2: the scores here reach it) and final logits, query_pre_attn_scalar,
+    # sandwich norms, sliding windows on alternate layers
+    "gemma2-softcap": lambda: _sharper_scores(_tiny(Gemma2Config, sliding_window=5, attn_logit_softcapping=2.0,
+                                                    final_logit_softcapping=3.0, query_pre_attn_scalar=24,
+                                                    layer_types=["sliding_attention", "full_attention",
+                                                                 "sliding_attention"])),
+    # fused qkv_proj and gate_up_proj; rotary on half of each head's dimensions
+    "phi3": lambda: _tiny(Phi3Config, pad_token_id=0, eos_token_id=2, bos_token_id=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                     "partial_rotary_factor": 0.5}),
 }
 
 

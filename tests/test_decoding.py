@@ -49,7 +49,8 @@ class _Batch(dict):
 
 def _model(arch="llama-gqa"):
     model = {**TINY, **SLIDING}[arch]()
-    model.set_attn_implementation("sdpa")
+    if model.config.model_type != "gemma2":  # Gemma-2 has eager attention alone (soft-capping)
+        model.set_attn_implementation("sdpa")
     model.generation_config.eos_token_id = EOS
     return model
 
@@ -145,8 +146,8 @@ def test_models_the_loop_cannot_serve_take_the_static_engine(caplog):
     assert chosen_engine("auto", llama) == ("static", None)  # on a CPU auto is static
     assert chosen_engine("static_cache", llama) == ("static_cache", None)
     eager = _model()
-    eager.set_attn_implementation("eager")
-    assert "attention implementation 'eager'" in chosen_engine("static_cache", eager)[1]
+    eager.set_attn_implementation("eager")  # served with additive masks (Gemma-2's only attention)
+    assert chosen_engine("static_cache", eager) == ("static_cache", None)
     gated = _model()
     sparse.make_sparse(gated, 0.0)
     assert "attention implementation 'attnlab'" in chosen_engine("static_cache", gated)[1]
@@ -164,14 +165,14 @@ def _position_sensitive(arch: str):
     with torch.no_grad():
         if arch == "gpt2-positions":
             model.transformer.wpe.weight *= 10
-        else:
+        elif arch != "gemma2-softcap":  # its scores are sharpened already (test_attention._sharper_scores)
             for layer in model.model.layers:
                 layer.self_attn.q_proj.weight *= 8
                 layer.self_attn.k_proj.weight *= 8
     return model
 
 
-@pytest.mark.parametrize("arch", ["gpt2-positions", "llama-gqa", "gemma3-sliding", *SLIDING])
+@pytest.mark.parametrize("arch", ["gpt2-positions", "llama-gqa", "gemma3-sliding", "gemma2-softcap", *SLIDING])
 @pytest.mark.parametrize("engine", ["static", "static_cache", "continuous"])
 def test_each_decode_steps_logits_equal_a_forward_over_the_whole_sequence(engine, arch):
     """Every logit vector that chose a token (the prefill's, then each decode step's, recorded at
@@ -190,10 +191,16 @@ def test_each_decode_steps_logits_equal_a_forward_over_the_whole_sequence(engine
             calls.append((tuple(ids.shape), output.logits[:, -1].detach().clone()))
         return output
     model.forward = recorded
+    if engine == "continuous" and arch == "gemma2-softcap":  # refused, saying why; static stands in
+        with pytest.raises(Exception, match="soft-capping"):
+            generate_all(model, tokenizer, prompts, len(prompts), 6, engine=engine)
+        engine = "continuous_or_static"
     try:
         got = generate_all(model, tokenizer, prompts, len(prompts), 6, engine=engine)
     finally:
         del model.forward
+    if engine == "continuous_or_static":
+        engine = "static"
     assert set(got["engine"]) == {engine}
     if engine == "continuous":  # its steps run rows in and out of its batch: compare the tokens alone
         calls = None

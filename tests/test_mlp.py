@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GPT2Config, LlamaConfig, Olmo2Config, OlmoConfig,
-                          Qwen2Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig,
+                          Olmo2Config, OlmoConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
 from attnlab.interventions import intervened
 from attnlab.mlp import (ActivationRecorder, ArmSettings, gini, prompt_statistics,
@@ -162,6 +162,11 @@ def _tiny(kind: str):
     elif kind == "gpt2":
         config = GPT2Config(vocab_size=64, n_embd=32, n_inner=48, n_layer=2, n_head=4, n_positions=64,
                             bos_token_id=1, eos_token_id=2)
+    elif kind in ("qwen3", "mistral", "phi3", "gemma2"):
+        classes = {"qwen3": Qwen3Config, "mistral": MistralConfig, "phi3": Phi3Config, "gemma2": Gemma2Config}
+        config = classes[kind](vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2)
     elif kind in ("olmo", "olmo2"):
         config = (OlmoConfig if kind == "olmo" else Olmo2Config)(
             vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -180,10 +185,26 @@ def _mlp_parts(model, layer: int):
         mlp = model.transformer.h[layer].mlp
         return mlp.c_fc, mlp.act
     mlp = model.model.layers[layer].mlp
+    if model.config.model_type == "phi3":  # the gate half of gate_up_proj feeds the activation
+        return _GateHalf(mlp.gate_up_proj), mlp.activation_fn
     return mlp.gate_proj, mlp.act_fn
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gpt2", "olmo", "olmo2"])
+class _GateHalf:
+    """Phi-3's pre-activation: a hook on gate_up_proj that keeps the first half of its output."""
+
+    def __init__(self, projection):
+        self.projection = projection
+
+    def register_forward_hook(self, hook):
+        return self.projection.register_forward_hook(lambda m, args, out: hook(m, args, out.chunk(2, dim=-1)[0]))
+
+    def __call__(self, x):
+        return self.projection(x).chunk(2, dim=-1)[0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gpt2", "olmo", "olmo2", "qwen3", "mistral", "phi3",
+                                  "gemma2"])
 def test_recorder_sees_act_fn_of_gate_proj(kind):
     model = _tiny(kind)
     pre_activation, act_fn = _mlp_parts(model, 1)
@@ -210,7 +231,8 @@ def test_recorder_sees_act_fn_of_gate_proj(kind):
     assert histogram["count"].iloc[-1] == (values >= 0.5).sum()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gpt2", "olmo", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gpt2", "olmo", "olmo2", "qwen3", "mistral", "phi3",
+                                  "gemma2"])
 def test_arm_runs_on_prefill_and_every_decoding_step(kind):
     model = _tiny(kind)
     calls = []

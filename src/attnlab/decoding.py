@@ -25,7 +25,9 @@ is readable from query column q iff it is readable at all and q - k < window, tr
 sliding-window rule (a row's columns and positions differ by its padding alone). transformers'
 sliding cache is a ring buffer whose writes branch on Python ints that a CUDA graph would
 freeze; a full column per token costs the (short) rest of the generation in memory instead.
-Models that this loop cannot serve as built (another attention than sdpa, layer kinds other
+Eager attention (Gemma-2's: it soft-caps its scores and has no sdpa) reads the same masks in
+additive form (0 or the dtype's minimum), refreshed in place. Models that this loop cannot serve
+as built (another attention than sdpa or eager, layer kinds other
 than full and sliding attention, forward hooks such as ARM's that may read values on the host)
 go to the static engine (``unsupported``).
 """
@@ -42,6 +44,9 @@ from attnlab.models import first_hooked_module, left_pad
 log = logging.getLogger(__name__)
 
 CHECK_EVERY = 8  # decode steps between two reads of the tokens by the host
+# What each attention implementation reads as a mask: sdpa a boolean one (True: readable), eager an
+# additive one (0 readable, the dtype's minimum not: Gemma-2, which has no sdpa, soft-caps there)
+MASK_KINDS = {"sdpa": "boolean", "eager": "additive"}
 _WINDOW_OF_KIND = {"full_attention": False, "sliding_attention": True}  # layer kind: whether it slides
 
 
@@ -52,8 +57,8 @@ def _window_size(text) -> int | None:
 def unsupported(model) -> str | None:
     """Why the static-cache loop cannot serve ``model`` as it is, or None."""
     implementation = model.config._attn_implementation
-    if implementation != "sdpa":
-        return f"attention implementation '{implementation}' (the loop's boolean masks need sdpa)"
+    if implementation not in MASK_KINDS:
+        return f"attention implementation '{implementation}' (the loop's masks serve sdpa and eager)"
     text = model.config.get_text_config()
     other = sorted(set(getattr(text, "layer_types", None) or []) - set(_WINDOW_OF_KIND))
     if other:
@@ -98,6 +103,13 @@ def _attention_mask(windows: dict[str | None, int | None], masks: dict[int | Non
     return {kind: masks[window] for kind, window in windows.items()}
 
 
+def _additive(readable: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A boolean mask as eager attention adds it: 0 where readable, the dtype's minimum elsewhere
+    (written into ``out`` in place where given: a CUDA graph replays the same buffer)."""
+    out = torch.empty(readable.shape, dtype=dtype, device=readable.device) if out is None else out
+    return out.fill_(torch.finfo(dtype).min).masked_fill_(readable, 0.0)
+
+
 def _full_layer_cache(model, width: int):
     """A static cache whose every layer keeps all ``width`` columns (sliding layers included)."""
     from transformers.cache_utils import Cache, StaticLayer
@@ -119,6 +131,16 @@ class _State:
     key_columns: torch.Tensor  # [L] 0, 1, ..., L - 1
     history: torch.Tensor  # [B, max_new_tokens] the tokens decoded so far
     step: torch.Tensor  # [1] the history column the next token goes to
+    # eager attention only: per window, ``masks``' additive form (None: the masks go as they are)
+    additive: dict[int | None, torch.Tensor] | None = None
+
+    def forward_masks(self):
+        """What the forward's ``attention_mask`` takes, refreshed in place for eager attention."""
+        if self.additive is None:
+            return _attention_mask(self.windows, self.masks)
+        for window, out in self.additive.items():
+            _additive(self.masks[window], out.dtype, out=out)
+        return _attention_mask(self.windows, self.additive)
 
 
 def _prefill(model, rows: list[list[int]], pad_id: int, width: int, cache) -> _State:
@@ -138,6 +160,9 @@ def _prefill(model, rows: list[list[int]], pad_id: int, width: int, cache) -> _S
     key_columns = torch.arange(width, device=device)
     queries = torch.arange(prompt, device=device)[:, None]
     prefill_masks = {window: _windowed(mask, queries, key_columns, window) for window in windows.values()}
+    eager = MASK_KINDS[model.config._attn_implementation] == "additive"
+    if eager:
+        prefill_masks = {window: _additive(m, model.dtype) for window, m in prefill_masks.items()}
     logits = model(input_ids=ids.to(device), attention_mask=_attention_mask(windows, prefill_masks),
                    position_ids=positions.to(device), past_key_values=cache, use_cache=True,
                    logits_to_keep=1).logits
@@ -145,9 +170,12 @@ def _prefill(model, rows: list[list[int]], pad_id: int, width: int, cache) -> _S
     history[:, 0] = logits[:, -1].argmax(-1)
     readable = key_real[:, None, None, :].clone()
     masks = {window: readable if window is None else torch.empty_like(readable) for window in windows.values()}
+    additive = {window: torch.empty(readable.shape, dtype=model.dtype, device=device) for window in masks} \
+        if eager else None
     return _State(token=history[:, :1].clone(), position=positions[:, -1:].to(device) + 1,
                   column=torch.tensor([prompt], device=device), mask=readable, windows=windows, masks=masks,
-                  key_columns=key_columns, history=history, step=torch.tensor([1], device=device))
+                  key_columns=key_columns, history=history, step=torch.tensor([1], device=device),
+                  additive=additive)
 
 
 def _decode_step(model, state: _State, cache) -> None:
@@ -156,7 +184,7 @@ def _decode_step(model, state: _State, cache) -> None:
     for window, out in state.masks.items():
         if window is not None:  # in place: a CUDA graph replays the same buffers
             _windowed(state.mask, state.column[:, None], state.key_columns, window, out=out)
-    logits = model(input_ids=state.token, attention_mask=_attention_mask(state.windows, state.masks),
+    logits = model(input_ids=state.token, attention_mask=state.forward_masks(),
                    position_ids=state.position, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     state.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
     state.history.index_copy_(1, state.step, state.token)

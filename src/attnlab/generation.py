@@ -147,6 +147,9 @@ def continuous_unsupported(model) -> str | None:
     if getattr(model.config, "attnlab_sparse", None):
         # the engine swaps in paged attention, which would drop the sparse copy's edge gates
         return "a sparse copy's gated attention has no paged version"
+    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None:
+        # its paged attention drops the cap: Gemma-2's tokens came out other than generate's (tested)
+        return "attention logit soft-capping (Gemma-2), which its paged attention does not apply"
     if model.device.type not in ("cpu", "cuda"):
         return f"device {model.device.type}"
     return None

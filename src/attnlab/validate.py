@@ -11,6 +11,7 @@ dry run, before any job.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from attnlab.config import validate_config
 from attnlab.plan import (check_attention_figures, check_fewshot, comparison_pairs, figure_panels, model_datasets,
                           selections)
 from attnlab.sources import check_model_source, check_sparse_models, source_config
+
+log = logging.getLogger(__name__)
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
@@ -217,12 +220,31 @@ def model_stages(config: dict, chosen: dict, name: str) -> list[str]:
     return [stage for stage, used in wanted.items() if used]
 
 
+KERNEL_STAGES = ("extraction", "head patching", "edge circuits", "sparse post-training")  # attention through attnlab's
+
+
+def _check_kernels(name: str, family, stages: list[str]) -> None:
+    """A family the fused kernels cannot compute: refused where ATTNLAB_FUSED_ATTENTION=on asks for
+    them, else said once before any job (on a GPU its layers run the eager attention blocks)."""
+    if not family.kernels_lack or not set(stages) & set(KERNEL_STAGES):
+        return
+    lacking = ", ".join(family.kernels_lack)
+    if os.environ.get("ATTNLAB_FUSED_ATTENTION", "auto").strip().lower() == "on":
+        raise ConfigError(f"model '{name}' ({family.name}) needs {lacking}, which the fused attention kernels "
+                          "lack, and ATTNLAB_FUSED_ATTENTION=on asks for them: set it to auto (its layers then "
+                          "run the eager attention blocks) or off")
+    log.warning("model '%s' (%s): the fused attention kernels lack %s; on a GPU its layers run the eager "
+                "attention blocks (the same numbers, slower, a block of scores per layer in memory)",
+                name, family.name, lacking)
+
+
 def _check_family(name: str, metadata: dict, where: str, stages: list[str]) -> None:
     """A model whose family the anatomy does not know is refused before any job runs."""
     try:
-        family_of(text_config(metadata).get("model_type", "unknown"), f"model '{name}'", stages or ["none"])
+        family = family_of(text_config(metadata).get("model_type", "unknown"), f"model '{name}'", stages or ["none"])
     except UnknownFamily as error:
         raise ConfigError(f"{error} (model_type read from {where})") from None
+    _check_kernels(name, family, stages)
 
 
 def rebuild_requests(argv: list[str], dag_settings=None) -> frozenset[str]:

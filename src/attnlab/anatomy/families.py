@@ -50,6 +50,8 @@ class Family:
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # attributes of the attention
     dropout: tuple[str, ...] = ("attention_dropout",)  # config fields of dropout, attention first
     contiguous_inputs: bool = False  # its projections view their input (GPT-2's Conv1D): no strided views
+    fused_gate_up: bool = False  # the MLP's gate and up projections are one (Phi-3: gate half, then up half)
+    kernels_lack: tuple[str, ...] = ()  # what the fused kernels do not compute for it: its layers stay eager
     config_fields: dict = field(default_factory=lambda: dict(CONFIG_FIELDS))
 
     @property
@@ -62,10 +64,11 @@ class Family:
 
     def activation_formula(self) -> str:
         """The MLP activation the MLP analysis and ARM read, in the family's own names."""
-        parts = self.mlp_parts
-        return f"{parts['activation']}({parts['in']}(x))"
+        return f"{self.mlp_parts['activation']}({self.pre_activation_formula()})"
 
     def pre_activation_formula(self) -> str:
+        if self.fused_gate_up:
+            return f"gate half of {self.mlp_parts['in']}(x)"
         return f"{self.mlp_parts['in']}(x)"
 
 
@@ -75,6 +78,8 @@ _LLAMA_PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"
 _GATED_MLP = {"in": "gate_proj", "activation": "act_fn", "up": "up_proj", "out": "down_proj"}
 _PRE_NORMS = {"attention_in": "input_layernorm", "attention_out": None,
               "mlp_in": "post_attention_layernorm", "mlp_out": None}
+_SANDWICH_NORMS = {"attention_in": "input_layernorm", "attention_out": "post_attention_layernorm",
+                   "mlp_in": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"}
 
 
 def _llama_like(name: str, classes: tuple[str, ...], model_types: tuple[str, ...], **changes) -> Family:
@@ -88,10 +93,20 @@ FAMILIES = (
     _llama_like("llama", ("LlamaForCausalLM",), ("llama",)),
     _llama_like("qwen2", ("Qwen2ForCausalLM",), ("qwen2",)),
     _llama_like("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3"),
-                norm_kind="rms_one_plus", norm_places="sandwich", qk_norm="head",
-                norms={"attention_in": "input_layernorm", "attention_out": "post_attention_layernorm",
-                       "mlp_in": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"}),
+                norm_kind="rms_one_plus", norm_places="sandwich", qk_norm="head", norms=_SANDWICH_NORMS),
+    # Gemma-3's sandwich norms without its q/k norms; attention logits soft-capped (tanh(s/c)·c,
+    # the attention function's softcap), final logits soft-capped by the model's own forward
+    _llama_like("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), norm_kind="rms_one_plus", norm_places="sandwich",
+                norms=_SANDWICH_NORMS, kernels_lack=("attention logit soft-capping",)),
     _llama_like("olmo", ("OlmoForCausalLM",), ("olmo",), norm_kind="layer_no_params"),
+    _llama_like("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), qk_norm="head"),
+    _llama_like("mistral", ("MistralForCausalLM",), ("mistral",)),
+    # q, k and v stacked in one Linear (q heads, then k heads, then v heads), the gate and up
+    # projections in another (gate half first): the activation's input is the gate half
+    _llama_like("phi3", ("Phi3ForCausalLM",), ("phi3",), projections={"qkv": "qkv_proj", "o": "o_proj"},
+                mlp_parts={"in": "gate_up_proj", "activation": "activation_fn", "up": "gate_up_proj",
+                           "out": "down_proj"}, fused_gate_up=True,
+                dropout=("attention_dropout", "resid_pdrop", "embd_pdrop")),
     _llama_like("olmo2", ("Olmo2ForCausalLM",), ("olmo2",), norm_places="post", qk_norm="all",
                 norms={"attention_in": None, "attention_out": "post_attention_layernorm",
                        "mlp_in": None, "mlp_out": "post_feedforward_layernorm"}),
