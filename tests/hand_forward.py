@@ -49,16 +49,21 @@ class HandForward:
         self.kind = config.model_type  # llama, qwen2, qwen3, mistral, gemma3_text, gpt2, olmo, olmo2
         self.graph = Graph.of(model)
         self.gpt2 = self.kind == "gpt2"
+        self.neox = self.kind == "gpt_neox"  # parallel blocks; each head's q, k, v side by side
         self.gemma = self.kind in ("gemma3_text", "gemma2")  # RMS norms scale by 1 + w; sandwich norms
         self.head_norms = self.kind in ("gemma3_text", "qwen3")  # q/k RMS norms per head, before rope
         # Mistral-style configs: one window on every layer, set on the config, not the module
         self.window = config.sliding_window if self.kind in ("mistral", "phi3") else None
         self.phi3 = self.kind == "phi3"  # fused qkv_proj (q, k, v heads stacked) and gate_up_proj
-        base = model.transformer if self.gpt2 else model.model
-        self.layers, self.final = (base.h, base.ln_f) if self.gpt2 else (base.layers, base.norm)
+        if self.gpt2:
+            self.layers, self.final = model.transformer.h, model.transformer.ln_f
+        elif self.neox:
+            self.layers, self.final = model.gpt_neox.layers, model.gpt_neox.final_layer_norm
+        else:
+            self.layers, self.final = model.model.layers, model.model.norm
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = config.hidden_size // self.heads if self.gpt2 else config.head_dim
+        self.head_dim = config.hidden_size // self.heads if self.gpt2 or self.neox else config.head_dim
         # Gemma-2: attention scores and final logits soft-capped, tanh(s / c) · c
         self.attention_cap = getattr(config, "attn_logit_softcapping", None)
         self.final_cap = getattr(config, "final_logit_softcapping", None)
@@ -68,10 +73,10 @@ class HandForward:
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         """A norm from its parameters: RMS x · rsqrt(mean(x²) + eps) · w (Gemma-3: · (1 + w));
         GPT-2's LayerNorm (x − mean) · rsqrt(var + eps) · w + b; OLMo's the same without w, b."""
-        if self.gpt2 or self.kind == "olmo":
+        if self.gpt2 or self.neox or self.kind == "olmo":
             x = x - x.mean(-1, keepdim=True)
-            out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + (module.eps if self.gpt2 else 1e-5))
-            return out * module.weight.double() + module.bias.double() if self.gpt2 else out
+            out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + (1e-5 if self.kind == "olmo" else module.eps))
+            return out if self.kind == "olmo" else out * module.weight.double() + module.bias.double()
         return x * self.rms_scale(module, x)
 
     def rms_scale(self, module, x: torch.Tensor) -> torch.Tensor:
@@ -85,6 +90,8 @@ class HandForward:
         of it, the MLP) of a block, None where it has none."""
         if self.gpt2:
             return layer.attn, layer.ln_1, None, layer.ln_2, None, layer.mlp
+        if self.neox:  # both pre-norms read the block's input (the graph gives the MLP no same-layer heads)
+            return layer.attention, layer.input_layernorm, None, layer.post_attention_layernorm, None, layer.mlp
         if self.gemma:
             return (layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm,
                     layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, layer.mlp)
@@ -141,6 +148,11 @@ class HandForward:
             width = self.heads * self.head_dim
             return {kind: (lambda x, i=i: _linear(attention.c_attn, x, transposed=True)[..., i * width:(i + 1) * width])
                     for i, kind in enumerate("qkv")}
+        if self.neox:  # rows: head by head, its q, k and v side by side
+            e = self.head_dim
+            split = lambda x, part: _linear(attention.query_key_value, x).unflatten(-1, (self.heads, 3 * e))[  # noqa: E731
+                ..., part * e:(part + 1) * e].flatten(-2)
+            return {kind: (lambda x, part=part: split(x, part)) for part, kind in enumerate("qkv")}
         if self.phi3:  # rows: every query head, then every key head, then every value head
             q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
             cuts = {"q": (0, q_width), "k": (q_width, q_width + kv_width), "v": (q_width + kv_width, q_width + 2 * kv_width)}
@@ -156,6 +168,8 @@ class HandForward:
     def mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         if self.gpt2:
             return _linear(mlp.c_proj, mlp.act(_linear(mlp.c_fc, x, transposed=True)), transposed=True)
+        if self.neox:
+            return _linear(mlp.dense_4h_to_h, mlp.act(_linear(mlp.dense_h_to_4h, x)))
         if self.phi3:
             gate, up = _linear(mlp.gate_up_proj, x).chunk(2, dim=-1)
             return _linear(mlp.down_proj, mlp.activation_fn(gate) * up)
@@ -163,7 +177,7 @@ class HandForward:
 
     def out_weight(self, attention) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output projection's weight [hidden, heads, e] and its bias."""
-        projection = attention.c_proj if self.gpt2 else attention.o_proj
+        projection = attention.c_proj if self.gpt2 else attention.dense if self.neox else attention.o_proj
         weight = projection.weight.double()
         weight = weight.T if self.gpt2 else weight
         return weight.view(-1, self.heads, self.head_dim), None if projection.bias is None else projection.bias.double()
@@ -195,7 +209,7 @@ class HandForward:
             self._layer(index, layer, read, senders, constants, mask, positions)
         assert len(senders) == graph.n_senders
         x = self.norm(self.final, read(graph.logits_receiver))
-        logits = x @ self.model.lm_head.weight.double().T
+        logits = x @ self.model.get_output_embeddings().weight.double().T
         if self.final_cap is not None:
             logits = torch.tanh(logits / self.final_cap) * self.final_cap
         return logits, senders
@@ -230,9 +244,11 @@ class HandForward:
         if post is not None:  # the post-norm's scale of the block's whole output, the same for every head
             contributions = contributions * self.rms_scale(post, contributions.sum(0))
         senders += list(contributions)
-        if bias is not None:
+        if bias is not None and not self.neox:  # a parallel block's MLP reads the block's input
             constants.append(bias)
         x = read(self.graph.mlp_receiver(index))
+        if bias is not None and self.neox:
+            constants.append(bias)
         out = self.mlp(mlp, x if mlp_pre is None else self.norm(mlp_pre, x))
         senders.append(out if mlp_post is None else self.norm(mlp_post, out))
 

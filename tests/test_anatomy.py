@@ -75,6 +75,12 @@ def _by_hand(model) -> dict:
         return {"block": block, "attention": block.attn, "o": block.attn.c_proj, "qkv": block.attn.c_attn,
                 "attention_in": block.ln_1, "mlp_in": block.ln_2, "activation": block.mlp.act,
                 "final": model.transformer.ln_f, "blocks": 3}
+    if model.config.model_type == "gpt_neox":  # one query_key_value; parallel pre-norms
+        block = model.gpt_neox.layers[1]
+        return {"block": block, "attention": block.attention, "o": block.attention.dense,
+                "qkv": block.attention.query_key_value, "activation": block.mlp.act,
+                "final": model.gpt_neox.final_layer_norm, "blocks": 3, "attention_in": block.input_layernorm,
+                "mlp_in": block.post_attention_layernorm}
     block = model.model.layers[1]
     if model.config.model_type == "phi3":  # fused qkv_proj and gate_up_proj
         return {"block": block, "attention": block.self_attn, "o": block.self_attn.o_proj,

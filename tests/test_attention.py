@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig, Olmo2Config,
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Olmo2Config,
                           OlmoConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
 from attnlab import interventions
@@ -76,6 +76,18 @@ def _tiny_gpt2(**extra):
     return _random_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
 
 
+def _tiny_gpt_neox(**extra):
+    """GPT-NeoX (Pythia's class) of the same size: parallel attention and MLP, one query_key_value
+    with each head's q, k and v side by side, rotary on half of each head, LayerNorms with
+    biases, q/k/v and output biases, an untied output embedding."""
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=4, max_position_embeddings=256, rotary_pct=0.5,
+                           use_parallel_residual=True, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                           initializer_range=0.05, **extra)
+    return _random_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
 def _random_norms(model, seed: int = 1):
     """Every norm weight of ``model`` drawn at random: the scale each applies becomes uniform in
     [0.5, 1.5] per unit instead of exactly 1 (Gemma-3's norms scale by 1 + w, w stored 0), and a
@@ -122,6 +134,7 @@ TINY = {
                                                     final_logit_softcapping=3.0, query_pre_attn_scalar=24,
                                                     layer_types=["sliding_attention", "full_attention",
                                                                  "sliding_attention"])),
+    "gpt_neox": _tiny_gpt_neox,
     # fused qkv_proj and gate_up_proj; rotary on half of each head's dimensions
     "phi3": lambda: _tiny(Phi3Config, pad_token_id=0, eos_token_id=2, bos_token_id=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                      "partial_rotary_factor": 0.5}),

@@ -99,3 +99,25 @@ def test_the_mechanism_config_reuses_the_defaults_shared_jobs():
         for condition in shared_conditions:
             assert parameters(default, model, "arithmetic", condition) == parameters(
                 mechanism, model, "arithmetic", condition), (model, condition)
+
+
+def test_the_fields_models_config_plans_every_stage_for_each_family(tmp_path):
+    """config/models.yaml: Pythia (GPT-NeoX), Gemma-2, Qwen3, Mistral and Phi-3, prepared here as
+    folders of their own model_type (what the config check reads), plan every stage on each:
+    generation and grading, extraction, the MLP analysis, head scoring and sweeps, edge circuits
+    of Pythia, its sparse copy and Qwen3, and the copy's post-training."""
+    config = yaml.safe_load((REPO / "config/models.yaml").read_text())
+    types = {"pythia-160m": ("gpt_neox", 12, 12), "gemma2-2b": ("gemma2", 26, 8), "qwen3-0.6b": ("qwen3", 28, 16),
+             "mistral-7b": ("mistral", 32, 32), "phi3-mini": ("phi3", 32, 32)}
+    for name, (model_type, layers, heads) in types.items():
+        fake_prepared_model(tmp_path / "resources/models" / name, layers=layers, heads=heads,
+                            chat_template=config["models"][name]["prompt_format"] == "chat", model_type=model_type)
+    result = _dry_run(tmp_path, config)
+    assert result.returncode == 0, result.stdout[-3000:]
+    counts = job_counts(result.stdout)
+    cells = 5 * 3  # dense models x conditions on gsm8k
+    assert {stage: counts.get(stage) for stage in ("generate", "extract_attention", "mlp_activations", "score_heads",
+                                                    "sweep_heads", "edge_circuit", "sparsify_model")} == {
+        "generate": cells, "extract_attention": cells, "mlp_activations": cells, "score_heads": 6 * 2,
+        "sweep_heads": 6 * 2, "edge_circuit": 3, "sparsify_model": 1}
+    assert "the fused attention kernels lack attention logit soft-capping" in result.stdout  # Gemma-2, said before any job

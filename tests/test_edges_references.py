@@ -153,7 +153,8 @@ def test_one_step_scores_equal_finite_differences_of_the_hand_forward(arch):
         sender, column = divmod(int(block.argmax()), block.shape[1])
         edges.append((sender, list(receivers_of_kind)[column]))
     mlp = graph.mlp_receiver(1)
-    heads = [graph.head_sender(1, head) for head in range(h)]  # this layer's heads into its MLP
+    # this layer's heads into its MLP (a parallel block's MLP reads the block's input: layer 0's)
+    heads = [graph.head_sender(0 if graph.parallel else 1, head) for head in range(h)]
     edges.append((heads[int(scores[heads, mlp].abs().argmax())], mlp))
     step = 1e-4  # float64 throughout: the central difference's error is O(step²)
     for sender, receiver in edges:

@@ -108,7 +108,7 @@ def _model(arch: str, sparse_copy: bool):
                                               ("llama-gqa", True), ("gpt2", False), ("olmo", False),
                                               ("olmo2", False), ("gpt2", True), ("qwen3", False),
                                               ("mistral-sliding", False), ("phi3", False), ("gemma2-softcap", False),
-                                              ("gemma2-softcap", True)])
+                                              ("gemma2-softcap", True), ("gpt_neox", False), ("gpt_neox", True)])
 @pytest.mark.parametrize("ablation", ["corrupted", "mean", "zero"])
 def test_exact_patching_equals_one_head_of_one_prompt_at_a_time(arch, sparse_copy, ablation):
     """Gemma-3 (sliding window 5 on layers 0 and 2, shorter than the prompts; sandwich and q/k

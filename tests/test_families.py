@@ -65,21 +65,24 @@ def test_a_gated_training_step_equals_autograd_of_the_hand_forward(arch, monkeyp
                                    msg=lambda text, name=name: f"{name}: {text}")
 
 
-@pytest.fixture
-def tiny_gpt2_dir(tmp_path):
-    """A tiny GPT-2 saved as a prepared model, with GPT-2's own dropout of 0.1 everywhere."""
-    model = TINY["gpt2"]()
-    model.config.attn_pdrop = model.config.resid_pdrop = model.config.embd_pdrop = 0.1
-    model.save_pretrained(tmp_path / "gpt2")
-    return tmp_path / "gpt2"
+DROPOUT_FIELDS = {"gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop"),
+                  "phi3": ("attention_dropout", "resid_pdrop", "embd_pdrop"),
+                  "gpt_neox": ("attention_dropout", "hidden_dropout")}
 
 
-def test_training_turns_dropout_off_through_the_familys_own_fields(tiny_gpt2_dir, caplog):
+@pytest.mark.parametrize("arch", list(DROPOUT_FIELDS))
+def test_training_turns_dropout_off_through_the_familys_own_fields(arch, tmp_path, caplog):
+    """Each family's own dropout fields at 0.1, saved as a prepared model: the trainer's copy has
+    them at 0 (logged by name) and no dropout module left on."""
     from attnlab.sparsify.train import _trainable_copy
 
+    model = TINY[arch]()
+    for field in DROPOUT_FIELDS[arch]:
+        setattr(model.config, field, 0.1)
+    model.save_pretrained(tmp_path / arch)
     with caplog.at_level(logging.INFO, logger="attnlab.sparsify.train"):
-        model = _trainable_copy(str(tiny_gpt2_dir), torch.float32, torch.device("cpu")).train()
-    assert "attn_pdrop 0.1 -> 0, resid_pdrop 0.1 -> 0, embd_pdrop 0.1 -> 0" in caplog.text
+        model = _trainable_copy(str(tmp_path / arch), torch.float32, torch.device("cpu")).train()
+    assert ", ".join(f"{field} 0.1 -> 0" for field in DROPOUT_FIELDS[arch]) in caplog.text
     dropouts = [module.p for module in model.modules() if isinstance(module, torch.nn.Dropout)]
     assert dropouts and set(dropouts) == {0.0}
     sparse.make_sparse(model, 0.0)
@@ -101,6 +104,8 @@ def test_trained_parameters_and_lora_targets_are_the_familys_attention_projectio
     assert lora_targets(llama, ["q", "k", "v", "o", "up_proj"]) == [
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "up_proj"]
     assert sparsify.train.with_lora(gpt2, sparsify.settings.Lora(rank=2, alpha=4, modules=("q", "o"))) is not None
+    assert lora_targets(TINY["phi3"](), ["q", "k", "v", "o"]) == ["self_attn.qkv_proj", "self_attn.o_proj"]
+    assert lora_targets(TINY["gpt_neox"](), ["q", "k", "v", "o"]) == ["attention.query_key_value", "attention.dense"]
 
 
 def _generate_alone(model, prompts: pd.DataFrame, max_new_tokens: int) -> list[list[int]]:

@@ -6,7 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig,
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, GPTNeoXConfig, LlamaConfig,
+                          MistralConfig,
                           Olmo2Config, OlmoConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
 from attnlab.interventions import intervened
@@ -162,6 +163,9 @@ def _tiny(kind: str):
     elif kind == "gpt2":
         config = GPT2Config(vocab_size=64, n_embd=32, n_inner=48, n_layer=2, n_head=4, n_positions=64,
                             bos_token_id=1, eos_token_id=2)
+    elif kind == "gpt_neox":
+        config = GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
     elif kind in ("qwen3", "mistral", "phi3", "gemma2"):
         classes = {"qwen3": Qwen3Config, "mistral": MistralConfig, "phi3": Phi3Config, "gemma2": Gemma2Config}
         config = classes[kind](vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -184,6 +188,9 @@ def _mlp_parts(model, layer: int):
     if model.config.model_type == "gpt2":
         mlp = model.transformer.h[layer].mlp
         return mlp.c_fc, mlp.act
+    if model.config.model_type == "gpt_neox":
+        mlp = model.gpt_neox.layers[layer].mlp
+        return mlp.dense_h_to_4h, mlp.act
     mlp = model.model.layers[layer].mlp
     if model.config.model_type == "phi3":  # the gate half of gate_up_proj feeds the activation
         return _GateHalf(mlp.gate_up_proj), mlp.activation_fn
@@ -204,7 +211,7 @@ class _GateHalf:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gpt2", "olmo", "olmo2", "qwen3", "mistral", "phi3",
-                                  "gemma2"])
+                                  "gemma2", "gpt_neox"])
 def test_recorder_sees_act_fn_of_gate_proj(kind):
     model = _tiny(kind)
     pre_activation, act_fn = _mlp_parts(model, 1)
@@ -232,7 +239,7 @@ def test_recorder_sees_act_fn_of_gate_proj(kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3", "gpt2", "olmo", "olmo2", "qwen3", "mistral", "phi3",
-                                  "gemma2"])
+                                  "gemma2", "gpt_neox"])
 def test_arm_runs_on_prefill_and_every_decoding_step(kind):
     model = _tiny(kind)
     calls = []

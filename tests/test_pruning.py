@@ -55,6 +55,8 @@ def _out_projection(model, layer: int):
     """The attention's output projection of a block, found here by hand (GPT-2: c_proj)."""
     if model.config.model_type == "gpt2":
         return model.transformer.h[layer].attn.c_proj
+    if model.config.model_type == "gpt_neox":
+        return model.gpt_neox.layers[layer].attention.dense
     return model.model.layers[layer].self_attn.o_proj
 
 
@@ -100,7 +102,7 @@ def _references_by_hand(model, batch, ablation: str) -> dict:
     return stacked
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gpt2", "olmo2"])
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2", "olmo2", "gpt_neox", "gemma2-softcap"])
 @pytest.mark.parametrize("ablation", ["corrupted", "mean", "zero"])
 def test_the_sweeps_ends_are_the_model_with_every_head_and_with_none(arch, ablation):
     """m(all) is the unpatched model's metric and m(0) the metric with every head's o_proj input

@@ -9,7 +9,9 @@ Block layouts (``norm_places``):
 
 - ``pre``: x + attn(norm1(x)), then + mlp(norm2(·)) (Llama, Qwen2, GPT-2, OLMo);
 - ``sandwich``: x + norm_a(attn(norm1(x))), then + norm_m(mlp(norm2(·))) (Gemma-3);
-- ``post``: x + norm_a(attn(x)), then + norm_m(mlp(·)) (OLMo-2): no norm before a sublayer.
+- ``post``: x + norm_a(attn(x)), then + norm_m(mlp(·)) (OLMo-2): no norm before a sublayer;
+- ``pre`` with ``parallel_field`` true in the config (GPT-NeoX: ``use_parallel_residual``):
+  x + attn(norm1(x)) + mlp(norm2(x)), the MLP reading the block's input beside the attention.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ class Family:
     contiguous_inputs: bool = False  # its projections view their input (GPT-2's Conv1D): no strided views
     fused_gate_up: bool = False  # the MLP's gate and up projections are one (Phi-3: gate half, then up half)
     kernels_lack: tuple[str, ...] = ()  # what the fused kernels do not compute for it: its layers stay eager
+    # a fused qkv's rows: "stacked" (every query head, then every key head, then every value head:
+    # GPT-2, Phi-3) or "interleaved" (each head's query, key and value side by side: GPT-NeoX)
+    qkv_layout: str = "stacked"
+    # the config field saying the block is parallel (x + attn(norm1(x)) + mlp(norm2(x)): the MLP
+    # reads the block's input, not the attention's output), where the family has one
+    parallel_field: str | None = None
     config_fields: dict = field(default_factory=lambda: dict(CONFIG_FIELDS))
 
     @property
@@ -117,6 +125,18 @@ FAMILIES = (
            embeddings="wte", positions="learned", dropout=("attn_pdrop", "resid_pdrop", "embd_pdrop"),
            contiguous_inputs=True,
            config_fields={"layers": "n_layer", "heads": "n_head", "kv_heads": "n_head", "hidden": "n_embd"}),
+)
+FAMILIES += (
+    # Pythia: parallel attention and MLP, one query_key_value with each head's q, k, v side by side,
+    # rotary on rotary_pct of each head, LayerNorms with biases, an untied output embedding
+    Family(name="gpt_neox", classes=("GPTNeoXForCausalLM",), model_types=("gpt_neox",), blocks="layers",
+           attention="attention", projections={"qkv": "query_key_value", "o": "dense"}, qkv_layout="interleaved",
+           norm_kind="layer", norm_places="pre", parallel_field="use_parallel_residual",
+           norms={"attention_in": "input_layernorm", "attention_out": None, "mlp_in": "post_attention_layernorm",
+                  "mlp_out": None},
+           final_norm="final_layer_norm", mlp="mlp", mlp_parts={"in": "dense_h_to_4h", "activation": "act",
+                                                                 "out": "dense_4h_to_h"},
+           embeddings="embed_in", positions="rope", dropout=("attention_dropout", "hidden_dropout")),
 )
 BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 # GGUF's general.architecture -> transformers' model_type, where they differ

@@ -101,6 +101,23 @@ class Anatomy:
             return (("qkv", slice(0, h + 2 * g)),)
         return (("q", slice(0, h)), ("k", slice(h, h + g)), ("v", slice(h + g, h + 2 * g)))
 
+    def qkv_slots(self) -> list[int]:
+        """For a fused qkv: where each receiver of ``input_projections``' order (query heads, key
+        heads, value heads) sits among the projection's head-sized row blocks (stacked: in that
+        order; interleaved: query j at 3j, its key at 3j + 1, its value at 3j + 2)."""
+        h, g = self.n_heads, self.n_kv_heads
+        if self.family.qkv_layout == "stacked":
+            return list(range(h + 2 * g))
+        if h != g:
+            raise NotImplementedError(f"an interleaved qkv with grouped-query heads ({h} query, {g} key/value)")
+        return [3 * j for j in range(h)] + [3 * j + 1 for j in range(h)] + [3 * j + 2 for j in range(h)]
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the attention and the MLP of a block both read its input (families.py)."""
+        field = self.family.parallel_field
+        return field is not None and bool(getattr(self.config, field, False))
+
     def qk_norm_slots(self, layer: int) -> tuple[Slot, Slot] | None:
         """The attention's query and key norms (None where the family has none)."""
         if self.family.qk_norm is None:

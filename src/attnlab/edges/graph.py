@@ -19,11 +19,12 @@ class Graph:
     n_layers: int
     n_heads: int
     n_kv_heads: int
+    parallel: bool = False  # a block's MLP reads its input beside the attention (GPT-NeoX): no edge between them
 
     @classmethod
     def of(cls, model) -> "Graph":
         parts = anatomy.of(model, stages=("edge circuits",))
-        return cls(parts.n_layers, parts.n_heads, parts.n_kv_heads)
+        return cls(parts.n_layers, parts.n_heads, parts.n_kv_heads, parts.parallel)
 
     @property
     def n_senders(self) -> int:
@@ -71,7 +72,7 @@ class Graph:
             return self.n_senders
         layer, within = divmod(receiver, self.per_layer)
         before = 1 + layer * (self.n_heads + 1)
-        return before + self.n_heads if within == self.attention_receivers else before
+        return before + self.n_heads if within == self.attention_receivers and not self.parallel else before
 
     def reading_points(self) -> list[slice]:
         """The receivers reading each point of the residual stream, in the model's order: each

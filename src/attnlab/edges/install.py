@@ -71,7 +71,8 @@ class Installed:
                 self._swap(slot, nn.Identity())
         for which, rows in parts.input_projections():
             slot = parts.projection_slot(index, which)
-            self._swap(slot, ReceiverProjection(slot.get(), self.state, index, rows, after.get(which)))
+            order = parts.qkv_slots() if which == "qkv" else None
+            self._swap(slot, ReceiverProjection(slot.get(), self.state, index, rows, after.get(which), order))
 
     def _swap(self, slot: anatomy.Slot, stand_in: nn.Module) -> None:
         self.swapped.append((slot, slot.get()))

@@ -46,11 +46,16 @@ class ReceiverProjection(nn.Module):
     over every head at once (OLMo-2), applied here to each head's own projection (the model's own
     is set aside while the patch is installed), so a head's output depends on its input alone."""
 
-    def __init__(self, linear: nn.Module, state: PassState, layer: int, rows: slice, after: nn.Module | None = None):
+    def __init__(self, linear: nn.Module, state: PassState, layer: int, rows: slice, after: nn.Module | None = None,
+                 order: list[int] | None = None):
         super().__init__()
         self.linear, self.state, self.layer, self.rows = linear, state, layer, rows
         self.heads, self.after = rows.stop - rows.start, after
         self.key = ("qkv", layer, rows.start)
+        # receiver i of ``rows`` (query heads, key heads, value heads) is head-sized row block
+        # order[i] of the projection (Anatomy.qkv_slots: a fused qkv's layout); the per-head
+        # tensors here are indexed by block
+        self.order = list(range(self.heads)) if order is None else list(order)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         group = self.state.attention_inputs.get(self.layer)
@@ -88,7 +93,7 @@ class ReceiverProjection(nn.Module):
     def _project_mixed(self, per_head: torch.Tensor, group: GroupInputs) -> list[int]:
         """Fill ``per_head`` [points, heads, e] for the heads reading mixes of their own: their
         slices of the projection of their inputs' pre-norms. Returns those heads."""
-        own = [(index, offset - self.rows.start) for index, offset in enumerate(group.mixed_at)
+        own = [(index, self.order[offset - self.rows.start]) for index, offset in enumerate(group.mixed_at)
                if self.rows.start <= offset < self.rows.stop]
         if not own:
             return []
@@ -123,7 +128,7 @@ class ReceiverProjection(nn.Module):
     def _project_corrupted(self, per_head: torch.Tensor, group: GroupInputs) -> list[int]:
         """Fill ``per_head`` for the heads reading the corrupted residual as it is (its pre-norm
         computed once for the layer's group). Returns those heads."""
-        corrupted = [offset - self.rows.start for offset in group.corrupted_at
+        corrupted = [self.order[offset - self.rows.start] for offset in group.corrupted_at
                      if self.rows.start <= offset < self.rows.stop]
         if corrupted:
             if group.corrupted_normed is None:
@@ -171,6 +176,7 @@ class ReceiverProjection(nn.Module):
             per_head = self._through_after(x, grad, weight)
         graph = self.state.graph
         layer = graph.layer_receivers(graph.attention_slice(self.layer).start)
+        per_head = per_head[self.order]  # from the projection's blocks to the receivers' order
         gradients.add(layer.start, layer.stop - layer.start, self.rows,
                       per_head if spec is None else spec.input_gradient(x, per_head))
 
