@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from attnlab.interventions import intervened
-from attnlab.mlp import ArmSettings, redistribute
+from attnlab.interventions.mlp import ArmSettings, redistribute
 from common import add_device_arguments, alternate, device_and_dtype, load_embedded, median_seconds, write_result
 
 

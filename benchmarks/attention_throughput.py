@@ -6,7 +6,7 @@ On SmolLM2-135M-Instruct (converted from its wheel into benchmarks/out/ once):
 tokens/s and peak memory of
   - a plain forward pass of the decoder with sdpa and with eager attention,
   - `output_attentions=True` (eager, every layer's full maps returned),
-  - attnlab's extraction (`attnlab.extraction.extract`: reducing attention
+  - attnlab's extraction (`attnlab.extraction.extract.extract`: reducing attention
     function, results copied into the per-layer arrays).
 All passes run the decoder only (no LM head) on the same batch. Ratios are
 against the faster plain forward. Peak memory is the growth of the resident
@@ -25,7 +25,7 @@ import statistics
 import numpy as np
 import torch
 
-from attnlab.extraction import extract, write_attention
+from attnlab.extraction.extract import extract, write_attention
 from common import (OUT, add_device_arguments, device_and_dtype, held_mib, load_embedded, math500_prompts, peak_mib,
                     reset_peak, timed, write_result)
 

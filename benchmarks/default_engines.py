@@ -20,10 +20,10 @@ import torch
 import yaml
 
 from attnlab import io
-from attnlab.config import validate_config
-from attnlab.generation import generate_all
+from attnlab.config.plan import cell_generation
+from attnlab.config.schema import validate_config
 from attnlab.models import load_model
-from attnlab.plan import cell_generation
+from attnlab.reasoning.generation import generate_all
 from attnlab.tokenization import load_tokenizer
 from common import REPO, add_device_arguments, device_and_dtype, timed, write_result
 

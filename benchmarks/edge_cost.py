@@ -29,10 +29,10 @@ import statistics
 
 import torch
 
-from attnlab.edge_circuits import EdgeCircuits, ranked_edges
-from attnlab.edges import Graph, Plan
-from attnlab.pruning import build_batch
-from attnlab.tasks import generate_task
+from attnlab.interventions.edges import Graph, Plan
+from attnlab.patching.edges import EdgeCircuits, ranked_edges
+from attnlab.patching.heads import build_batch
+from attnlab.patching.tasks import generate_task
 from common import (add_device_arguments, device_and_dtype, load_embedded, median_seconds, peak_mib, ratio_to_unit,
                     timed, write_result)
 

@@ -38,9 +38,9 @@ import pandas as pd
 import torch
 from scipy.stats import pearsonr, spearmanr
 
-from attnlab.edge_circuits import EdgeCircuits, ranked_edges
-from attnlab.pruning import build_batch
-from attnlab.tasks import generate_task, subset
+from attnlab.patching.edges import EdgeCircuits, ranked_edges
+from attnlab.patching.heads import build_batch
+from attnlab.patching.tasks import generate_task, subset
 from common import OUT, REPO, embedded_model, load_embedded, timed, write_result
 
 # auto-circuit's worker runs on the CPU in float32 (autocircuit_worker.py), and so does attnlab here

@@ -26,10 +26,10 @@ import json
 
 import torch
 
-from attnlab.data import fewshot_pool, prepare_dataset
-from attnlab.generation import generate_all
-from attnlab.plan import fewshot_spec
-from attnlab.prompts import make_prompts
+from attnlab.config.plan import fewshot_spec
+from attnlab.reasoning.data import fewshot_pool, prepare_dataset
+from attnlab.reasoning.generation import generate_all
+from attnlab.reasoning.prompts import make_prompts
 from common import (OUT, SYSTEM, add_device_arguments, device_and_dtype, load_embedded, peak_mib, reset_peak, run_fields,
                     timed, write_result)
 

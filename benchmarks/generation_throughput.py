@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from attnlab.data import prepare_dataset
-from attnlab.prompts import build_prompt, insertion_text
+from attnlab.reasoning.data import prepare_dataset
+from attnlab.reasoning.prompts import build_prompt, insertion_text
 from common import SYSTEM, add_device_arguments, device_and_dtype, load_embedded, timed, write_result
 
 

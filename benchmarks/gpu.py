@@ -61,7 +61,7 @@ def _model_dir(given: str | None, name: str = "smollm2-135m") -> Path:
 
 def _recipe() -> dict:
     """The sparse copy's settings of config/sparse-gpu.yaml, validated (defaults filled)."""
-    from attnlab.config import validate_config
+    from attnlab.config.schema import validate_config
 
     config = yaml.safe_load((REPO / "config" / "sparse-gpu.yaml").read_text())
     validate_config(config, REPO / "config" / "schema.yaml")
@@ -183,7 +183,7 @@ def converted_by(model_dir: Path) -> dict | None:
 
 
 def _triton() -> str | None:
-    from attnlab.fused import triton_version
+    from attnlab.attention.fused import triton_version
 
     return triton_version()
 

@@ -16,8 +16,8 @@ import os
 import numpy as np
 import torch
 
-from attnlab import fused, sparse
-from attnlab.extraction import extract
+from attnlab.attention import fused, sparse
+from attnlab.extraction.extract import extract
 from attnlab.interventions import intervened
 from attnlab.models import load_model
 from common import extraction_prompts
@@ -25,7 +25,7 @@ from common import extraction_prompts
 
 @contextlib.contextmanager
 def fused_mode(mode: str):
-    """ATTNLAB_FUSED_ATTENTION inside the block (attnlab.fused reads it on every call)."""
+    """ATTNLAB_FUSED_ATTENTION inside the block (attnlab.attention.fused reads it on every call)."""
     previous = os.environ.get(fused.MODE_VARIABLE)
     os.environ[fused.MODE_VARIABLE] = mode
     try:
@@ -116,10 +116,10 @@ def open_edge_differences(eager_tracker, kernel_tracker) -> dict:
 
 def training_differences(model_dir, device, length: int = 128) -> dict:
     """One gated training step (loss + density penalty) of a float32 copy, both paths drawing the
-    kernels' noise (attnlab.kernels.reference)."""
+    kernels' noise (attnlab.attention.kernels.reference)."""
     from transformers import AutoModelForCausalLM
 
-    from attnlab.kernels.reference import training_gate_with_kernel_noise
+    from attnlab.attention.kernels.reference import training_gate_with_kernel_noise
 
     ids = torch.randint(10, 40000, (2, length), generator=torch.Generator().manual_seed(0)).to(device)
 

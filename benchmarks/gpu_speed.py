@@ -1,6 +1,6 @@
 """benchmarks/gpu.py's timings: each heavy path beside its plain counterpart, in one run.
 
-- extraction: ``attnlab.extraction.extract`` (the fused kernels on CUDA) and the eager blocks
+- extraction: ``attnlab.extraction.extract.extract`` (the fused kernels on CUDA) and the eager blocks
   against a plain sdpa decoder forward of the same batch;
 - post-training: a ``sparsify.Trainer`` step as ``config/sparse-gpu.yaml`` runs it (bf16
   autocast, no checkpointing: the fused kernels) and the eager blocks with checkpointing (the
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from attnlab import sparsify
-from attnlab.attention import BatchReduction
-from attnlab.extraction import extract
+from attnlab.attention.reduction import BatchReduction
+from attnlab.extraction.extract import extract
 from attnlab.interventions import intervened
 from attnlab.models import enable_activation_checkpointing, load_model
 from attnlab.tokenization import load_tokenizer
@@ -152,7 +152,7 @@ def _sdpa_without_cudnn():
 
 def _generation_run(model, tokenizer, prompts, engine: str, batch: int, new_tokens: int, device,
                     stops: list[str]) -> tuple:
-    from attnlab.generation import generate_all
+    from attnlab.reasoning.generation import generate_all
 
     generate_all(model, tokenizer, prompts.head(2), 2, 4, stops, engine=engine)  # warm-up
     reset_peak(device)
@@ -217,9 +217,9 @@ def same_tokens(these: list | None, static: list | None) -> bool | None:
 
 def edge_speed(model_dir, device, prompts: int, keep: list[int], steps: int) -> dict:
     """EAP-IG scoring and circuits of ``keep`` edges on IOI, in units timed just before each."""
-    from attnlab.edge_circuits import EdgeCircuits, ranked_edges
-    from attnlab.pruning import build_batch
-    from attnlab.tasks import generate_task
+    from attnlab.patching.edges import EdgeCircuits, ranked_edges
+    from attnlab.patching.heads import build_batch
+    from attnlab.patching.tasks import generate_task
     from common import ratio_to_unit
     from edge_cost import forward_backward
 

@@ -1,6 +1,6 @@
 """Every fused-kernel variant the launchers can pick, compiled for a GPU on this machine, with what
 the compiler reports of it: registers, spilled bytes, stack, shared memory and the matrix
-instructions (attnlab.kernels.compiled). No GPU is needed: Triton builds the PTX and the cubin for
+instructions (attnlab.attention.kernels.compiled). No GPU is needed: Triton builds the PTX and the cubin for
 the target and its bundled ptxas and cuobjdump read them.
 
     .venv/bin/python benchmarks/kernel_resources.py [--archs 90 80] [--head-dims 64 128 256]
@@ -21,7 +21,7 @@ import time
 import torch
 import triton
 
-from attnlab.kernels import compiled
+from attnlab.attention.kernels import compiled
 from common import OUT
 
 

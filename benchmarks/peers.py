@@ -18,7 +18,7 @@ transformers), all on the prepared models in resources/models/, offline, in floa
    returned, and every process's unit). Median of --repeats after a warm-up;
    peak memory above the loaded model; max abs difference from the float32
    eager reference (and, for scale, from the reference computed in float64).
-2. Scoring every head on --pairs IOI pairs (attnlab.tasks, corrupted = ABC
+2. Scoring every head on --pairs IOI pairs (attnlab.patching.tasks, corrupted = ABC
    names, metric logit[IO] - logit[S]): attnlab's attribution and exact
    patching (a head of the clean run ablated with its corrupted output);
    TransformerLens's per-head activation patching in its own direction
@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import kendalltau, spearmanr
 
-from attnlab.tasks import generate_task
+from attnlab.patching.tasks import generate_task
 from attnlab.tokenization import load_tokenizer
 from common import OUT, math500_prompts
 

@@ -157,7 +157,7 @@ def received_of(weights: torch.Tensor) -> torch.Tensor:
     """Received attention [batch, heads, positions] from one layer's maps [batch, heads, q, k].
 
     received[j] = mean over i > j of A[i, j] (the diagonal left out, NaN at the
-    last position): attnlab's definition (attnlab.attention.METRIC_DEFINITION).
+    last position): attnlab's definition (attnlab.attention.reduction.METRIC_DEFINITION).
     The prompts are unpadded, so every row is a real query.
     """
     length = weights.shape[-1]
@@ -206,7 +206,7 @@ def attention_eager64(model_dir, ids, _):
 def attention_attnlab(model_dir, ids, _):
     import pandas as pd
 
-    from attnlab.extraction import extract
+    from attnlab.extraction.extract import extract
     from attnlab.models import load_model
 
     model = load_model(model_dir, DEVICE, torch.float32)
@@ -315,8 +315,8 @@ def scoring_unit(model_dir, ioi):
 
 def scoring_attnlab(model_dir, ioi, method):
     from attnlab.models import load_model
-    from attnlab.pruning import Patcher, build_batch
-    from attnlab.tasks import generate_task
+    from attnlab.patching.heads import Patcher, build_batch
+    from attnlab.patching.tasks import generate_task
     from attnlab.tokenization import load_tokenizer
 
     model = load_model(model_dir, DEVICE, torch.float32)

@@ -26,10 +26,10 @@ from functools import partial
 import torch
 from scipy.stats import spearmanr
 
-from attnlab.curves import k_grid
-from attnlab.pruning import Patcher, build_batch
-from attnlab.readout import contiguous_input
-from attnlab.tasks import GENERATORS, generate_task
+from attnlab.circuits.curves import k_grid
+from attnlab.interventions.readout import contiguous_input
+from attnlab.patching.heads import Patcher, build_batch
+from attnlab.patching.tasks import GENERATORS, generate_task
 from common import (EMBEDDED_MODELS, OUT, TINY_FAMILIES, add_device_arguments, device_and_dtype, load_embedded, median_seconds,
                     run_fields, timed, versions)
 

@@ -34,10 +34,11 @@ from unittest import mock
 import pandas as pd
 import torch
 
-from attnlab import sparse, sparsify
+from attnlab import sparsify
+from attnlab.attention import sparse
 from attnlab.interventions import intervened
 from attnlab.models import load_model
-from attnlab.plots_circuits import gate_bias_label
+from attnlab.plots.circuits import gate_bias_label
 from attnlab.tokenization import load_tokenizer
 from common import OUT, add_device_arguments, device_and_dtype, embedded_model, write_result
 

@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from attnlab import steps
-    from attnlab.config import validate_config
+    from attnlab.config.schema import validate_config
 
     config = yaml.safe_load(Path(args.config).read_text())
     validate_config(config, REPO / "config" / "schema.yaml")

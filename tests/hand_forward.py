@@ -23,8 +23,8 @@ numbering of senders and receivers.
 
 import torch
 
-from attnlab.edges import Graph
-from attnlab.pruning import TaskBatch
+from attnlab.interventions.edges import Graph
+from attnlab.patching.heads import TaskBatch
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ import yaml
 
 from attnlab import anatomy
 from attnlab.anatomy.families import config_shape
-from attnlab.sources import gguf_config, package_folder
-from attnlab.validate import ConfigError, check
+from attnlab.config.sources import gguf_config, package_folder
+from attnlab.config.validate import ConfigError, check
 from conftest import fake_prepared_model
 from test_attention import TINY
 

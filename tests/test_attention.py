@@ -10,8 +10,8 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
                           OlmoConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
 from attnlab import interventions
-from attnlab.attention import BatchReduction
-from attnlab.extraction import extract
+from attnlab.attention.reduction import BatchReduction
+from attnlab.extraction.extract import extract
 
 
 @contextlib.contextmanager
@@ -202,8 +202,8 @@ def test_a_model_of_an_unknown_family_is_refused_and_attention_sinks_are_never_i
     attention sinks would be refused by the attention function itself (called directly)."""
     from torch import nn
 
-    from attnlab import sparse
     from attnlab.anatomy import UnknownFamily
+    from attnlab.attention import sparse
 
     model = _gpt_oss()
     with pytest.raises(UnknownFamily, match=r"model_type 'gpt_oss'.*\(extraction\)"):

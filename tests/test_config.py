@@ -251,7 +251,7 @@ def test_readme_commands_pass_a_dry_run(tmp_path):
 
 def test_nested_command_line_values_are_read_as_yaml():
     """`--config generation='{max_new_tokens: 64}'` arrives as {'max_new_tokens': '64'}."""
-    from attnlab.config import validate_config
+    from attnlab.config.schema import validate_config
 
     config = _tiny()
     config["generation"] = {"max_new_tokens": "64", "stop_strings": ["1"]}
@@ -329,8 +329,8 @@ def test_one_entry_point_checks_schema_and_cross_references_without_snakemake(tm
     problem one ConfigError naming the key; layers and heads against a prepared model folder."""
     import pytest
 
-    from attnlab.sources import SourceError
-    from attnlab.validate import ConfigError, check
+    from attnlab.config.sources import SourceError
+    from attnlab.config.validate import ConfigError, check
 
     config = _tiny()
     check(config, models_dir=tmp_path)

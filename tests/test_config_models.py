@@ -19,7 +19,7 @@ def test_a_7b_models_jobs_ask_for_the_memory_its_weights_need(tmp_path):
     stay for small models."""
     import struct
 
-    from attnlab.plan import model_memory_mb
+    from attnlab.config.plan import model_memory_mb
 
     assert model_memory_mb(0, 16000) == 16000 and model_memory_mb(0, 8000, attempt=2) == 16000
     assert model_memory_mb(27_600_000_000, 16000) == 38500 and model_memory_mb(27_600_000_000, 16000, 2) == 77000
@@ -42,8 +42,8 @@ def test_a_models_datasets_are_checked_and_plan_only_its_cells(tmp_path):
     it does not run, refused; a model on one of the two datasets has that dataset's cells only."""
     import pytest
 
-    from attnlab.plan import model_datasets, models_on
-    from attnlab.validate import ConfigError, check
+    from attnlab.config.plan import model_datasets, models_on
+    from attnlab.config.validate import ConfigError, check
 
     config = _tiny()
     config["models"]["smollm2-135m"]["datasets"] = ["nope"]
@@ -67,9 +67,9 @@ def test_the_mechanism_config_reuses_the_defaults_shared_jobs():
     the cells the two share (both models on arithmetic under none, mless, mful, random). Snakemake
     reruns a job whose parameters change: every parameter those jobs' rules take is equal here,
     read through the library functions the rules call."""
-    from attnlab.config import validate_config
-    from attnlab.plan import cell_generation, fewshot_shots, fewshot_spec
-    from attnlab.sources import sparse_bases
+    from attnlab.config.plan import cell_generation, fewshot_shots, fewshot_spec
+    from attnlab.config.schema import validate_config
+    from attnlab.config.sources import sparse_bases
 
     configs = []
     for name in ("config.yaml", "mechanism.yaml"):

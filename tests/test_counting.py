@@ -5,9 +5,9 @@ import pandas as pd
 import pytest
 from scipy.stats import binom
 
-from attnlab.counting import Bootstrap, count_heads, ratio_between
-from attnlab.curves import interval_gaps, interval_text, order_interval, refined_sweep
-from attnlab.tasks import TaskError, split_for_ranking
+from attnlab.circuits.counting import Bootstrap, count_heads, ratio_between
+from attnlab.circuits.curves import interval_gaps, interval_text, order_interval, refined_sweep
+from attnlab.patching.tasks import TaskError, split_for_ranking
 
 
 def test_split_is_seeded_disjoint_and_complete():

@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from attnlab.counting import Bootstrap, count_heads, ratio_between
-from attnlab.curves import heads_ratio, heads_vs_density_table, refined_sweep, renamed_unit
+from attnlab.circuits.counting import Bootstrap, count_heads, ratio_between
+from attnlab.circuits.curves import heads_ratio, heads_vs_density_table, refined_sweep, renamed_unit
 
 UNITS = 40
 THRESHOLD = 0.88
@@ -106,7 +106,7 @@ def _write(counted, folder, unit: str) -> dict:
 def _kept_figures(monkeypatch) -> list:
     """The figures the circuit plots save, kept to read what they drew; each still goes through
     the saving (and its strict text check)."""
-    from attnlab import plots_circuits
+    from attnlab.plots import circuits as plots_circuits
 
     figures, original = [], plots_circuits._save
 

@@ -15,8 +15,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from attnlab.counting import Bootstrap, count_heads, ratio_between
-from attnlab.curves import count_interval, refined_sweep, renamed_unit, resample_draws
+from attnlab.circuits.counting import Bootstrap, count_heads, ratio_between
+from attnlab.circuits.curves import count_interval, refined_sweep, renamed_unit, resample_draws
 
 
 class TablePatcher:
@@ -108,7 +108,7 @@ def _linear(units: int) -> np.ndarray:
 
 def _kept_figures(monkeypatch) -> list:
     """The figures the circuit plots save; each still goes through the saving and its strict check."""
-    from attnlab import plots_circuits
+    from attnlab.plots import circuits as plots_circuits
 
     figures, original = [], plots_circuits._save
 
@@ -175,7 +175,7 @@ def test_a_count_that_never_reaches_the_threshold_end_to_end(tmp_path, monkeypat
     assert len(arrows) == 1  # the dense count's interval points up: its upper end is never
 
     # the circuit figure of an edge sweep that never reaches it: every edge drawn, "never" said
-    from attnlab.edges import Graph
+    from attnlab.interventions.edges import Graph
 
     graph = Graph(n_layers=2, n_heads=2, n_kv_heads=1)
     edges = graph.edges()

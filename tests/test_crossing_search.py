@@ -7,9 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from attnlab.counting import Bootstrap, count_heads
-from attnlab.crossing_search import search_points, searched_count
-from attnlab.curves import count_interval, crossing, interval_gaps, k_grid, refined_sweep
+from attnlab.circuits.counting import Bootstrap, count_heads
+from attnlab.circuits.crossing_search import search_points, searched_count
+from attnlab.circuits.curves import count_interval, crossing, interval_gaps, k_grid, refined_sweep
 
 N = 3000  # components
 PROMPTS = 40
@@ -225,7 +225,7 @@ def test_head_sweeps_search_the_configured_ranking_and_take_the_coarse_grid_for_
     configured ranking is searched from the coarse grid with the rounds' grid as the fine one,
     to its first crossing and interval; the other ranking is measured on the coarse grid only.
     With rounds, as before: the grid, refined for the configured ranking only."""
-    from attnlab.settings import Sweep
+    from attnlab.config.settings import Sweep
     from attnlab.steps.circuits import _head_count
 
     order = list(range(N))

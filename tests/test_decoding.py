@@ -1,4 +1,4 @@
-"""The static-cache decoding loop (attnlab.decoding, engine static_cache) against transformers'
+"""The static-cache decoding loop (attnlab.reasoning.decoding, engine static_cache) against transformers'
 greedy generate (engine static) on tiny random models: the same tokens, EOS, stop strings and
 token limits, sliding windows shorter than the prompts; which models it refuses. The real-model
 checks (SmolLM2; Gemma-3 past its 512-token window) are in test_generation.py."""
@@ -11,11 +11,12 @@ import pytest
 import torch
 from transformers import MistralConfig, Qwen2Config
 
-from attnlab import decoding, sparse
-from attnlab.generation import chosen_engine, generate_all
+from attnlab.attention import sparse
 from attnlab.interventions import intervened
-from attnlab.mlp import ArmSettings
+from attnlab.interventions.mlp import ArmSettings
 from attnlab.models import left_pad
+from attnlab.reasoning import decoding
+from attnlab.reasoning.generation import chosen_engine, generate_all
 from test_attention import TINY, _tiny
 
 # Sliding windows shorter than the prompts (up to 12 tokens), besides TINY's Gemma-3 (window 5):

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab import sparse
-from attnlab.edge_circuits import EdgeCircuits
-from attnlab.edges import EdgePatch, Graph, ReceiverGradients, Recording
+from attnlab.attention import sparse
 from attnlab.interventions import intervened
-from attnlab.pruning import TaskBatch
+from attnlab.interventions.edges import EdgePatch, Graph, ReceiverGradients, Recording
+from attnlab.patching.edges import EdgeCircuits
+from attnlab.patching.heads import TaskBatch
 from test_attention import TINY
 from test_pruning import _toy_batch
 
@@ -283,8 +283,8 @@ def test_embedded_models_all_edges_clean_none_corrupted_to_1e5(model_dir, reques
     """The issue's exactness on the real models (Gemma-3: sandwich norms, whose scale is split
     between heads), on IOI prompts with their own metric."""
     from attnlab.models import load_model
-    from attnlab.pruning import build_batch
-    from attnlab.tasks import generate_task
+    from attnlab.patching.heads import build_batch
+    from attnlab.patching.tasks import generate_task
     from attnlab.tokenization import load_tokenizer
 
     path = request.getfixturevalue(model_dir)
@@ -305,7 +305,7 @@ def test_a_random_circuit_is_the_same_from_either_base(arch, shape):
     """Each receiver reads live − Σ dropped (live − corrupted) or corrupted + Σ kept (live −
     corrupted), whichever it keeps less of: forcing every receiver onto one base, then the other,
     gives the same metrics, and they differ from both ends."""
-    from attnlab.edges import EdgePatch, Plan
+    from attnlab.interventions.edges import EdgePatch, Plan
 
     model = _model(arch)
     batch = BATCHES[shape]()

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab.curves import refined_sweep
-from attnlab.edge_circuits import ranked_edges
-from attnlab.edges import Graph
+from attnlab.circuits.curves import refined_sweep
+from attnlab.interventions.edges import Graph
+from attnlab.patching.edges import ranked_edges
 
 
 def test_the_graph_of_smollm2_has_every_edge_once_and_none_backwards():
@@ -32,7 +32,7 @@ def test_each_receiver_of_a_plan_sums_exactly_its_own_senders(density):
     corrupted) of exactly its kept senders (corrupted base) or minus that of its dropped ones
     (live base), from whichever base sums fewer; a receiver keeping all reads the live residual
     as it is, one keeping none the corrupted one."""
-    from attnlab.edges import Plan
+    from attnlab.interventions.edges import Plan
 
     graph = Graph(n_layers=4, n_heads=4, n_kv_heads=2)
     valid = graph.valid()

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab import sparse
-from attnlab.edge_circuits import EdgeCircuits
-from attnlab.edges import Graph
+from attnlab.attention import sparse
 from attnlab.interventions import intervened
-from attnlab.pruning import TaskBatch
+from attnlab.interventions.edges import Graph
+from attnlab.patching.edges import EdgeCircuits
+from attnlab.patching.heads import TaskBatch
 from hand_forward import HandForward
 from test_attention import TINY, _tiny
 from test_pruning import _toy_batch

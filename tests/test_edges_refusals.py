@@ -1,4 +1,4 @@
-"""Every refusal of the edge code (attnlab.edges, attnlab.edge_circuits), each triggered through
+"""Every refusal of the edge code (attnlab.interventions.edges, attnlab.patching.edges), each triggered through
 the public API where one reaches it, checked for its exception and message."""
 
 import numpy as np
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.edge_circuits import EdgeCircuits
-from attnlab.edges import EdgePatch, Graph, Plan, ReceiverGradients, Recording
 from attnlab.interventions import intervened
+from attnlab.interventions.edges import EdgePatch, Graph, Plan, ReceiverGradients, Recording
+from attnlab.patching.edges import EdgeCircuits
 from test_attention import TINY
 from test_pruning import _toy_batch
 
@@ -58,8 +58,9 @@ def test_an_unknown_base_is_refused():
 
 def test_a_patch_made_for_another_graph_is_refused():
     model = TINY["llama-gqa"]()  # 3 layers
-    with pytest.raises(ValueError, match=r"the edge patch was made for Graph\(n_layers=2, n_heads=4, n_kv_heads=2\), "
-                                         r"the model is Graph\(n_layers=3, n_heads=4, n_kv_heads=2\)"):
+    with pytest.raises(ValueError, match=r"the edge patch was made for Graph\(n_layers=2, n_heads=4, n_kv_heads=2, "
+                                         r"parallel=False\), the model is Graph\(n_layers=3, n_heads=4, "
+                                         r"n_kv_heads=2, parallel=False\)"):
         _run(model, torch.tensor([[3, 4, 5]]), EdgePatch(GRAPH))
 
 
@@ -148,7 +149,7 @@ def test_eap_ig_without_a_step_is_refused():
 
 
 def test_gradients_and_differences_at_other_points_are_refused():
-    from attnlab.edge_circuits import _edge_scores  # private: moved or renamed, only this test breaks
+    from attnlab.patching.edges import _edge_scores  # private: moved or renamed, only this test breaks
 
     graph, hidden = Graph(n_layers=1, n_heads=2, n_kv_heads=1), 8
     gradients = ReceiverGradients()

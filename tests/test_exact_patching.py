@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig
 
-from attnlab import sparse
+from attnlab.attention import sparse
 from attnlab.interventions import intervened
-from attnlab.pruning import Patcher, TaskBatch, build_batch
-from attnlab.readout import Readout
-from attnlab.resume import LayerInputs, ResumeAt
-from attnlab.tasks import TaskPrompts
+from attnlab.interventions.readout import Readout
+from attnlab.interventions.resume import LayerInputs, ResumeAt
+from attnlab.patching.heads import Patcher, TaskBatch, build_batch
+from attnlab.patching.tasks import TaskPrompts
 from test_attention import TINY, _tiny
 from test_pruning import WordTokenizer, _out_projection
 

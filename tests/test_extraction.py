@@ -2,10 +2,10 @@ import h5py
 import numpy as np
 import pytest
 
-from attnlab.attention_analysis import align, mean_and_band, read_head
-from attnlab.checks import HeadRangeError
-from attnlab.extraction import extract, write_attention
-from attnlab.h5format import IncompleteFileError, open_attention
+from attnlab.config.checks import HeadRangeError
+from attnlab.extraction.analysis import align, mean_and_band, read_head
+from attnlab.extraction.extract import extract, write_attention
+from attnlab.extraction.h5format import IncompleteFileError, open_attention
 from test_attention import TINY, _prompts
 
 
@@ -74,7 +74,7 @@ def test_incomplete_file_is_refused(written):
 
 def test_killed_write_leaves_no_file(tmp_path, written, monkeypatch):
     _, prompts = written
-    import attnlab.extraction as extraction
+    import attnlab.extraction.extract as extraction
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt  # stands in for a kill arriving mid-write
@@ -104,7 +104,7 @@ def test_full_map_layer_out_of_range_is_named():
 
 def test_removing_the_insertion_recovers_the_plain_prompt(smollm2_tokenizer):
     """Cutting the inserted run (and its separator) leaves exactly the tokens of `none`."""
-    from attnlab.prompts import SPANS, make_prompts
+    from attnlab.reasoning.prompts import SPANS, make_prompts
     import pandas as pd
 
     questions = pd.DataFrame({"id": ["a"], "question": ["What is 7 + 5?"], "answer": ["12"]})
@@ -122,8 +122,8 @@ def test_removing_the_insertion_recovers_the_plain_prompt(smollm2_tokenizer):
 def test_band_is_a_seeded_percentile_bootstrap_per_position():
     """Positions held by 4, 3 and 1 prompts: each band is grading.bootstrap_ci over the prompts
     present there (the accuracy figures' interval, same seed), no width for one prompt."""
-    from attnlab.attention_analysis import BAND_RESAMPLES, BAND_SEED
-    from attnlab.grading import bootstrap_ci
+    from attnlab.extraction.analysis import BAND_RESAMPLES, BAND_SEED
+    from attnlab.reasoning.grading import bootstrap_ci
 
     aligned = np.array([[1.0, 2.0, 5.0], [2.0, 4.0, np.nan], [4.0, 3.0, np.nan], [3.0, np.nan, np.nan]])
     mean, low, high = mean_and_band(aligned, min_share=0.0)

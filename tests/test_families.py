@@ -13,9 +13,10 @@ import pandas as pd
 import pytest
 import torch
 
-from attnlab import interventions, sparse, sparsify
-from attnlab.generation import generate_all
+from attnlab import interventions, sparsify
+from attnlab.attention import sparse
 from attnlab.interventions import intervened
+from attnlab.reasoning.generation import generate_all
 from attnlab.sparsify.errors import SparsifyError
 from attnlab.sparsify.train import lora_targets, trainable_parameters
 from hand_forward import HandForward

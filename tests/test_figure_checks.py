@@ -1,4 +1,4 @@
-"""The check every figure the tests draw goes through (``attnlab.plots.text_collisions``, enforced
+"""The check every figure the tests draw goes through (``attnlab.plots.base.text_collisions``, enforced
 by ATTNLAB_STRICT_FIGURES): it reports text drawn over other text and text off the canvas, and
 strict saving refuses such a figure."""
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from attnlab.plots import _save, plt, text_collisions
+from attnlab.plots.base import _save, plt, text_collisions
 
 
 def _figure(overlapping: bool, off_canvas: bool):

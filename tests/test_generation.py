@@ -4,10 +4,10 @@ import pandas as pd
 import pytest
 import torch
 
-from attnlab.generation import check_context, generate_all
 from attnlab.interventions import intervened
 from attnlab.models import load_model, pick_device, pick_dtype
-from attnlab.prompts import build_prompt
+from attnlab.reasoning.generation import check_context, generate_all
+from attnlab.reasoning.prompts import build_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +44,9 @@ def test_device_and_dtype_choice():
 
 
 def _arithmetic_prompts(tokenizer, prompt_format: str, fewshot: int = 0, n: int = 5, slashes: int = 11):
-    from attnlab.data import fewshot_pool, prepare_dataset
-    from attnlab.plan import fewshot_spec
-    from attnlab.prompts import make_prompts
+    from attnlab.config.plan import fewshot_spec
+    from attnlab.reasoning.data import fewshot_pool, prepare_dataset
+    from attnlab.reasoning.prompts import make_prompts
 
     spec = {"source": {"arithmetic": {"low": 2, "high": 9, "ops": ["+", "-"]}}, "question": ["question"],
             "answer": "answer", "answer_format": "latex", "n": n, "seed": 0}
@@ -83,7 +83,7 @@ def test_continuous_batching_gives_the_static_engine_tokens(model_name, request)
 def test_the_shared_prefix_gives_the_tokens_of_the_whole_prefill(gemma3_dir):
     """Gemma-3 base with 3 few-shot examples and a run of "/" (its sliding layers included): the
     static engine with the rows' shared prefix prefilled once gives the same tokens as without."""
-    from attnlab.shared_prefix import prefix_unshared, shared_prefix_length
+    from attnlab.reasoning.shared_prefix import prefix_unshared, shared_prefix_length
     from attnlab.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(gemma3_dir)
@@ -125,7 +125,7 @@ def test_stop_strings_end_rows_where_transformers_own_criterion_does(gemma3_dir)
 def test_arm_changes_decoding_steps_under_continuous_batching(smollm2_dir, smollm2_tokenizer):
     """ARM's hook sees every decoding step of the engine (not only the prefill), with the
     positions that key its draws: the ARM generations equal the static engine's ARM ones."""
-    from attnlab import mlp
+    from attnlab.interventions import mlp
 
     model = load_model(smollm2_dir, torch.device("cpu"), torch.float32)
     prompts = _arithmetic_prompts(smollm2_tokenizer, "chat", n=3)
@@ -155,7 +155,7 @@ def test_arm_changes_decoding_steps_under_continuous_batching(smollm2_dir, smoll
 
 def test_continuous_batching_fails_for_a_sparse_copy_unless_told_to_fall_back(smollm2_dir, smollm2_tokenizer,
                                                                               caplog):
-    from attnlab.generation import ContinuousBatchingFailed, continuous_unsupported
+    from attnlab.reasoning.generation import ContinuousBatchingFailed, continuous_unsupported
 
     model = load_model(smollm2_dir, torch.device("cpu"), torch.float32)
     model.config.attnlab_sparse = {"gate_bias": 6.0}
@@ -172,7 +172,7 @@ def test_continuous_batching_fails_for_a_sparse_copy_unless_told_to_fall_back(sm
 
 
 def test_static_cache_engine_gives_the_static_engine_tokens_on_smollm2(smollm2_dir, smollm2_tokenizer):
-    """The static-cache loop (attnlab.decoding; CUDA graphs on GPUs, the same loop without them
+    """The static-cache loop (attnlab.reasoning.decoding; CUDA graphs on GPUs, the same loop without them
     here) against transformers' generate, float32: the same tokens, lengths and responses, rows
     ending at EOS, at a stop string (a newline) and at the limit."""
     model = load_model(smollm2_dir, torch.device("cpu"), torch.float32)
@@ -228,7 +228,7 @@ class _ConfigWithoutSeed:
 def test_the_continuous_config_is_built_from_the_installed_transformers_fields():
     from transformers import ContinuousBatchingConfig
 
-    from attnlab.generation import ContinuousBatchingFailed, continuous_batching_config
+    from attnlab.reasoning.generation import ContinuousBatchingFailed, continuous_batching_config
 
     settings = dict(num_blocks=9, max_requests_per_batch=4, max_batch_tokens=512, allow_block_sharing=False, seed=0)
     installed = continuous_batching_config(ContinuousBatchingConfig, 64, **settings)
@@ -244,7 +244,7 @@ def test_a_continuous_config_this_transformers_refuses_falls_back_to_static(smol
                                                                           monkeypatch, caplog):
     import transformers
 
-    from attnlab.generation import ContinuousBatchingFailed
+    from attnlab.reasoning.generation import ContinuousBatchingFailed
 
     monkeypatch.setattr(transformers, "ContinuousBatchingConfig", _ConfigWithoutSeed)
     model = load_model(smollm2_dir, torch.device("cpu"), torch.float32)
@@ -261,7 +261,7 @@ def test_a_continuous_config_this_transformers_refuses_falls_back_to_static(smol
 def test_the_static_engine_leaves_cudnn_attention_out_on_cuda_only():
     """cuDNN's attention made bf16 static decoding 3.7x slower on an H200; the flags are read
     inside the context (entering it needs no GPU)."""
-    from attnlab.generation import attention_backends
+    from attnlab.reasoning.generation import attention_backends
 
     with attention_backends(torch.device("cuda")):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
@@ -273,7 +273,7 @@ def test_the_static_engine_leaves_cudnn_attention_out_on_cuda_only():
 
 
 def test_the_static_engine_generates_inside_the_backend_choice(monkeypatch):
-    from attnlab import generation
+    from attnlab.reasoning import generation
     from test_decoding import _model, _prompts, _Tokenizer
 
     entered, choose = [], generation.attention_backends

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from attnlab import sparse, sparsify
+from attnlab import sparsify
+from attnlab.attention import sparse
 from sparse_tiny import tiny_settings
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,8 +4,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attnlab.grading import (bootstrap_ci, bootstrap_cis, extract_answer, grade_lenient, grade_math_verify,
-                             last_boxed, normalise_lenient)
+from attnlab.reasoning.grading import (bootstrap_ci, bootstrap_cis, extract_answer, grade_lenient, grade_math_verify,
+                                       last_boxed, normalise_lenient)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -98,7 +98,7 @@ def test_rows_bootstrapped_together_get_each_rows_own_interval():
 def test_summary_says_where_answers_came_from_and_how_many_hit_the_limit():
     import pandas as pd
 
-    from attnlab.grading import grade_items, summarise
+    from attnlab.reasoning.grading import grade_items, summarise
 
     prompts = pd.DataFrame({"id": list("abcde"), "answer": ["4", "12", "7", "3", "9"], "inserted_tokens": 0})
     responses = [r"so \boxed{4}", "#### 12", "3 + 4 = 7\n7 = 7\n7 = 1", "no digits", r"\boxed{9}"]
@@ -127,7 +127,7 @@ def test_summary_says_where_answers_came_from_and_how_many_hit_the_limit():
     ("18", "$$", "no_answer"),            # nothing left after normalising
 ])
 def test_lenient_match_names_the_rule(gold, pred, rule):
-    from attnlab.grading import lenient_match
+    from attnlab.reasoning.grading import lenient_match
 
     assert lenient_match(gold, pred) == rule
     assert grade_lenient(gold, pred) is (rule in ("exact", "substring"))
@@ -138,7 +138,7 @@ def test_substring_only_lenient_matches_are_counted_per_cell():
     the last-number fallback ("1" for gold 41, "6" for 6+9i); only one is an exact match."""
     import pandas as pd
 
-    from attnlab.grading import grade_items, summarise
+    from attnlab.reasoning.grading import grade_items, summarise
 
     gold = ["41", "6+9i", "27", "12", r"\frac{3}{4}", "5"]
     responses = ["so we get 1", "the real part is 6", "#### 2x", "answer 13", "no digits", r"\boxed{5}"]
@@ -160,7 +160,7 @@ def test_substring_only_lenient_matches_are_counted_per_cell():
 def test_a_cell_without_items_summarises_to_no_accuracy():
     import pandas as pd
 
-    from attnlab.grading import grade_items, summarise
+    from attnlab.reasoning.grading import grade_items, summarise
 
     prompts = pd.DataFrame({"id": [], "answer": [], "inserted_tokens": []})
     generations = pd.DataFrame({"id": [], "response": [], "n_new_tokens": [], "hit_token_limit": []})
@@ -175,7 +175,7 @@ def test_accuracy_table_keeps_earlier_columns_in_place(tmp_path):
     import pandas as pd
 
     from attnlab import io, steps
-    from attnlab.grading import grade_items, summarise
+    from attnlab.reasoning.grading import grade_items, summarise
 
     prompts = pd.DataFrame({"id": ["a", "b"], "answer": ["41", "7"], "inserted_tokens": 0})
     generations = pd.DataFrame({"id": ["a", "b"], "response": ["so 1", r"\boxed{7}"], "n_new_tokens": 5,
@@ -197,7 +197,7 @@ def test_accuracy_table_keeps_earlier_columns_in_place(tmp_path):
 def test_a_prompt_without_a_generation_fails_naming_its_id():
     import pandas as pd
 
-    from attnlab.grading import grade_items
+    from attnlab.reasoning.grading import grade_items
 
     prompts = pd.DataFrame({"id": ["a", "b", "c"], "answer": ["1", "2", "3"], "inserted_tokens": 0})
     generations = pd.DataFrame({"id": ["a", "c"], "response": ["1", "3"], "n_new_tokens": 1,
@@ -215,7 +215,7 @@ def test_a_second_configs_accuracy_table_names_its_config_and_logs_the_rows_it_r
     import pandas as pd
 
     from attnlab import io, steps
-    from attnlab.plan import config_label
+    from attnlab.config.plan import config_label
 
     def cell(condition, acc):
         summary = {"model": "m", "dataset": "d", "condition": condition, "n": 4, "math_verify_acc": acc}
@@ -254,8 +254,8 @@ def test_the_accuracy_interval_is_wilsons_at_the_configs_level():
     import pandas as pd
     import yaml
 
-    from attnlab.config import validate_config
-    from attnlab.grading import grade_items, summarise
+    from attnlab.config.schema import validate_config
+    from attnlab.reasoning.grading import grade_items, summarise
 
     repo = Path(__file__).resolve().parents[1]
     config = yaml.safe_load((repo / "config" / "config.yaml").read_text())

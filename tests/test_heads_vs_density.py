@@ -5,7 +5,7 @@ import pandas as pd
 
 
 def test_heads_vs_density_figure_labels_dense_over_copy(tmp_path, monkeypatch):
-    from attnlab.plots_circuits import plot_heads_vs_density
+    from attnlab.plots.circuits import plot_heads_vs_density
 
     table = pd.DataFrame({"task": ["ioi"] * 3, "ablation": ["corrupted"] * 3, "ranking": ["exact"] * 3,
                           "n_prompts": [96] * 3, "threshold": [0.9] * 3, "heldout_density": [1.0, 0.05, 0.01],
@@ -28,7 +28,7 @@ def test_heads_vs_density_figure_labels_dense_over_copy(tmp_path, monkeypatch):
 
 
 def test_heads_vs_density_table_puts_each_copy_beside_its_own_base():
-    from attnlab.curves import heads_vs_density_table
+    from attnlab.circuits.curves import heads_vs_density_table
 
     sweep = lambda needed, back=False: {"ablation": "corrupted", "ranking": "exact", "threshold": 0.9,  # noqa: E731
                                         "heads_to_reach_threshold": needed, "heads_to_reach_exact": True,
@@ -50,7 +50,7 @@ def test_heads_vs_density_bars_span_each_interval_and_point_up_where_it_never_en
     interval whose upper end is never gets an arrow up instead of a bar."""
     from matplotlib.axes import Axes
 
-    from attnlab.plots_circuits import plot_heads_vs_density
+    from attnlab.plots.circuits import plot_heads_vs_density
 
     table = pd.DataFrame({"task": ["ioi"] * 3, "ablation": ["corrupted"] * 3, "ranking": ["exact"] * 3,
                           "n_prompts": [96] * 3, "n_prompts_counted_on": [48] * 3, "threshold": [0.9] * 3,

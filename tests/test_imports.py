@@ -57,9 +57,9 @@ def test_the_library_has_no_import_cycle():
 
 def test_the_intervention_parts_sit_below_the_context_that_composes_them():
     graph = import_graph()
-    assert "attnlab.interventions" in graph["attnlab.pruning"]
-    for part in ("attnlab.sparse", "attnlab.mlp", "attnlab.attention", "attnlab.resume", "attnlab.readout",
-                 "attnlab.edges"):
+    assert "attnlab.interventions" in graph["attnlab.patching.heads"]
+    for part in ("attnlab.attention.sparse", "attnlab.interventions.mlp", "attnlab.attention.reduction", "attnlab.interventions.resume", "attnlab.interventions.readout",
+                 "attnlab.interventions.edges"):
         assert part in graph["attnlab.interventions"]
         assert "attnlab.interventions" not in graph[part]
 
@@ -72,7 +72,7 @@ def test_the_parts_below_the_context_never_import_it():
     """sparse, mlp, models, the attention function and edges (every module of the package) sit below
     attnlab.interventions: not even a nested import of it."""
     graph = import_graph()
-    edges = [name for name in graph if name.startswith("attnlab.edges")]
-    assert "attnlab.edges.patch" in edges  # the package's modules are seen
-    for lower in ("attnlab.sparse", "attnlab.mlp", "attnlab.models", "attnlab.attention_function", *edges):
+    edges = [name for name in graph if name.startswith("attnlab.interventions.edges")]
+    assert "attnlab.interventions.edges.patch" in edges  # the package's modules are seen
+    for lower in ("attnlab.attention.sparse", "attnlab.interventions.mlp", "attnlab.models", "attnlab.attention.function", *edges):
         assert "attnlab.interventions" not in graph[lower], lower

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab import interventions, sparse
-from attnlab.attention import BatchReduction
+from attnlab import interventions
+from attnlab.attention import sparse
+from attnlab.attention.reduction import BatchReduction
 from attnlab.interventions import intervened
-from attnlab.mlp import ActivationRecorder, ArmSettings
-from attnlab.pruning import HeadGates
+from attnlab.interventions.mlp import ActivationRecorder, ArmSettings
+from attnlab.patching.heads import HeadGates
 from test_attention import TINY
 
 

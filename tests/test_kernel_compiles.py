@@ -1,6 +1,6 @@
 """The fused kernels compiled ahead of time for GPUs this machine does not have (sm_90, sm_80):
 with the dtypes the models really hand them, and without spilled registers where the launcher's
-tiles promise none (attnlab.kernels.compiled; the full table: benchmarks/kernel_resources.py);
+tiles promise none (attnlab.attention.kernels.compiled; the full table: benchmarks/kernel_resources.py);
 and every tile shape those tables pick run in the interpreter against the eager formula.
 
 Under bfloat16 autocast Llama's rotary embedding returns float32 queries and keys beside bfloat16
@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from attnlab import fused  # noqa: E402
-from attnlab.kernels import compiled, launch  # noqa: E402
+from attnlab.attention import fused  # noqa: E402
+from attnlab.attention.kernels import compiled, launch  # noqa: E402
 from test_attention import TINY  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def _dtypes_under_autocast(arch: str) -> set[tuple]:
     model = TINY[arch]()
     fused.attend = record
     try:
-        from attnlab import sparse
+        from attnlab.attention import sparse
 
         sparse.make_sparse(model, 0.0)  # the gated attention: every layer goes through attend
         for use_cache in (False, True):  # training's forward, and generation's (the cache casts values)
@@ -106,7 +106,7 @@ def test_launch_parameters_that_would_recompile_or_waste_rows():
     decode); a one-row decoding query runs on a 16-row block, not a 64-row one."""
     import ast
 
-    from attnlab.kernels import launch, tiles
+    from attnlab.attention.kernels import launch, tiles
 
     assert sorted(tiles.VARYING) == ["M", "N", "OFFSET", "seed"]
     # the decorators as written (the interpreter's functions here do not keep the option)
@@ -125,7 +125,7 @@ def test_triton_3_6_takes_its_own_tiles(monkeypatch):
     target's ``TRITON36_TILES`` where they have an entry; 3.7 and later keep ``TILES`` (and
     ``SM80_TILES`` on sm_80). (The 3.6 tables' resource report: benchmarks/kernel_resources.py
     under 3.6.)"""
-    from attnlab.kernels import launch
+    from attnlab.attention.kernels import launch
 
     cuda = torch.device("cuda")
 
@@ -204,7 +204,7 @@ def test_the_kernels_equal_the_eager_formula_on_every_gpu_tile_shape(tile, monke
     """The interpreter otherwise runs 16 × 16 blocks: here every kernel runs on a tile shape a GPU
     would, over 70 positions (several query and key blocks, a partial last one): a sampled gate
     with a window of 7 that cuts inside them, a deterministic one without."""
-    from attnlab.kernels import launch
+    from attnlab.attention.kernels import launch
     from test_kernels import _compare_with_eager
 
     original = launch.blocks
@@ -225,8 +225,8 @@ def test_float32_stays_off_the_kernels_on_cuda_unless_forced(monkeypatch):
 
 
 def test_the_keys_flags_are_converted_once_per_layout():
-    from attnlab.kernels import launch
-    from attnlab.kernels.layout import MaskLayout
+    from attnlab.attention.kernels import launch
+    from attnlab.attention.kernels.layout import MaskLayout
 
     layout = MaskLayout(torch.tensor([[False, True, True]]), 0, None)
     first, flags = launch._flags(layout, torch.device("cpu"))

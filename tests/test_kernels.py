@@ -1,4 +1,4 @@
-"""The fused attention kernels (attnlab.kernels, Triton) against the eager computation.
+"""The fused attention kernels (attnlab.attention.kernels, Triton) against the eager computation.
 
 They run here in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by conftest.py
 before anything imports them), float32, tiny sizes: values to 1e-5, gradients against autograd
@@ -18,12 +18,13 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from attnlab import anatomy, fused, interventions, sparse  # noqa: E402
-from attnlab.extraction import extract  # noqa: E402
+from attnlab import interventions  # noqa: E402
+from attnlab.attention import fused, sparse  # noqa: E402
+from attnlab.attention.kernels import launch  # noqa: E402
+from attnlab.attention.kernels.layout import MaskLayout, allowed_by, layout_of  # noqa: E402
+from attnlab.attention.kernels.reference import training_gate_with_kernel_noise  # noqa: E402
+from attnlab.extraction.extract import extract  # noqa: E402
 from attnlab.interventions import intervened  # noqa: E402
-from attnlab.kernels import launch  # noqa: E402
-from attnlab.kernels.layout import MaskLayout, allowed_by, layout_of  # noqa: E402
-from attnlab.kernels.reference import training_gate_with_kernel_noise  # noqa: E402
 from test_attention import TINY, _prompts  # noqa: E402
 
 SCALE, BIAS = 0.25, 0.3
@@ -249,7 +250,7 @@ def _both_paths(monkeypatch, run):
     return eager, run()
 
 
-FUSED = [arch for arch in TINY if arch != "gemma2-softcap"]  # the kernels lack soft-capping: below
+FUSED = [arch for arch in TINY if arch != "gemma2-softcap"]  # soft-capping: test_kernel_refusals.py
 
 
 @pytest.mark.parametrize("arch", FUSED)
@@ -269,28 +270,6 @@ def test_extraction_through_the_kernels_equals_the_eager_blocks(arch, gated, ker
             np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
     if gated:  # gated rows lose mass: λ below 1 somewhere, so the test sees the gates
         assert min(np.nanmin(kernels.lam[layer]) for layer in range(layers)) < 0.9
-
-
-def test_soft_capped_layers_stay_eager_and_a_config_forcing_the_kernels_is_refused(kernel_calls, monkeypatch,
-                                                                                  caplog, tmp_path):
-    """Gemma-2's soft-capped scores: no kernel launch, the eager blocks' numbers, the reason in the
-    log; before any job, ATTNLAB_FUSED_ATTENTION=on is refused and auto said to stay eager."""
-    from attnlab.checks import ConfigError
-    from attnlab.validate import _check_kernels
-
-    model = TINY["gemma2-softcap"]()
-    prompts = _prompts([12, 8], inserted=(2, 6), vocab=101)
-    with caplog.at_level("INFO", logger="attnlab.fused"):
-        eager, kernels = _both_paths(monkeypatch, lambda: extract(model, prompts, 2, []))
-    assert kernel_calls == [] and "attention logit soft-capping" in caplog.text
-    np.testing.assert_array_equal(eager.received[1], kernels.received[1])
-    family = anatomy.of(model).family
-    with pytest.raises(ConfigError, match="needs attention logit soft-capping, which the fused attention kernels lack"):
-        _check_kernels("g2", family, ["extraction"])
-    monkeypatch.setenv(fused.MODE_VARIABLE, "auto")
-    with caplog.at_level("WARNING", logger="attnlab.validate"):
-        _check_kernels("g2", family, ["extraction"])
-    assert "run the eager attention blocks" in caplog.text
 
 
 def test_a_kept_map_layer_stays_eager_and_the_others_fuse(kernel_calls, monkeypatch):

@@ -1,4 +1,4 @@
-"""Mediation between two prompt conditions (attnlab.mediation) against computations written here:
+"""Mediation between two prompt conditions (attnlab.mechanism.mediation) against computations written here:
 the token map against the prompts' own text, the total effect against two plain forwards, every
 head and MLP patched at once against the other run, one head's effect against a hook of its own."""
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab.mediation import AlignmentError, Item, answer_continuation, mediate
-from attnlab.mlp import ArmSettings
-from attnlab.prompts import PLACEMENTS, build_prompt, insertion_text, random_position
+from attnlab.interventions.mlp import ArmSettings
+from attnlab.mechanism.mediation import AlignmentError, Item, answer_continuation, mediate
+from attnlab.reasoning.prompts import PLACEMENTS, build_prompt, insertion_text, random_position
 from test_attention import TINY
 from test_prompts import CONDITIONS, QUESTIONS, RAW, SYSTEM
 
@@ -148,7 +148,7 @@ def test_a_share_is_the_mean_effect_over_the_signed_mean_total(llama_mediation):
     percentiles of that ratio over resamples drawn here (seed 0, 2,000); all heads and MLPs
     together have share 1 in both directions, here and in the tiny Llama's mediation, whose
     totals also change sign."""
-    from attnlab.mediation.summary import shares
+    from attnlab.mechanism.mediation.summary import shares
 
     effects, total = _mixed_sign_effects()
     got = shares(effects, total).set_index(["direction", "component"])
@@ -332,7 +332,7 @@ def test_the_top_heads_are_patched_together_exactly(llama_attribution):
 def test_max_items_takes_items_evenly_spaced_over_the_file():
     """Generated datasets are ordered by their operands: a cap takes items from all of it."""
     import pandas as pd
-    from attnlab.mediation import items_from_tables
+    from attnlab.mechanism.mediation import items_from_tables
     ids = [f"q{i}" for i in range(10)]
     baseline = pd.DataFrame({"id": ids, "input_ids": [[1, 2, 3]] * 10})
     treated = pd.DataFrame({"id": ids, "input_ids": [[1, 9, 2, 3]] * 10, "cut_start": 1, "cut_end": 2})

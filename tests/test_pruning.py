@@ -2,10 +2,11 @@ import numpy as np
 import pytest
 import torch
 
-from attnlab.curves import heads_to_reach, k_grid
+from attnlab.circuits.curves import heads_to_reach, k_grid
+from attnlab.circuits.sweeps import sweep as swept_metric
 from attnlab.interventions import intervened
-from attnlab.pruning import HeadGates, Patcher, build_batch
-from attnlab.tasks import TaskError, TaskPrompts, generate_task, single_tokens, year_formulation
+from attnlab.patching.heads import HeadGates, Patcher, build_batch
+from attnlab.patching.tasks import TaskError, TaskPrompts, generate_task, single_tokens, year_formulation
 from test_attention import TINY
 
 
@@ -112,7 +113,7 @@ def test_the_sweeps_ends_are_the_model_with_every_head_and_with_none(arch, ablat
     batch = _toy_batch()  # one template, equal lengths: no padding
     patcher = Patcher(model, batch, ablation, batch_size=4)
     heads = [(l, h) for l in range(3) for h in range(4)]
-    sweep, per_prompt = patcher.sweep(heads, k_grid(len(heads)))
+    sweep, per_prompt = swept_metric(patcher, heads, k_grid(len(heads)))
     assert sweep["metric"].iloc[-1] == pytest.approx(_metric_by_hand(model, batch, None), abs=1e-5)
     none_kept = _metric_by_hand(model, batch, _references_by_hand(model, batch, ablation))
     assert sweep["metric"].iloc[0] == pytest.approx(none_kept, abs=1e-5)
@@ -183,7 +184,7 @@ def test_gemma3_does_ioi(gemma3_dir):
     assert clean > 1.0
     assert abs(corrupted) < clean / 2
     n_heads = 18 * 4
-    sweep, _ = patcher.sweep([(l, h) for l in range(18) for h in range(4)], [0, n_heads])
+    sweep, _ = swept_metric(patcher, [(l, h) for l in range(18) for h in range(4)], [0, n_heads])
     assert sweep["explained_effect"].tolist() == [0.0, 1.0]
 
 
@@ -191,7 +192,7 @@ def test_sweep_is_refined_around_the_first_crossing():
     """The grid's crossing of 0.9 lies between grid points 20 and 40: every k in between is
     measured, so the count is 27 and not the grid's 40; a later dip is reported. With k below
     it unmeasured, 27 is an upper bound, said so; a complete sweep's count is exact."""
-    from attnlab.curves import crossing, refined_sweep
+    from attnlab.circuits.curves import crossing, refined_sweep
 
     def effect(k):  # explained effect of keeping k of 100 heads; dips below 0.9 at k = 70
         return 0.8 if k == 70 else min(1.0, k / 30)
@@ -222,7 +223,7 @@ def test_sweep_is_refined_around_the_first_crossing():
 def test_a_grid_count_is_an_upper_bound_on_a_curve_that_is_not_monotonic():
     """A spike to the threshold between grid points (k = 15) is not seen: the grid's count
     (27) is larger than the fewest heads (15), and is reported as not exact."""
-    from attnlab.curves import count_text, crossing, refined_sweep
+    from attnlab.circuits.curves import count_text, crossing, refined_sweep
 
     def metric_at(k):
         return 0.95 if k == 15 else min(1.0, k / 30)
@@ -237,9 +238,9 @@ def test_patcher_sweep_refines_between_grid_points():
     model = TINY["qwen2"]()
     patcher = Patcher(model, _toy_batch(), "corrupted", batch_size=4)
     heads = [(l, h) for l in range(3) for h in range(4)]
-    full, _ = patcher.sweep(heads, k_grid(len(heads)))
+    full, _ = swept_metric(patcher, heads, k_grid(len(heads)))
     threshold = float(full["explained_effect"].iloc[5:8].mean())  # a crossing inside (0, 12)
-    refined, _ = patcher.sweep(heads, [0, 12], threshold)
+    refined, _ = swept_metric(patcher, heads, [0, 12], threshold)
     needed = heads_to_reach(full, threshold)
     assert heads_to_reach(refined, threshold) == needed
     assert refined["heads_kept"].tolist() == list(range(13))
@@ -266,7 +267,7 @@ def _late_jump_curve():
 
 
 def test_late_jump_and_overshoot_are_flagged_with_their_sizes():
-    from attnlab.curves import fragility
+    from attnlab.circuits.curves import fragility
 
     flags = fragility(_late_jump_curve(), 0.9)
     assert flags["fragile"] and flags["late_jump"] and flags["overshoots"]
@@ -282,7 +283,7 @@ def test_late_jump_and_overshoot_are_flagged_with_their_sizes():
 
 def test_smooth_curve_is_not_fragile():
     """A steady rise to 1 (early steep part included): nothing flagged, its climb still measured."""
-    from attnlab.curves import fragility
+    from attnlab.circuits.curves import fragility
 
     effect = 1 - np.exp(-np.arange(101) / 12.0)
     effect[-1] = 1.0
@@ -295,7 +296,7 @@ def test_smooth_curve_is_not_fragile():
 
 
 def test_fall_back_below_the_threshold_is_flagged():
-    from attnlab.curves import fragility
+    from attnlab.circuits.curves import fragility
 
     effect = np.r_[np.linspace(0, 0.95, 11), [0.8, 0.85, 1.0]]
     flags = fragility(_curve(effect), 0.9)
@@ -305,7 +306,7 @@ def test_fall_back_below_the_threshold_is_flagged():
 
 def test_pruning_figure_says_fragile_beside_the_ratio(tmp_path, monkeypatch):
     """The N× label names the fragile count and why; the legend and the curve are marked."""
-    from attnlab import plots_circuits as plots
+    from attnlab.plots import circuits as plots
 
     drawn, original = {}, plots._save
 
@@ -342,7 +343,7 @@ def test_pruning_figure_says_fragile_beside_the_ratio(tmp_path, monkeypatch):
 def test_heads_vs_density_rows_say_when_their_ratio_is_fragile():
     import pandas as pd
 
-    from attnlab.curves import flag_fragile_counts, fragility
+    from attnlab.circuits.curves import flag_fragile_counts, fragility
 
     table = pd.DataFrame({"label": ["d", "d-sparse"], "base": ["d", "d"], "task": ["ioi", "ioi"],
                           "heads_to_reach_threshold": [217, 19]})

@@ -110,7 +110,7 @@ def test_the_default_dry_run_validates_in_under_5_seconds(tmp_path):
 
 
 def test_rebuild_requests_are_read_from_the_command_line_while_parsing():
-    from attnlab.validate import rebuild_requests
+    from attnlab.config.validate import rebuild_requests
 
     argv = ["snakemake", "-n", "-R", "resources/models/a", "prepare_model", "--cores", "1"]
     assert rebuild_requests(argv) == {"resources/models/a", "prepare_model"}

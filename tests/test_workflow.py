@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from attnlab.curves import heads_to_reach, k_grid
+from attnlab.circuits.curves import heads_to_reach, k_grid
 
 from conftest import job_counts, snakemake
 
@@ -59,10 +59,10 @@ def test_continuous_engine_gives_the_tiny_runs_tokens(tiny_run):
     continuous, ARM on for the ARM condition: the same token ids for every prompt."""
     import torch
 
-    from attnlab.generation import generate_all
     from attnlab.interventions import intervened
-    from attnlab.mlp import ArmSettings
+    from attnlab.interventions.mlp import ArmSettings
     from attnlab.models import load_model
+    from attnlab.reasoning.generation import generate_all
     from attnlab.tokenization import load_tokenizer
 
     workdir, config, _ = tiny_run

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.initialization import no_init_weights
 
 from attnlab.anatomy.families import family_of
-from attnlab.checks import check_chat_template
+from attnlab.config.checks import check_chat_template
+from attnlab.config.sources import check_model_source, package_folder
 from attnlab.io import atomic_path
-from attnlab.sources import check_model_source, package_folder
 from attnlab.tokenization import save_tokenizer
 
 log = logging.getLogger(__name__)
@@ -142,13 +142,13 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
     """A prepared model in eval mode; a sparse copy with its gated attention selected (this loader
     registers it: nothing need be imported before). The class comes from the config's own
     family, never from a folder's code (a sparse copy carries some, for plain transformers'
-    ``trust_remote_code``: ``sparse_folder``)."""
+    ``trust_remote_code``: ``sparsify.folder``)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    import attnlab.attention_function  # noqa: F401 -- registers the gated attention a sparse copy selects
-    from attnlab import sparse
-    from attnlab.checks import damaged_model_files
+    from attnlab.attention import sparse
+    import attnlab.attention.function  # noqa: F401 -- registers the gated attention a sparse copy selects
+    from attnlab.config.checks import damaged_model_files
 
     try:
         config = AutoConfig.from_pretrained(path)

@@ -10,14 +10,21 @@ sys.path.insert(0, LIBRARY)
 _paths = os.environ.get("PYTHONPATH", "")
 if LIBRARY not in _paths.split(os.pathsep):  # set for the jobs, not read from the user
     os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [LIBRARY, _paths])))
-from attnlab.plan import (arm_of, cell_generation, comparison_pairs, config_label, fewshot_shots, fewshot_spec, figure_files,
-                          has_length_sweep, has_placement_sweep, length_families, model_datasets, model_job_threads,
-                          mediation_cells, model_memory_mb, models_on, placements, selections, sparse_pairs,
-                          weights_bytes)
-from attnlab import settings as typed
-from attnlab.sources import sparse_bases
-from attnlab.config import check_unique_keys
-from attnlab.validate import ConfigError, check, rebuild_requests
+from attnlab.config.plan import (arm_of, cell_generation, comparison_pairs, config_label, fewshot_shots,
+                                 fewshot_spec, figure_files, has_length_sweep, has_placement_sweep, length_families,
+                                 model_datasets, model_job_threads, mediation_cells, model_memory_mb, models_on,
+                                 placements, selections, sparse_pairs, weights_bytes)
+from attnlab.config import settings as typed
+from attnlab.config.sources import sparse_bases
+from attnlab.config.schema import check_unique_keys
+from attnlab.config.validate import ConfigError, check, rebuild_requests
+
+
+def check_local_dataset(name, spec):
+    """A user's local data file read as its job will (pandas and datasets: imported only then)."""
+    from attnlab.reasoning.data import check_local_dataset as read
+
+    read(name, spec)
 
 
 # The schema (defaults filled in place) and every cross-reference, before any job runs.
@@ -25,7 +32,8 @@ from attnlab.validate import ConfigError, check, rebuild_requests
 _REBUILDING = rebuild_requests(sys.argv, workflow.dag_settings)
 try:
     check_unique_keys(workflow.configfiles)  # a key given twice: YAML (and so Snakemake) keeps the last
-    check(config, os.path.join(workflow.basedir, "config", "schema.yaml"), rebuilding=_REBUILDING)
+    check(config, os.path.join(workflow.basedir, "config", "schema.yaml"), rebuilding=_REBUILDING,
+          read_dataset=check_local_dataset)
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
@@ -121,7 +129,7 @@ def model_memory(least_mb):
 
 
 def model_threads(wildcards):
-    """Threads of a model-running job: half of --cores locally (see attnlab.plan)."""
+    """Threads of a model-running job: half of --cores locally (see attnlab.config.plan)."""
     cores = workflow.global_resources.get("_cores")  # a Resource once parsed, None when not given
     return model_job_threads(getattr(cores, "value", cores), workflow.local_exec)
 

@@ -1,6 +1,6 @@
 rule mediate:
     """What carries a condition's effect: every head, MLP and residual stream patched between it and
-    the baseline on the same items, both directions; shares of the total effect (attnlab.mediation)."""
+    the baseline on the same items, both directions; shares of the total effect (attnlab.mechanism.mediation)."""
     input:
         unpack(mediation_inputs),
     output:

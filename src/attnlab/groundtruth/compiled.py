@@ -15,7 +15,7 @@ Nothing here is imported by the workflow: the converted models are committed (da
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,7 +53,7 @@ class Compiled:
     program: dict  # program.Program's serialized form
     blocks: dict[str, dict]  # op -> {"head": [layer, head]} and/or {"mlp": layer}; "embed" for inputs
     reference: dict  # {"inputs": [[token, ...]], "outputs": [T x outputs per input]}
-    evaluations: dict = None  # op -> its values on each reference input, by tracr's causal evaluator
+    evaluations: dict = field(default_factory=dict)  # op -> its values on each reference input (tracr's causal evaluator)
 
 
 def compile_program(name: str) -> Compiled:

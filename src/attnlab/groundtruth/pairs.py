@@ -22,7 +22,7 @@ from pathlib import Path
 
 from attnlab.groundtruth.convert import VALUE_WORD, ZERO_WORD
 from attnlab.groundtruth.program import Program
-from attnlab.tasks import TaskError, TaskPrompts, check_alignment, generate_task
+from attnlab.patching.tasks import TaskError, TaskPrompts, check_alignment, generate_task
 
 SPEC = "attnlab_program.json"
 TASKS = ("program", "program_control")
@@ -31,7 +31,7 @@ ATTEMPTS = 1000
 
 def prompts_for(task: str, tokenizer, n: int, seed: int, model_dir) -> TaskPrompts:
     """A task's prompts for the model in ``model_dir``: a compiled program's own tasks from its
-    spec, every other task from attnlab.tasks."""
+    spec, every other task from attnlab.patching.tasks."""
     if task not in TASKS:
         return generate_task(task, tokenizer, n, seed)
     prompts = generate(task, tokenizer, n, seed, model_dir)

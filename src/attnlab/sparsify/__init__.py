@@ -1,6 +1,6 @@
 """Sparse attention post-training (arXiv 2512.05865): a model's sparse copy.
 
-The student is the base model with edge-gated attention (``attnlab.sparse``); it minimises the
+The student is the base model with edge-gated attention (``attnlab.attention.sparse``); it minimises the
 expected density of open edges subject to a KL (or control-CE) constraint enforced with a
 Lagrange multiplier (GECO). The method, its objective and where each part comes from are
 written once, in docs/sparse.md.

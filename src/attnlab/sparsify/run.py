@@ -14,7 +14,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnlab import io, sparse, sparse_folder
+from attnlab import io
+from attnlab.attention import sparse
+from attnlab.sparsify import folder as sparse_folder
 from attnlab.sparsify.calibrate import bias_columns, calibrate_gate_bias
 from attnlab.sparsify.corpus import Corpus, build_corpus, report_corpus
 from attnlab.sparsify.errors import SparsifyError

@@ -12,7 +12,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from attnlab import anatomy, interventions, io, sparse
+from attnlab import anatomy, interventions, io
+from attnlab.attention import sparse
 from attnlab.interventions import intervened
 from attnlab.sparsify import losses
 from attnlab.sparsify.errors import SparsifyError

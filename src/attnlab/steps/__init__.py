@@ -1,7 +1,7 @@
 """One function per workflow step: read inputs, call the library, write outputs.
 
 The scripts under workflow/scripts/ are one call into this package each, so a step can be
-run and tested without Snakemake. Each step builds its typed settings (``attnlab.settings``)
+run and tested without Snakemake. Each step builds its typed settings (``attnlab.config.settings``)
 from the config slice its rule passes. Nothing here imports torch at import time: the
 figure and table steps run without it.
 """

@@ -10,14 +10,14 @@ import numpy as np
 import pandas as pd
 
 from attnlab import io
-from attnlab.settings import Extraction, MlpAnalysis
+from attnlab.config.settings import Extraction, MlpAnalysis
 from attnlab.steps.common import _arm, _model_and_prompts, log
 
 
 def extract_attention(model_dir: str, prompts_path: str, out_path: str, settings: dict,
                       attrs: dict, threads: int, arm: dict | None = None,
                       batch_size: int | None = None) -> None:
-    from attnlab.extraction import extract, write_attention
+    from attnlab.extraction.extract import extract, write_attention
     from attnlab.interventions import intervened
 
     settings = Extraction(**settings)
@@ -50,8 +50,8 @@ def _tokenizer_provenance(model_dir: str) -> dict:
 
 def plot_attention_head(paths: dict[str, str], out_path: str, model: str, dataset: str,
                         layer: int, head: int, plot: dict, dpi: int) -> None:
-    from attnlab.attention_analysis import read_head
-    from attnlab.plots_attention import plot_attention_head as plot_head
+    from attnlab.extraction.analysis import read_head
+    from attnlab.plots.attention import plot_attention_head as plot_head
 
     per_condition = {condition: read_head(path, layer, head) for condition, path in paths.items()}
     plot_head(per_condition, model, dataset, layer, head, out_path, plot["drop_first"],
@@ -60,9 +60,9 @@ def plot_attention_head(paths: dict[str, str], out_path: str, model: str, datase
 
 def plot_attention_figure(figure: dict, paths: list[str], out_path: str, plot: dict, dpi: int) -> None:
     """One composite figure; ``paths`` are the files ``plan.figure_files`` names, in its order."""
-    from attnlab.attention_analysis import read_head
-    from attnlab.plan import figure_files
-    from attnlab.plots_attention import plot_attention_figure as draw
+    from attnlab.config.plan import figure_files
+    from attnlab.extraction.analysis import read_head
+    from attnlab.plots.attention import plot_attention_figure as draw
 
     files = dict(zip(figure_files(figure), paths))
     panels = [{**panel, "per_condition": {
@@ -78,7 +78,7 @@ def rank_attention_heads(paths: dict[str, str], table_path: str, figure_dir: str
     """Heads whose received attention changes most between two conditions, and their plots."""
     from pathlib import Path
 
-    from attnlab.attention_analysis import head_change_scores
+    from attnlab.extraction.analysis import head_change_scores
 
     first, second = top["between"]
     scores = head_change_scores(paths[first], paths[second], plot["drop_first"])
@@ -92,8 +92,8 @@ def rank_attention_heads(paths: dict[str, str], table_path: str, figure_dir: str
 
 def lambda_summary(paths: dict[str, str], table_path: str, figure_path: str, keys: dict,
                    dpi: int) -> None:
-    from attnlab.attention_analysis import lambda_table
-    from attnlab.plots_attention import plot_lambda_heatmap
+    from attnlab.extraction.analysis import lambda_table
+    from attnlab.plots.attention import plot_lambda_heatmap
 
     table = lambda_table(paths)
     for key, value in reversed(list(keys.items())):
@@ -108,7 +108,7 @@ def mlp_activations(model_dir: str, prompts_path: str, stats_path: str, histogra
     """Statistics and a histogram of one layer's MLP activation over the question tokens."""
     from attnlab import anatomy
     from attnlab.interventions import intervened
-    from attnlab.mlp_recording import record_activations
+    from attnlab.mechanism.recording import record_activations
 
     settings = MlpAnalysis(**settings)
     model, prompts, device, dtype, batch_size = _model_and_prompts(model_dir, prompts_path, settings,
@@ -132,8 +132,8 @@ def mlp_activations(model_dir: str, prompts_path: str, stats_path: str, histogra
 def mlp_summary(stats_paths: dict[str, str], histogram_paths: dict[str, str], table_path: str,
                 figure_path: str, keys: dict, baseline: str, layer: int, near_zero: float,
                 dpi: int) -> None:
-    from attnlab.mlp import summarise_statistics
-    from attnlab.plots import plot_mlp_histograms
+    from attnlab.interventions.mlp import summarise_statistics
+    from attnlab.plots.base import plot_mlp_histograms
 
     stats = {c: pd.read_csv(path) for c, path in stats_paths.items()}
     histograms = {c: pd.read_csv(path) for c, path in histogram_paths.items()}

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from attnlab import io
-from attnlab.settings import Scoring, Sweep
+from attnlab.config.settings import Scoring, Sweep
 from attnlab.steps.common import _batch_size, _seed_everything, log
 
 
@@ -20,10 +20,10 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     import torch
     from scipy.stats import spearmanr
 
-    from attnlab.models import load_model, pick_device
-    from attnlab.pruning import Patcher, build_batch
     from attnlab.groundtruth.pairs import prompts_for
-    from attnlab.tasks import split_for_ranking, subset
+    from attnlab.models import load_model, pick_device
+    from attnlab.patching.heads import Patcher, build_batch
+    from attnlab.patching.tasks import split_for_ranking, subset
     from attnlab.tokenization import load_tokenizer
 
     settings = Scoring(**settings)
@@ -71,10 +71,10 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     bound). ``outputs``: sweep (curves), per_prompt (each prompt's metric at each k), summary."""
     import torch
 
-    from attnlab.counting import Bootstrap, prompts_digest
+    from attnlab.circuits.counting import Bootstrap, prompts_digest
     from attnlab.models import load_model, pick_device
-    from attnlab.pruning import Patcher, build_batch
-    from attnlab.tasks import TaskPrompts, subset
+    from attnlab.patching.heads import Patcher, build_batch
+    from attnlab.patching.tasks import TaskPrompts, subset
     from attnlab.tokenization import load_tokenizer
 
     settings = Sweep(**settings)
@@ -118,9 +118,9 @@ def _head_count(patcher, order, settings: Sweep, bootstrap, counted_on: list[int
     the configured ranking refined at the first crossing and below the interval's ends
     (``counting.count_heads``). bisection: the configured ranking searched from a coarse grid
     with that grid as the fine one (``crossing_search``), any other ranking on the coarse grid."""
-    from attnlab.counting import count_heads
-    from attnlab.crossing_search import searched_count
-    from attnlab.curves import k_grid
+    from attnlab.circuits.counting import count_heads
+    from attnlab.circuits.crossing_search import searched_count
+    from attnlab.circuits.curves import k_grid
 
     grid = k_grid(len(order), settings.all_k_up_to, settings.log_points)
     if settings.search == "bisection":
@@ -144,8 +144,8 @@ def plot_pruning(inputs: dict[str, dict[str, str]], out_path: str, task: str, co
     """The pruning figure of one task from each model's sweep (``inputs[model]``: sweep, summary,
     per_prompt), the configured ranking's curves, with every count's and N×'s interval; ``unit``
     "edges": edge sweeps (one ranking each, which ``ranking`` names)."""
-    from attnlab.plan import comparison_pairs
-    from attnlab.plots_circuits import plot_pruning as plot
+    from attnlab.config.plan import comparison_pairs
+    from attnlab.plots.circuits import plot_pruning as plot
 
     read = {model: _read_sweep(paths, ranking, unit) for model, paths in inputs.items()}
     ratios = {}
@@ -170,7 +170,7 @@ def _read_sweep(paths: dict[str, str], ranking: str | None = None, unit: str = "
     """``paths``: sweep (curves), summary (sweep.json), per_prompt; ``ranking``: the summary's own
     when None. ``unit`` "edges": an edge sweep (one ranking), its "edges" named "heads" as the
     counting and the figures read them."""
-    from attnlab.curves import renamed_unit
+    from attnlab.circuits.curves import renamed_unit
 
     summary = renamed_unit(io.read_json(paths["summary"]), unit, "heads")
     curve = renamed_unit(pd.read_csv(paths["sweep"]), unit, "heads")
@@ -185,7 +185,7 @@ def _read_sweep(paths: dict[str, str], ranking: str | None = None, unit: str = "
 def _ratio(first: _Swept, second: _Swept, threshold: float, bootstrap: dict) -> dict:
     """The bootstrap interval of first's count / second's, paired where both were counted on the
     same prompts."""
-    from attnlab.counting import Bootstrap, ratio_between
+    from attnlab.circuits.counting import Bootstrap, ratio_between
 
     paired = first.summary.get("counted_prompts_digest") == second.summary.get("counted_prompts_digest")
     return ratio_between(first.per_prompt, second.per_prompt, paired, threshold,
@@ -201,9 +201,9 @@ def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
     whether each count, and so each N×, is fragile comes from the sweep's curve (curve_paths,
     same keys), and each N×'s interval from both sweeps' per-prompt metrics (per_prompt_paths,
     paired)."""
-    from attnlab.curves import (crossing, flag_fragile_counts, fragility, heads_vs_density_table,
-                                renamed_unit)
-    from attnlab.plots_circuits import plot_heads_vs_density
+    from attnlab.circuits.curves import (crossing, flag_fragile_counts, fragility, heads_vs_density_table,
+                                         renamed_unit)
+    from attnlab.plots.circuits import plot_heads_vs_density
 
     read = {tuple(key.split("/")): _read_sweep({"sweep": curve_paths[key], "summary": path,
                                                 "per_prompt": per_prompt_paths[key]}, unit=unit)
@@ -251,7 +251,7 @@ def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, chec
 
 
 def plot_sparsify(inputs: dict, training_path: str, density_path: str, model: str, dpi: int) -> None:
-    from attnlab.plots_circuits import plot_sparse_density, plot_sparse_training
+    from attnlab.plots.circuits import plot_sparse_density, plot_sparse_training
 
     summary = io.read_json(inputs["summary"])
     plot_sparse_training(pd.read_csv(inputs["steps"]), pd.read_csv(inputs["evals"]), summary, model,

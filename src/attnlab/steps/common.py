@@ -11,7 +11,7 @@ import sys
 import pandas as pd
 
 from attnlab import io
-from attnlab.settings import Extraction, MlpAnalysis
+from attnlab.config.settings import Extraction, MlpAnalysis
 
 
 log = logging.getLogger("attnlab")
@@ -57,7 +57,7 @@ def _batch_size(configured: int, given: int | None) -> int:
 
 
 def _arm(arm: dict | None):
-    from attnlab.mlp import ArmSettings
+    from attnlab.interventions.mlp import ArmSettings
 
     return ArmSettings(**arm) if arm else None
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from attnlab import io
-from attnlab.curves import renamed_unit
-from attnlab.settings import EdgeSweep
+from attnlab.circuits.curves import renamed_unit
+from attnlab.config.settings import EdgeSweep
 from attnlab.steps.common import _batch_size, _seed_everything, log
 
 
@@ -20,11 +20,11 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     ``outputs``: edges (every edge's score and rank), curve, per_prompt, summary."""
     import torch
 
-    from attnlab.counting import Bootstrap, prompts_digest
-    from attnlab.edge_circuits import EdgeCircuits, ranked_edges
+    from attnlab.circuits.counting import Bootstrap, prompts_digest
     from attnlab.models import load_model, pick_device
-    from attnlab.pruning import build_batch
-    from attnlab.tasks import TaskPrompts, subset
+    from attnlab.patching.edges import EdgeCircuits, ranked_edges
+    from attnlab.patching.heads import build_batch
+    from attnlab.patching.tasks import TaskPrompts, subset
     from attnlab.tokenization import load_tokenizer
 
     settings = EdgeSweep(**settings)
@@ -71,9 +71,9 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
 def _swept_count(circuits, order, settings, bootstrap, counted_on):
     """The count over edges kept in ``order``: a log grid refined around the first crossing
     (search ``rounds``), or the crossing and the interval's ends bisected (``bisection``)."""
-    from attnlab.counting import count_heads
-    from attnlab.crossing_search import searched_count
-    from attnlab.curves import k_grid
+    from attnlab.circuits.counting import count_heads
+    from attnlab.circuits.crossing_search import searched_count
+    from attnlab.circuits.curves import k_grid
 
     grid = k_grid(len(order), 0, settings.log_points)
     if settings.search == "bisection":
@@ -85,8 +85,8 @@ def _swept_count(circuits, order, settings, bootstrap, counted_on):
 def plot_circuit(edges_path: str, summary_path: str, out_path: str, model: str, dpi: int) -> None:
     """The circuit at the first crossing of the threshold (summary.json's count; with none, every
     edge), drawn over the model's components."""
-    from attnlab.curves import count_text
-    from attnlab.plots_circuits import plot_circuit as plot
+    from attnlab.circuits.curves import count_text
+    from attnlab.plots.circuits import plot_circuit as plot
 
     summary = io.read_json(summary_path)
     needed = summary["edges_to_reach_threshold"]

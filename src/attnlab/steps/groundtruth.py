@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 
 from attnlab import io
-from attnlab.settings import GroundTruth
+from attnlab.config.settings import GroundTruth
 from attnlab.steps.common import _batch_size, _seed_everything, log
 
 
@@ -21,7 +21,7 @@ def groundtruth_score(model_dir: str, task: str, settings: dict, inputs: dict, o
 
     from attnlab.groundtruth import pairs, truth
     from attnlab.models import load_model, pick_device
-    from attnlab.tasks import TaskPrompts
+    from attnlab.patching.tasks import TaskPrompts
     from attnlab.tokenization import load_tokenizer
 
     settings = GroundTruth(**settings)
@@ -87,9 +87,9 @@ def _circuit_row(inputs: dict, known) -> dict:
 
 def _edge_scores(model, tokenizer, prompts, ranked_on: list[int], settings: GroundTruth, size: int) -> dict:
     """method -> (edge names, scores) for EAP (1 step) and EAP-IG at each other step count."""
-    from attnlab.edge_circuits import EdgeCircuits, ranked_edges
-    from attnlab.pruning import build_batch
-    from attnlab.tasks import subset
+    from attnlab.patching.edges import EdgeCircuits, ranked_edges
+    from attnlab.patching.heads import build_batch
+    from attnlab.patching.tasks import subset
 
     circuits = EdgeCircuits(model, build_batch(subset(prompts, ranked_on), tokenizer), size)
     scored = {}
@@ -121,9 +121,9 @@ def _control(model, tokenizer, model_dir: str, settings: GroundTruth, size: int)
     edge patched alone (the effects; all within the tolerance to pass), and EAP-IG's largest
     |score| at the largest step count (an attribution along a path through inputs that are not
     controls, reported, not held to the tolerance)."""
-    from attnlab.edge_circuits import EdgeCircuits
     from attnlab.groundtruth import pairs
-    from attnlab.pruning import Patcher, build_batch
+    from attnlab.patching.edges import EdgeCircuits
+    from attnlab.patching.heads import Patcher, build_batch
 
     prompts = pairs.generate("program_control", tokenizer, settings.control_n, settings.seed, model_dir)
     batch = build_batch(prompts, tokenizer)
@@ -148,7 +148,7 @@ def groundtruth_table(tables: list[str], rocs: list[str], controls: list[str], t
                       figure_path: str, dpi: int) -> None:
     """Every model's rows in one table, each negative control as a row of its own (its largest
     effect and whether it is within the tolerance), and the ROC figure."""
-    from attnlab.plots_groundtruth import plot_roc
+    from attnlab.plots.groundtruth import plot_roc
 
     table = pd.concat([pd.read_csv(path) for path in tables], ignore_index=True)
     control_rows = []

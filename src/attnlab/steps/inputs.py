@@ -13,14 +13,14 @@ def prepare_model(name: str, source: dict, out_dir: str, prompt_format: str | No
 
 
 def prepare_dataset(name: str, spec: dict, out_path: str) -> None:
-    from attnlab.data import prepare_dataset as prepare
+    from attnlab.reasoning.data import prepare_dataset as prepare
 
     io.write_parquet(prepare(name, spec), out_path)
 
 
 def prepare_fewshot(name: str, spec: dict, evaluated_path: str, out_path: str, seed: int) -> None:
-    from attnlab.data import fewshot_pool
-    from attnlab.plan import FEWSHOT_POOL
+    from attnlab.config.plan import FEWSHOT_POOL
+    from attnlab.reasoning.data import fewshot_pool
 
     pool = fewshot_pool(name, spec, io.read_parquet(evaluated_path), FEWSHOT_POOL, seed)
     io.write_parquet(pool, out_path)
@@ -29,7 +29,7 @@ def prepare_fewshot(name: str, spec: dict, evaluated_path: str, out_path: str, s
 def make_prompts(model_dir: str, dataset_path: str, out_path: str, condition_name: str,
                  condition: dict, prompt_cfg: dict, prompt_format: str, fewshot: int = 0,
                  fewshot_path: str | None = None) -> None:
-    from attnlab.prompts import make_prompts as build
+    from attnlab.reasoning.prompts import make_prompts as build
     from attnlab.tokenization import context_length, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)

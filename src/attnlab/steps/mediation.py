@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from attnlab import io
-from attnlab.settings import Mediation
+from attnlab.config.settings import Mediation
 from attnlab.steps.common import _batch_size, log, log_replaced_rows
 
 
@@ -16,8 +16,8 @@ def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summar
     import torch
 
     from attnlab import anatomy
-    from attnlab.mediation import SHARE_DEFINITION, items_from_tables, mediate
-    from attnlab.mlp import ArmSettings
+    from attnlab.interventions.mlp import ArmSettings
+    from attnlab.mechanism.mediation import SHARE_DEFINITION, items_from_tables, mediate
     from attnlab.models import load_model, pick_device, pick_dtype
     from attnlab.tokenization import load_tokenizer
 
@@ -88,6 +88,6 @@ def mediation_table(summary_paths: list[str], out_path: str, config: str = "") -
 
 
 def plot_mediation(summary_path: str, out_path: str, dpi: int) -> None:
-    from attnlab.plots_mediation import plot_mediation as plot
+    from attnlab.plots.mediation import plot_mediation as plot
 
     plot(io.read_json(summary_path), out_path, dpi)

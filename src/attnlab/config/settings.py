@@ -1,0 +1,138 @@
+"""Typed settings of the workflow's steps: frozen dataclasses built where a step starts
+(``steps``) from the slice of the validated config its rule passes (``slice_of``, called in
+common.smk). The keys a step reads are declared once, as the fields of its dataclass; the
+schema (config/schema.yaml) holds their defaults, ranges and meaning.
+
+Post-training's settings are ``attnlab.sparsify.settings.SparsifySettings``, ARM's
+``attnlab.interventions.mlp.ArmSettings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+def slice_of(cls, config: dict) -> dict:
+    """What ``cls`` reads from ``config``, in field order (a rule's params: Snakemake reruns a
+    job when they change, so a key the step does not read never reruns it)."""
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in config]
+    if missing:
+        raise KeyError(f"{cls.__name__} reads {missing}, which the config section lacks "
+                       f"(has: {sorted(config)}); was the config validated (attnlab.config.validate.check)?")
+    return {f.name: config[f.name] for f in dataclasses.fields(cls)}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Greedy generation of one model x dataset cell (``plan.cell_generation``)."""
+
+    max_new_tokens: int
+    batch_size: int
+    device: str
+    dtype: str
+    seed: int
+    stop_strings: list[str]
+    engine: str
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """attention: the reduction of every layer and head into one HDF5 file per cell."""
+
+    max_prompts: int | None
+    batch_size: int
+    device: str
+    dtype: str
+    full_map_layers: list[int]
+
+
+@dataclass(frozen=True)
+class MlpAnalysis:
+    """mlp: statistics of one layer's MLP activation."""
+
+    layer: int
+    near_zero: float
+    histogram: dict[str, Any]
+    max_prompts: int | None
+    batch_size: int
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Mediation:
+    """mediation: one treated condition against the baseline on the same items."""
+
+    max_items: int | None
+    arm_seeds: list[int]
+    heads: str
+    patched_layers: list[int] | None
+    batch_size: int
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """pruning: one task's prompts and every head's score (not the sweep's grid)."""
+
+    seed: int
+    ablation: str
+    ranking: str
+    exact: bool
+    rank_share: float  # of the n prompts, the share heads are ranked on (0: all, and counted on all)
+    batch_size: int
+    device: str
+    n: int  # the task's clean/corrupted pairs (pruning.tasks.<task>.n)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """pruning: the top-k sweep's grid, the threshold it refines the grid around, and the
+    bootstrap over prompts that gives each count its interval."""
+
+    seed: int
+    ablation: str
+    ranking: str
+    batch_size: int
+    device: str
+    all_k_up_to: int
+    log_points: int
+    search: str  # rounds (counting.count_heads) or bisection (crossing_search)
+    coarse_points: int  # bisection: the coarse grid (the rounds' grid: the fine one near the threshold)
+    threshold: float
+    bootstrap: dict[str, Any]  # n_resamples, confidence
+
+
+@dataclass(frozen=True)
+class EdgeSweep:
+    """pruning.edges with the pruning settings it shares: EAP-IG's steps, the sweep's grid and its
+    refinement, the threshold and the bootstrap."""
+
+    seed: int
+    steps: int
+    batch_size: int
+    device: str
+    log_points: int
+    search: str  # rounds (curves.refined_sweep, counting.count_heads) or bisection (crossing_search)
+    coarse_points: int  # bisection: the coarse grid (log_points: the fine grid near the threshold)
+    refine_points: int
+    interval_points: int
+    n_counted: int | None  # the first n of the head sweep's counted prompts (None: all)
+    threshold: float
+    bootstrap: dict[str, Any]  # n_resamples, confidence
+
+
+@dataclass(frozen=True)
+class GroundTruth:
+    """groundtruth, with pruning's seed and device: scoring every method of a compiled-program
+    model against the circuit derived from its program."""
+
+    seed: int
+    device: str
+    batch_size: int
+    eap_ig_steps: list[int]  # edge scores at each step count (1: plain EAP), ROC AUC for each
+    control_n: int  # negative-control pairs
+    tolerance: float  # a negative control passes when every effect is at most this

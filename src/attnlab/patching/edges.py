@@ -1,0 +1,165 @@
+"""Edge circuits: every edge's score by edge attribution patching with integrated gradients
+(EAP-IG), and the exact metric of a circuit that keeps the top-n edges.
+
+The prompts, metric and corrupted inputs are a head sweep's (``patching.batch.TaskBatch``); the edges
+are those of ``edges.Graph`` and every pass goes through ``intervened(model, edges=...)``.
+
+- Scores: score(s → r) = (a_s(clean) − a_s(corrupted)) · mean over k = 1..steps of
+  ∂m/∂x_r at the input embeddings corrupted + (k / steps)(clean − corrupted), summed over positions
+  and prompts, with m the task metric's mean over prompts: a linear estimate of how much the
+  metric drops when that one edge carries the corrupted activation. The Riemann sum ends at the
+  clean input, so ``steps=1`` is plain edge attribution patching (EAP, the gradient at the
+  clean input). Hanna et al.'s code takes k = 0..steps−1 (ending next to the corrupted input);
+  for steps ≥ 5 the two differ by a step of the sum. Cost: a recording forward of the corrupted
+  run and ``steps`` forward-and-backward passes per batch of prompts (the last one, at the clean
+  input, records the clean run).
+- Evaluation: a circuit keeps n edges (ranked by |score|); every other edge carries its sender's
+  corrupted activation (``edges.EdgePatch``). Keeping every edge is the clean forward, none the
+  corrupted one. The corrupted run of each batch is recorded once and reused for every n.
+- Sweep: n on a log grid, refined around the first crossing of the threshold by log-spaced
+  rounds until the crossing is found to the edge (``curves.refined_sweep``); the count's
+  interval comes from ``counting.count_heads``, which works on any ranked components.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from attnlab import anatomy
+from attnlab.interventions import intervened
+from attnlab.interventions.edges import EdgePatch, Graph, Plan, ReceiverGradients, Recording
+from attnlab.interventions.readout import Readout
+from attnlab.patching.batch import LOGITS_KEPT, TaskBatch
+
+
+class EdgeCircuits:
+    """A task batch's edge scores and circuit metrics on one model, in mini-batches."""
+
+    def __init__(self, model, batch: TaskBatch, batch_size: int, refine_points: int = 12):
+        self.model, self.batch, self.refine_points = model, batch, refine_points
+        model.requires_grad_(False)
+        self.graph = Graph.of(model)
+        self.edges = self.graph.edges()
+        self.batch_size = batch_size
+        self.device = model.device
+        self.positions = batch.positions
+        self._corrupted: list[tuple[Recording, torch.Tensor]] | None = None  # with its metric
+
+    # ---- passes ----
+    def _chunks(self) -> list[slice]:
+        return self.batch.chunks(self.batch_size)
+
+    def _logits(self, rows: slice, patch: EdgePatch, ids: torch.Tensor | None = None,
+                embeds: torch.Tensor | None = None) -> torch.Tensor:
+        readout = Readout(LOGITS_KEPT, self.batch.read_tokens)
+        inputs = {"inputs_embeds": embeds} if embeds is not None else {"input_ids": ids[rows].to(self.device)}
+        with intervened(self.model, edges=patch, readout=readout):
+            return self.model(**inputs, attention_mask=self.batch.mask[rows].to(self.device),
+                              position_ids=self.positions[rows].to(self.device), use_cache=False,
+                              logits_to_keep=LOGITS_KEPT).logits
+
+    def _record(self, ids: torch.Tensor, rows: slice, points: torch.Tensor | None = None
+                ) -> tuple[Recording, torch.Tensor]:
+        # the points on the model's device: every layer of a pass selects them
+        recording = Recording(points=None if points is None else points.to(self.device))
+        with torch.no_grad():
+            logits = self._logits(rows, EdgePatch(self.graph, record=recording), ids=ids)
+        return recording, self.batch.metric(logits, self.batch.prompts_of(rows))
+
+    def _corrupted_runs(self) -> list[tuple[Recording, torch.Tensor]]:
+        """The corrupted run of each mini-batch and its metric, recorded once."""
+        if self._corrupted is None:
+            self._corrupted = [self._record(self.batch.corrupted, rows, self.batch.differing_points(rows))
+                               for rows in self._chunks()]
+        return self._corrupted
+
+    @property
+    def corrupted(self) -> list[Recording]:
+        return [recording for recording, _ in self._corrupted_runs()]
+
+    # ---- scores ----
+    def scores(self, steps: int = 5) -> torch.Tensor:
+        """[senders, receivers] EAP-IG score of every edge (0 where there is no edge)."""
+        if steps < 1:
+            raise ValueError(f"EAP-IG needs at least 1 step, not {steps}")
+        graph, scores = self.graph, torch.zeros(self.graph.n_senders, self.graph.n_receivers, dtype=torch.float64)
+        embed = anatomy.of(self.model).input_embeddings
+        for rows in tqdm(self._chunks(), desc="edge scores", unit="batch", mininterval=10):
+            points = self.batch.differing_points(rows)  # elsewhere clean − corrupted is 0
+            corrupted, _ = self._record(self.batch.corrupted, rows, points)
+            with torch.no_grad():
+                clean_in = embed(self.batch.clean[rows].to(self.device))
+                corrupted_in = embed(self.batch.corrupted[rows].to(self.device))
+            points = points.to(self.device)
+            gradients, clean = ReceiverGradients(points=points), Recording(points=points)
+            for k in range(1, steps + 1):
+                # the last step is the clean input itself: its pass records the clean run too
+                embeds = clean_in if k == steps else corrupted_in + (k / steps) * (clean_in - corrupted_in)
+                patch = EdgePatch(graph, gradients=gradients, record=clean if k == steps else None)
+                logits = self._logits(rows, patch, embeds=embeds)
+                metric = self.batch.metric(logits, self.batch.prompts_of(rows)).sum() / self.batch.n_prompts
+                metric.backward()
+            scores += _edge_scores(graph, clean.senders.sub_(corrupted.senders), gradients, steps)
+        return scores.float()
+
+    # ---- circuits ----
+    def kept(self, order: np.ndarray, n: int) -> torch.Tensor:
+        """The mask keeping the first n edges of ``order`` (indices into ``self.edges``)."""
+        chosen = self.edges.iloc[np.asarray(order[:n], dtype=int)]
+        return self.graph.mask(chosen["sender"].to_numpy(), chosen["receiver"].to_numpy())
+
+    def per_prompt(self, kept: torch.Tensor | None = None) -> tuple[float, np.ndarray]:
+        """The mean metric and each prompt's with only the ``kept`` edges carrying the clean
+        activations (None: the clean forward, unpatched)."""
+        values = []
+        plan = None if kept is None else Plan.of(self.graph, kept)  # one for every batch
+        with torch.no_grad():
+            for rows, corrupted in zip(self._chunks(), self.corrupted):
+                patch = (EdgePatch(self.graph) if kept is None
+                         else EdgePatch(self.graph, kept=kept, corrupted=corrupted, plan=plan))
+                values.append(self.batch.metric(self._logits(rows, patch, ids=self.batch.clean),
+                                                self.batch.prompts_of(rows)))
+        return sum(float(v.sum()) for v in values) / self.batch.n_prompts, torch.cat(values).double().cpu().numpy()
+
+    def metric(self, kept: torch.Tensor | None = None) -> float:
+        return self.per_prompt(kept)[0]
+
+    def corrupted_metric(self) -> float:
+        return float(sum(metric.sum() for _, metric in self._corrupted_runs())) / self.batch.n_prompts
+
+
+def _edge_scores(graph: Graph, differences: torch.Tensor, gradients: ReceiverGradients, steps: int) -> torch.Tensor:
+    """Σ over the points (flat row × token indices: the recordings' and the gradients') and
+    hidden units of (clean − corrupted) sender activations ``differences`` [senders, points,
+    hidden] · the receivers' gradients summed over the steps, over ``steps``: [senders,
+    receivers]. One matrix product per layer's receivers (its heads' and its MLP's), one for the
+    logits."""
+    scores = torch.zeros(graph.n_senders, graph.n_receivers, dtype=torch.float64)
+    flat = differences.flatten(1)  # [senders, points x hidden], a view
+
+    def block(receivers: slice) -> torch.Tensor:
+        """[senders upstream of the last of ``receivers``, receivers]."""
+        gradient = gradients.gradient(receivers.start)  # [receivers, points, hidden]
+        if gradient.shape[1:] != differences.shape[1:]:
+            raise ValueError(f"receiver gradients at {tuple(gradient.shape[1:])} [points, hidden], sender "
+                             f"differences at {tuple(differences.shape[1:])}: keep both at the same points")
+        return (flat[:graph.upstream(receivers.stop - 1)] @ gradient.flatten(1).T.to(flat.dtype) / steps).double().cpu()
+    for layer in range(graph.n_layers):
+        attention, mlp = graph.attention_slice(layer), graph.mlp_receiver(layer)
+        both = block(graph.layer_receivers(mlp))  # the attention columns' extra rows (this layer's heads) unused
+        scores[:graph.upstream(attention.start), attention] = both[:graph.upstream(attention.start), :-1]
+        scores[:graph.upstream(mlp), mlp] = both[:, -1]
+    scores[:, graph.logits_receiver] = block(graph.layer_receivers(graph.logits_receiver))[:, 0]
+    return scores
+
+
+def ranked_edges(graph: Graph, scores: torch.Tensor) -> pd.DataFrame:
+    """Every edge with its score and rank by |score| (1: the largest; ties in edge order)."""
+    edges = graph.edges()
+    senders, receivers = (torch.from_numpy(edges[column].to_numpy(copy=True)) for column in ("sender", "receiver"))
+    edges["score"] = scores[senders, receivers].numpy()
+    edges["rank"] = edges["score"].abs().rank(ascending=False, method="first").astype(int)
+    return edges
