@@ -14,8 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.initialization import no_init_weights
 
+import attnlab.attention.function  # noqa: F401 -- registers the gated attention a sparse copy selects
 from attnlab.anatomy.families import family_of
-from attnlab.config.checks import check_chat_template
+from attnlab.attention import sparse
+from attnlab.config.checks import check_chat_template, damaged_model_files
 from attnlab.config.sources import check_model_source, package_folder
 from attnlab.io import atomic_path
 from attnlab.tokenization import save_tokenizer
@@ -145,10 +147,6 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
     ``trust_remote_code``: ``sparsify.folder``)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from attnlab.attention import sparse
-    import attnlab.attention.function  # noqa: F401 -- registers the gated attention a sparse copy selects
-    from attnlab.config.checks import damaged_model_files
 
     try:
         config = AutoConfig.from_pretrained(path)

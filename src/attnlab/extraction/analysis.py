@@ -14,6 +14,7 @@ import pandas as pd
 
 from attnlab.config.checks import check_heads
 from attnlab.extraction.h5format import open_attention
+from attnlab.reasoning.grading import bootstrap_cis
 
 INSERTED, QUESTION, CUT = 1, 2, 3  # indices in /spans (attnlab.reasoning.prompts.SPANS)
 
@@ -83,8 +84,6 @@ def mean_and_band(aligned: np.ndarray, min_share: float = 0.5) -> tuple[np.ndarr
     """Mean over prompts and the low and high ends of its 95% percentile-bootstrap interval
     at each position (over the prompts that have a token there; no width where one prompt),
     for the positions that at least ``min_share`` of the prompts reach."""
-    from attnlab.reasoning.grading import bootstrap_cis
-
     present = np.isfinite(aligned)
     count = present.sum(0)
     keep = count >= max(1, min_share * len(aligned))

@@ -8,6 +8,7 @@ import textwrap
 import numpy as np
 import pandas as pd
 
+from attnlab.extraction.analysis import align, inserted_share, mean_and_band, runs_of
 from attnlab.plots.base import _save, fitted_suptitle, plt
 
 ALIGNED_TITLE = "inserted tokens removed (meaningful tokens aligned)"
@@ -22,8 +23,6 @@ def _draw_conditions(ax, per_condition: dict[str, dict], remove_inserted: bool, 
     few single prompts;
     the full sequence (``remove_inserted`` False) also shades each condition's inserted tokens.
     Colours follow the order of ``per_condition``, so they match from panel to panel."""
-    from attnlab.extraction.analysis import align, mean_and_band
-
     colours = plt.get_cmap("tab10")
     first = int(drop_first)
     for k, (condition, data) in enumerate(per_condition.items()):
@@ -56,8 +55,6 @@ def _shade_inserted(ax, per_condition: dict[str, dict]) -> None:
     """Each condition's inserted positions in its colour, from every prompt's span (not one
     prompt's): dark where all prompts have an inserted token, light where only some do
     (a place that varies by prompt, as with question_random)."""
-    from attnlab.extraction.analysis import inserted_share, runs_of
-
     colours = plt.get_cmap("tab10")
     for k, data in enumerate(per_condition.values()):
         share = inserted_share(data["spans"], int(data["lengths"].max()))
@@ -101,8 +98,6 @@ def _panel_title(panel: dict) -> str:
 def _zoom_on_inserted(ax, per_condition: dict[str, dict]) -> None:
     """Limit the x axis to where any condition inserts tokens (plus a margin), and the y axis
     to what is drawn there: the inserted tokens' values are often far from the rest."""
-    from attnlab.extraction.analysis import inserted_share
-
     width = max(int(data["lengths"].max()) for data in per_condition.values())
     inserted = np.flatnonzero(np.any([inserted_share(data["spans"], width) > 0
                                       for data in per_condition.values()], 0))

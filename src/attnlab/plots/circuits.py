@@ -8,6 +8,9 @@ import textwrap
 import numpy as np
 import pandas as pd
 
+from attnlab.circuits.curves import (FRAGILITY_DEFINITION, GRID_COUNT, GRID_NOTE, count_text, crossing, fragility,
+                                    heads_ratio, interval_text)
+from attnlab.config.plan import comparison_pairs
 from attnlab.plots.base import _save, fitted_suptitle, plt
 
 
@@ -28,9 +31,6 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
     ``summaries`` (each model's sweep.json) give the counts' intervals and the prompts they rest
     on, ``ratios`` (keyed by compared pair, from ``counting.ratio_between``) the N×'s; a curve
     with ``effect_low``/``effect_high`` columns is drawn with its band."""
-    from attnlab.circuits.curves import FRAGILITY_DEFINITION, GRID_NOTE, count_text, crossing, fragility, interval_text
-    from attnlab.config.plan import comparison_pairs
-
     summaries, ratios = summaries or {}, ratios or {}
     fig, ax = plt.subplots(figsize=(7.5, 5))
     colours = plt.get_cmap("tab10")
@@ -109,8 +109,6 @@ def _prompts_note(summaries: dict[str, dict]) -> str:
 def _ratio_label(first: str, second: str, needed: dict, threshold: float, interval: dict | None = None,
                  unit: str = "heads") -> str:
     """"N× fewer heads (edges) for B than A", with the N×'s interval when there is one."""
-    from attnlab.circuits.curves import interval_text
-
     ratio = needed[first] / needed[second]
     spread = "" if interval is None else f", N× {interval_text(interval['low'], interval['high'], 2)}"
     if ratio >= 1:
@@ -268,8 +266,6 @@ def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 1
     dense model x ablation x ranking x prompt count; the dense model sits at density 1 and each
     copy is labelled N× against it. A curve that never reaches the threshold has no point (NaN).
     ``base`` names the dense model where the table has no ``base`` column."""
-    from attnlab.circuits.curves import GRID_COUNT, heads_ratio, interval_text
-
     if "base" not in table:
         table = table.assign(base=base)
     tasks = list(dict.fromkeys(table["task"]))

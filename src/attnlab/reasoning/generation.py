@@ -12,6 +12,9 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from attnlab.reasoning.decoding import RowEnds, decode_batch, unsupported
+from attnlab.reasoning.shared_prefix import prefilled_cache, prefix_unshared
+
 log = logging.getLogger(__name__)
 
 
@@ -76,8 +79,6 @@ def _generate_batch(model, tokenizer, ids: list[list[int]], config: GenerationCo
                     stop_strings: list[str], share_prefix: bool = True):
     """One left-padded batch through transformers' generate; ``share_prefix``: the rows' common
     leading tokens prefilled once (attnlab.reasoning.shared_prefix: the same tokens up to float rounding)."""
-    from attnlab.reasoning.shared_prefix import prefilled_cache, prefix_unshared
-
     batch = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt").to(model.device)
     width = batch["input_ids"].shape[1]
     criteria = StoppingCriteriaList([StopOnStrings(tokenizer, stop_strings, width)] if stop_strings else [])
@@ -131,8 +132,6 @@ def chosen_engine(engine: str, model) -> tuple[str, str | None]:
     CUDA (each decode step one CUDA graph, attnlab.reasoning.decoding) and ``static`` elsewhere, where
     transformers' generate is as fast; ``static_cache`` where its loop cannot serve the model
     runs ``static``, saying why."""
-    from attnlab.reasoning.decoding import unsupported
-
     if engine == "auto":
         engine = "static_cache" if model.device.type == "cuda" else "static"
     if engine == "static_cache":
@@ -295,8 +294,6 @@ def _ends_of(tokenizer, config: GenerationConfig, stop_strings: list[str]) -> tu
 
 def _static_batch(model, tokenizer, ids, config, stop_strings,
                   share_prefix: bool = True) -> tuple[torch.Tensor, list[int], str]:
-    from attnlab.reasoning.decoding import RowEnds
-
     tokens = _generate_batch(model, tokenizer, ids, config, stop_strings, share_prefix)
     ends = RowEnds(len(ids), *_ends_of(tokenizer, config, stop_strings))
     ends.update(tokens.tolist())
@@ -305,8 +302,6 @@ def _static_batch(model, tokenizer, ids, config, stop_strings,
 
 def _static_cache_batch(model, tokenizer, ids, config, stop_strings) -> tuple[torch.Tensor, list[int], str]:
     """One padded batch through the static-cache loop (attnlab.reasoning.decoding)."""
-    from attnlab.reasoning.decoding import decode_batch
-
     eos_ids, stopped = _ends_of(tokenizer, config, stop_strings)
     tokens, lengths, graphed = decode_batch(model, ids, config.max_new_tokens, eos_ids, config.pad_token_id,
                                             stopped)

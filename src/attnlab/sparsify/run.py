@@ -22,6 +22,7 @@ from attnlab.sparsify.corpus import Corpus, build_corpus, report_corpus
 from attnlab.sparsify.errors import SparsifyError
 from attnlab.sparsify.settings import SparsifySettings
 from attnlab.sparsify.train import Trainer, TrainState, _describe, _finite, _logits_fit, _stop_on_nan
+from attnlab.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,6 @@ def write_outputs(result: PostTrained, name: str, settings: SparsifySettings | d
 
 
 def _prepare(base_dir: str, settings: SparsifySettings, device: torch.device, checkpoint: Path) -> _Run:
-    from attnlab.tokenization import load_tokenizer
-
     tokenizer = load_tokenizer(base_dir)
     # Calibration documents are held out whether or not calibration runs: the training text is
     # then the same either way (a checkpoint resumes, an uncalibrated copy compares).

@@ -15,6 +15,7 @@ import torch
 from attnlab import anatomy, interventions, io
 from attnlab.attention import sparse
 from attnlab.interventions import intervened
+from attnlab.models import enable_activation_checkpointing, load_model
 from attnlab.sparsify import losses
 from attnlab.sparsify.errors import SparsifyError
 from attnlab.sparsify.settings import SparsifySettings
@@ -155,9 +156,6 @@ class Trainer:
     """The student, its references, the optimiser(s), and the GECO multiplier."""
 
     def __init__(self, base_dir: str, settings: SparsifySettings, device: torch.device):
-
-        from attnlab.models import enable_activation_checkpointing, load_model
-
         settings = self.settings = SparsifySettings.of(settings)
         self.device = device
         torch.manual_seed(settings.seed)
