@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import pandas as pd
 import torch
 from tqdm import tqdm
 

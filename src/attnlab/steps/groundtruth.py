@@ -3,7 +3,6 @@ table and ROC figure (``make groundtruth``; attnlab.groundtruth)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 
 from attnlab import io
