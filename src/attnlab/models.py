@@ -18,7 +18,7 @@ import attnlab.attention.function  # noqa: F401 -- registers the gated attention
 from attnlab.anatomy.families import family_of
 from attnlab.attention import sparse
 from attnlab.config.checks import check_chat_template, damaged_model_files
-from attnlab.config.sources import check_model_source, package_folder
+from attnlab.config.sources import check_model_source, package_folder, program_spec
 from attnlab.io import atomic_path
 from attnlab.tokenization import save_tokenizer
 
@@ -135,8 +135,8 @@ def prepare_model(name: str, source: dict, out_dir: str | Path, prompt_format: s
 def _carry_program_spec(source: dict, folder: Path) -> None:
     """A compiled-program model's spec (attnlab.groundtruth: its program, blocks and tasks) goes
     with it from a local source into the prepared folder, where its tasks read it."""
-    spec = Path(source.get("local", "")).expanduser() / "attnlab_program.json"
-    if "local" in source and spec.is_file():
+    spec = program_spec(source)
+    if spec is not None:
         (folder / spec.name).write_bytes(spec.read_bytes())
 
 

@@ -25,19 +25,12 @@ import os
 import torch
 
 from attnlab.attention import reduction, sparse
+from attnlab.config.checks import FUSED_MODE_VARIABLE, fused_mode
 
 log = logging.getLogger(__name__)
 
-MODE_VARIABLE = "ATTNLAB_FUSED_ATTENTION"
-MODES = ("auto", "on", "off")
+MODE_VARIABLE = FUSED_MODE_VARIABLE  # read by config.checks.fused_mode, which the config check shares
 LARGEST_HEAD = 256
-
-
-def mode() -> str:
-    value = os.environ.get(MODE_VARIABLE, "auto").strip().lower()
-    if value not in MODES:
-        raise ValueError(f"{MODE_VARIABLE}={value!r}: expected one of {MODES}")
-    return value
 
 
 @functools.cache
@@ -51,7 +44,7 @@ def triton_version() -> str | None:
 
 def enabled(device: torch.device) -> bool:
     """Whether tensors on ``device`` go through the kernels (module docstring)."""
-    chosen = mode()
+    chosen = fused_mode()
     if chosen == "off" or triton_version() is None:
         return False
     if device.type == "cuda":
@@ -71,7 +64,7 @@ def float32_kernels(device_type: str) -> bool:
     thread (FMA, no tensor cores; benchmarks/README.md, "Kernel resources"), and the eager blocks
     scored SmolLM2's 270 heads on 32 prompts in 2.1 s on an H200: float32 stays eager there until a
     GPU measures the kernels faster. The CPU interpreter (tests) runs them in float32."""
-    return device_type != "cuda" or mode() == "on"
+    return device_type != "cuda" or fused_mode() == "on"
 
 
 def unfused_reason(query, softcap, layer: int, reduce, dtype: torch.dtype | None = None) -> str | None:

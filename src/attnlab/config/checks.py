@@ -8,8 +8,22 @@ the same checks again where they read the value.
 from __future__ import annotations
 
 import json
+import os
 import string
 from pathlib import Path
+
+
+FUSED_MODE_VARIABLE = "ATTNLAB_FUSED_ATTENTION"  # attention.fused: whether layers go through the kernels
+FUSED_MODES = ("auto", "on", "off")
+
+
+def fused_mode() -> str:
+    """``ATTNLAB_FUSED_ATTENTION`` (auto, on, off), read on every call: the kernels' launcher and
+    the config check both ask here."""
+    value = os.environ.get(FUSED_MODE_VARIABLE, "auto").strip().lower()
+    if value not in FUSED_MODES:
+        raise ValueError(f"{FUSED_MODE_VARIABLE}={value!r}: expected one of {FUSED_MODES}")
+    return value
 
 
 class ConfigError(ValueError):

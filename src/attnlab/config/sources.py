@@ -13,6 +13,16 @@ from attnlab.anatomy.families import GGUF_ARCHITECTURES
 from attnlab.config.checks import ConfigError
 
 
+PROGRAM_SPEC = "attnlab_program.json"  # a compiled-program model's spec (attnlab.groundtruth)
+
+
+def program_spec(source: dict) -> Path | None:
+    """A local source's compiled-program spec file, where it has one (the model is then a ground-truth
+    model: its program, its blocks and its tasks' rules)."""
+    spec = Path(source.get("local", "")).expanduser() / PROGRAM_SPEC
+    return spec if "local" in source and spec.is_file() else None
+
+
 class SourceError(ConfigError):
     """A configured model or dataset source cannot be found."""
 

@@ -16,13 +16,14 @@ import os
 from pathlib import Path
 
 from attnlab.anatomy.families import UnknownFamily, config_shape, family_of, text_config
-from attnlab.config.checks import (ConfigError, check_arithmetic_range, check_chat_template, check_heads,
+from attnlab.config.checks import (ConfigError, fused_mode, check_arithmetic_range, check_chat_template, check_heads,
                                    check_layer, check_raw_template, damaged_model_files,
                                    prepared_has_chat_template, prepared_model_config)
 from attnlab.config.schema import validate_config
 from attnlab.config.plan import (check_attention_figures, check_fewshot, comparison_pairs, figure_panels, model_datasets,
                                  selections)
-from attnlab.config.sources import check_model_source, check_sparse_models, source_config
+from attnlab.config.sources import (PROGRAM_SPEC, check_model_source, check_sparse_models, program_spec,
+                                    source_config)
 
 log = logging.getLogger(__name__)
 
@@ -60,28 +61,21 @@ def _check_pruning(pruning: dict) -> None:
                           "add the task to pruning.tasks, or drop it from pruning.edges.tasks")
 
 
-def _program_spec(model: dict) -> Path | None:
-    """A compiled-program model's spec file (a local source holding it), or None."""
-    folder = model["source"].get("local")
-    spec = Path(folder).expanduser() / "attnlab_program.json" if folder else None
-    return spec if spec is not None and spec.is_file() else None
-
-
 def _check_groundtruth(config: dict, chosen: dict) -> None:
     """The task 'program' runs on compiled-program models alone; a model scored against its truth
     is one, swept on that task with its edge circuit."""
     models, pruning = config["models"], config["pruning"]
     if "program" in pruning["tasks"]:
-        plain = [m for m in chosen["pruning_models"] if _program_spec(models[m]) is None]
+        plain = [m for m in chosen["pruning_models"] if program_spec(models[m]["source"]) is None]
         if plain:
             raise ConfigError(f"pruning.tasks has 'program', a compiled program's own task, but {plain} are not "
-                              "compiled-program models (a local source folder with attnlab_program.json, as "
+                              f"compiled-program models (a local source folder with {PROGRAM_SPEC}, as "
                               "data/groundtruth has): set pruning.models to those models, or drop the task")
     for name in chosen["groundtruth_models"]:
         if name not in models:
             raise ConfigError(f"groundtruth.models names '{name}', not in models: {sorted(models)}")
-        if _program_spec(models[name]) is None:
-            raise ConfigError(f"groundtruth.models: '{name}' has no attnlab_program.json in its source "
+        if program_spec(models[name]["source"]) is None:
+            raise ConfigError(f"groundtruth.models: '{name}' has no {PROGRAM_SPEC} in its source "
                               f"{models[name]['source']}: only compiled-program models (data/groundtruth, "
                               "`make groundtruth-models`) have a truth to score against")
         if name not in chosen["edge_models"] or "program" not in pruning["edges"]["tasks"]:
@@ -229,7 +223,7 @@ def _check_kernels(name: str, family, stages: list[str]) -> None:
     if not family.kernels_lack or not set(stages) & set(KERNEL_STAGES):
         return
     lacking = ", ".join(family.kernels_lack)
-    if os.environ.get("ATTNLAB_FUSED_ATTENTION", "auto").strip().lower() == "on":
+    if fused_mode() == "on":
         raise ConfigError(f"model '{name}' ({family.name}) needs {lacking}, which the fused attention kernels "
                           "lack, and ATTNLAB_FUSED_ATTENTION=on asks for them: set it to auto (its layers then "
                           "run the eager attention blocks) or off")

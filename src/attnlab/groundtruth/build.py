@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from attnlab.config.sources import PROGRAM_SPEC
 from attnlab.groundtruth import compiled as tracr_side
 from attnlab.groundtruth.convert import gpt2_config, output_words, state_dict, vocabulary, word_tokenizer
 from attnlab.io import atomic_path
@@ -81,7 +82,7 @@ def write_model(folder: Path, name: str, programs: list, readout: int) -> float:
     with atomic_path(folder, directory=True) as tmp:
         model.save_pretrained(tmp)
         word_tokenizer(words, tracr_side.BOS).save_pretrained(tmp)
-        (tmp / "attnlab_program.json").write_text(json.dumps(described, separators=(",", ":")) + "\n")
+        (tmp / PROGRAM_SPEC).write_text(json.dumps(described, separators=(",", ":")) + "\n")
     return worst
 
 

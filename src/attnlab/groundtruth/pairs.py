@@ -20,11 +20,11 @@ import json
 import random
 from pathlib import Path
 
+from attnlab.config.sources import PROGRAM_SPEC
 from attnlab.groundtruth.convert import VALUE_WORD, ZERO_WORD
 from attnlab.groundtruth.program import Program
 from attnlab.patching.tasks import TaskError, TaskPrompts, check_alignment, generate_task
 
-SPEC = "attnlab_program.json"
 TASKS = ("program", "program_control")
 ATTEMPTS = 1000
 
@@ -40,9 +40,9 @@ def prompts_for(task: str, tokenizer, n: int, seed: int, model_dir) -> TaskPromp
 
 
 def read_spec(model_dir: str | Path | None) -> dict:
-    path = Path(model_dir or "") / SPEC
+    path = Path(model_dir or "") / PROGRAM_SPEC
     if model_dir is None or not path.is_file():
-        raise TaskError(f"tasks {TASKS} need a ground-truth model (a folder with {SPEC}, as "
+        raise TaskError(f"tasks {TASKS} need a ground-truth model (a folder with {PROGRAM_SPEC}, as "
                         f"`make groundtruth-models` writes under data/groundtruth); {model_dir} has none")
     return json.loads(path.read_text())
 
