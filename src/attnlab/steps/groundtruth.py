@@ -3,6 +3,9 @@ table and ROC figure (``make groundtruth``; attnlab.groundtruth)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import pandas as pd
 
 from attnlab import io
@@ -19,6 +22,7 @@ def groundtruth_score(model_dir: str, task: str, settings: dict, inputs: dict, o
     import torch
 
     from attnlab.groundtruth import pairs, truth
+    from attnlab.groundtruth.scoring import method_row, roc_points
     from attnlab.models import load_model, pick_device
     from attnlab.patching.tasks import TaskPrompts
     from attnlab.tokenization import load_tokenizer
@@ -31,13 +35,12 @@ def groundtruth_score(model_dir: str, task: str, settings: dict, inputs: dict, o
     known = truth.derive(spec, pairs.token_pairs(prompts))
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     size = _batch_size(settings.batch_size, batch_size)
-    rows, curves = _head_rows(inputs, known), []
-    rows.append(_circuit_row(inputs, known))
-    scored = _edge_scores(model, tokenizer, prompts, io.read_json(inputs["scoring"])["ranked_on"], settings, size)
-    for method, (names, scores) in scored.items():
-        rows.append(_row(method, "edges", names, scores, known.edges))
-    for row in rows:
-        curves.append(_roc(row, inputs, scored, known))
+    ranked_on = io.read_json(inputs["scoring"])["ranked_on"]
+    rankings = (_head_rankings(inputs) + [_circuit_ranking(inputs)]
+                + _edge_rankings(model, tokenizer, prompts, ranked_on, settings, size))
+    truths = {"heads": set(known.heads), "edges": set(known.edges)}
+    rows = [method_row(r.method, r.unit, r.names, r.scores, truths[r.unit], r.kept) for r in rankings]
+    curves = [roc_points(r.method, r.unit, r.names, r.scores, truths[r.unit]) for r in rankings]
     control = _control(model, tokenizer, model_dir, settings, size)
     table = pd.DataFrame(rows).assign(model=spec["name"], program=spec["readout"], stack=" ".join(spec["stack"]),
                                       task=task)
@@ -52,16 +55,19 @@ def groundtruth_score(model_dir: str, task: str, settings: dict, inputs: dict, o
              sorted(known.heads), control["largest_effect"])
 
 
-def _row(method: str, unit: str, names: list, scores, truth_set, kept=None) -> dict:
-    from attnlab.groundtruth.scoring import method_row
+class Ranking(NamedTuple):
+    """One method's scored components and, where its sweep counted one, its circuit."""
+    method: str
+    unit: str  # heads or edges
+    names: list
+    scores: np.ndarray
+    kept: list | None = None
 
-    return method_row(method, unit, names, scores, set(truth_set), kept)
 
-
-def _head_rows(inputs: dict, known) -> list[dict]:
-    """Each ranking's AUC and the circuit its sweep counted (the top k of the sweep's own order)."""
+def _head_rankings(inputs: dict) -> list[Ranking]:
+    """Each ranking's scores and the circuit its sweep counted (the top k of the sweep's own order)."""
     scores, sweep = pd.read_csv(inputs["scores"]), io.read_json(inputs["sweep"])
-    rows = []
+    rankings = []
     for ranking in ("exact", "attribution"):
         if ranking not in scores:
             continue
@@ -69,50 +75,36 @@ def _head_rows(inputs: dict, known) -> list[dict]:
         names = [(int(l), int(h)) for l, h in zip(order["layer"], order["head"])]
         count = sweep["rankings"].get(ranking, {}).get("heads_to_reach_threshold")
         method = {"exact": "exact patching", "attribution": "attribution patching"}[ranking]
-        rows.append(_row(method, "heads", names, order[ranking].to_numpy(), known.heads,
-                         names[:count] if count is not None else None))
-    return rows
+        rankings.append(Ranking(method, "heads", names, order[ranking].to_numpy(),
+                                names[:count] if count is not None else None))
+    return rankings
 
 
-def _circuit_row(inputs: dict, known) -> dict:
+def _circuit_ranking(inputs: dict) -> Ranking:
     edges, summary = pd.read_parquet(inputs["edges"]), io.read_json(inputs["circuit"])
     names = list(zip(edges["sender_name"], edges["receiver_name"]))
     count = summary.get("edges_to_reach_threshold")
     kept = list(zip(*(edges.loc[edges["rank"] <= count, column] for column in ("sender_name", "receiver_name")))) \
         if count is not None else None
-    return _row(f"EAP-IG ({summary['eap_ig_steps']} steps), circuit at the crossing", "edges", names,
-                edges["score"].to_numpy(), known.edges, kept)
+    return Ranking(f"EAP-IG ({summary['eap_ig_steps']} steps), circuit at the crossing", "edges", names,
+                   edges["score"].to_numpy(), kept)
 
 
-def _edge_scores(model, tokenizer, prompts, ranked_on: list[int], settings: GroundTruth, size: int) -> dict:
-    """method -> (edge names, scores) for EAP (1 step) and EAP-IG at each other step count."""
+def _edge_rankings(model, tokenizer, prompts, ranked_on: list[int], settings: GroundTruth,
+                   size: int) -> list[Ranking]:
+    """EAP (1 step) and EAP-IG at each other step count, on the ranked prompts."""
     from attnlab.patching.edges import EdgeCircuits, ranked_edges
     from attnlab.patching.heads import build_batch
     from attnlab.patching.tasks import subset
 
     circuits = EdgeCircuits(model, build_batch(subset(prompts, ranked_on), tokenizer), size)
-    scored = {}
+    rankings = []
     for steps in settings.eap_ig_steps:
         edges = ranked_edges(circuits.graph, circuits.scores(steps))
         method = "EAP" if steps == 1 else f"EAP-IG ({steps} steps)"
-        scored[method] = (list(zip(edges["sender_name"], edges["receiver_name"])), edges["score"].to_numpy())
-    return scored
-
-
-def _roc(row: dict, inputs: dict, scored: dict, known) -> pd.DataFrame:
-    from attnlab.groundtruth.scoring import roc_points
-
-    if row["method"] in scored:
-        names, scores = scored[row["method"]]
-        return roc_points(row["method"], "edges", names, scores, set(known.edges))
-    if row["unit"] == "heads":
-        scores = pd.read_csv(inputs["scores"])
-        column = "exact" if row["method"].startswith("exact") else "attribution"
-        names = [(int(l), int(h)) for l, h in zip(scores["layer"], scores["head"])]
-        return roc_points(row["method"], "heads", names, scores[column].to_numpy(), set(known.heads))
-    edges = pd.read_parquet(inputs["edges"])
-    return roc_points(row["method"], "edges", list(zip(edges["sender_name"], edges["receiver_name"])),
-                      edges["score"].to_numpy(), set(known.edges))
+        rankings.append(Ranking(method, "edges", list(zip(edges["sender_name"], edges["receiver_name"])),
+                                edges["score"].to_numpy()))
+    return rankings
 
 
 def _control(model, tokenizer, model_dir: str, settings: GroundTruth, size: int) -> dict:
