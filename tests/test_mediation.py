@@ -192,28 +192,46 @@ def test_every_head_and_mlp_at_once_carries_the_whole_effect_where_positions_are
             assert gap > 1e-4, direction  # the position embeddings' share, not carried by any component
 
 
+def _input_of(module, run) -> torch.Tensor:
+    """What ``module`` reads (its first argument) while ``run()`` runs: a hook written here."""
+    seen = {}
+    handle = module.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0].detach().clone()))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return seen["z"]
+
+
+def _with_input(module, patch, run):
+    """``run()`` with ``module``'s input rewritten in place by ``patch(z)`` (on a copy)."""
+    def rewrite(m, args):
+        z = args[0].clone()
+        patch(z)
+        return (z,)
+    handle = module.register_forward_pre_hook(rewrite)
+    try:
+        return run()
+    finally:
+        handle.remove()
+
+
 def test_one_heads_effect_equals_a_patch_written_here(llama_mediation):
     """Denoising, layer 1's head 2: each baseline prompt alone, that head's slice of o_proj's input
     replaced at every token by the treated run's at its twin, by hooks written here."""
     model, items, result = llama_mediation
     layer, head, e = 1, 2, model.config.head_dim
+    cut = slice(head * e, (head + 1) * e)
     projection = model.model.layers[layer].self_attn.o_proj
     effects = result["effects"]
     got = effects[(effects["direction"] == "denoising") & (effects["component"] == f"L{layer}.H{head}")]
     for item, effect in zip(items, got["effect"]):
-        seen = {}
-        handle = projection.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0].detach().clone()))
-        _continuation_logprob(model, item.treated, item.continuation)
-        handle.remove()
+        treated = _input_of(projection, lambda: _continuation_logprob(model, item.treated, item.continuation))
         twin = torch.from_numpy(item.treated_position())
 
-        def patch(module, args):
-            z = args[0].clone()
-            z[0, :, head * e:(head + 1) * e] = seen["z"][0, twin, head * e:(head + 1) * e]
-            return (z,)
-        handle = projection.register_forward_pre_hook(patch)
-        patched = _continuation_logprob(model, item.baseline, item.continuation)
-        handle.remove()
+        def patch(z):
+            z[0, :, cut] = treated[0, twin, cut]
+        patched = _with_input(projection, patch, lambda: _continuation_logprob(model, item.baseline, item.continuation))
         want = patched - _continuation_logprob(model, item.baseline, item.continuation)
         assert effect == pytest.approx(want, abs=1e-5)
     assert got["effect"].abs().max() > 1e-4  # the head matters: the comparison can fail
@@ -230,19 +248,12 @@ def test_one_heads_noising_effect_equals_a_patch_written_here(llama_mediation):
     effects = result["effects"]
     got = effects[(effects["direction"] == "noising") & (effects["component"] == f"L{layer}.H{head}")]
     for item, effect in zip(items, got["effect"]):
-        seen = {}
-        handle = projection.register_forward_pre_hook(lambda m, a: seen.__setitem__("z", a[0].detach().clone()))
-        _continuation_logprob(model, item.baseline, item.continuation)
-        handle.remove()
+        baseline = _input_of(projection, lambda: _continuation_logprob(model, item.baseline, item.continuation))
         twin = torch.from_numpy(item.treated_position())  # baseline token p is treated token twin[p]
 
-        def patch(module, args):
-            z = args[0].clone()
-            z[0, twin, cut] = seen["z"][0, :, cut]
-            return (z,)
-        handle = projection.register_forward_pre_hook(patch)
-        patched = _continuation_logprob(model, item.treated, item.continuation)
-        handle.remove()
+        def patch(z):
+            z[0, twin, cut] = baseline[0, :, cut]
+        patched = _with_input(projection, patch, lambda: _continuation_logprob(model, item.treated, item.continuation))
         want = _continuation_logprob(model, item.treated, item.continuation) - patched
         assert effect == pytest.approx(want, abs=1e-5)
     assert got["effect"].abs().max() > 1e-4  # the head matters: a flipped sign cannot pass
