@@ -81,9 +81,10 @@ def _draw(spec: dict, rng: random.Random) -> list[str]:
 def _corrupted(program: Program, spec: dict, rng: random.Random) -> tuple[list, list]:
     for _ in range(ATTEMPTS):
         clean, corrupted = _draw(spec, rng), _draw(spec, rng)
-        if _read(program, clean) != _read(program, corrupted):
+        clean_output, corrupted_output = _read(program, clean), _read(program, corrupted)
+        if clean_output != corrupted_output:
             # a numerical output: the larger one clean, so the metric's mean moves one way
-            swap = spec["programs"][spec["readout"]]["numerical"] and _read(program, clean) < _read(program, corrupted)
+            swap = spec["programs"][spec["readout"]]["numerical"] and clean_output < corrupted_output
             return (corrupted, clean) if swap else (clean, corrupted)
     raise TaskError(f"no input changes {spec['readout']}'s output in {ATTEMPTS} draws")
 
@@ -116,8 +117,8 @@ def _words(program: Program, read: dict, clean: list, corrupted: list) -> tuple[
     if read["numerical"]:
         return VALUE_WORD, ZERO_WORD
     words, values = read["output_words"], read["output_values"]
-    answer = words[values.index(_read(program, clean))]
-    wrong = _read(program, corrupted)
-    if wrong == _read(program, clean):  # a control pair: the next word stands in
+    right, wrong = _read(program, clean), _read(program, corrupted)
+    answer = words[values.index(right)]
+    if wrong == right:  # a control pair: the next word stands in
         return answer, words[(words.index(answer) + 1) % len(words)]
     return answer, words[values.index(wrong)]
