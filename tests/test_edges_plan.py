@@ -92,3 +92,34 @@ def test_log_refinement_finds_the_first_crossing_to_the_edge_in_few_passes():
     assert reached == int(np.ceil((0.9 * n ** 0.5) ** 2))
     assert reached - 1 in set(sweep["heads_kept"])  # found to the edge
     assert len(calls) < 40 + 4 * 12
+
+
+class _Engine:
+    """A patching engine's sweep interface over a metric of k alone (k kept of 1,000)."""
+
+    def __init__(self, refine_points=None):
+        self.measured = []
+        if refine_points is not None:
+            self.refine_points = refine_points
+
+    def kept(self, order, k):
+        return k
+
+    def per_prompt(self, k):
+        self.measured.append(k)
+        return k / 1000, np.array([k / 1000])
+
+
+def test_the_sweep_refines_as_its_engine_says():
+    """circuits.sweeps.sweep hands the engine's refine_points (the edges') to the refinement: a
+    bracket of 1,000 edges closes in a few log-spaced rounds; the heads' engine, which has none,
+    measures every k inside it."""
+    from attnlab.circuits.sweeps import sweep
+
+    edges, heads = _Engine(refine_points=12), _Engine()
+    for engine in (edges, heads):
+        curve, per_prompt = sweep(engine, list(range(1000)), [0, 1000], threshold=0.5)
+        assert curve[curve["explained_effect"] >= 0.5]["heads_kept"].min() == 500
+        assert sorted(per_prompt) == sorted(engine.measured)
+    assert len(edges.measured) <= 2 + 4 * 12  # the grid's two ends, then rounds of at most 12
+    assert sorted(heads.measured) == list(range(1001))

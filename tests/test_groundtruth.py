@@ -172,6 +172,19 @@ def test_a_counted_circuit_is_scored_by_precision_recall_and_a_rank_auc():
     assert method_row("m", "heads", ["x"], np.array([1.0]), {"x"})["auc"] is None  # all in the truth: undefined
 
 
+def test_the_roc_curve_walks_the_ranking_by_magnitude():
+    """By |score|: a (in), b (out), c (in), then d and e (out): the curve's corners, written here
+    from that order, and its area the pairs' share ranked right (5 of 6)."""
+    from attnlab.groundtruth.scoring import roc_points
+
+    names, truth_set = ["a", "b", "c", "d", "e"], {"a", "c"}
+    curve = roc_points("m", "edges", names, np.array([0.9, -0.85, -0.8, 0.1, 0.05]), truth_set)
+    assert curve["fpr"].tolist() == pytest.approx([0, 0, 1 / 3, 1 / 3, 1])
+    assert curve["tpr"].tolist() == pytest.approx([0, 0.5, 0.5, 1, 1])
+    assert np.trapezoid(curve["tpr"], curve["fpr"]) == pytest.approx(5 / 6)
+    assert roc_points("m", "heads", ["x"], np.array([1.0]), {"x"}).empty  # all in the truth: no curve
+
+
 @pytest.mark.parametrize("name", ["tracr-reverse", "tracr-frac-prevs", "tracr-hist"])
 def test_each_control_rule_leaves_the_read_output_and_changes_the_input(name):
     folder = FOLDER / name
