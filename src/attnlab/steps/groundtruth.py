@@ -141,17 +141,17 @@ def groundtruth_table(tables: list[str], rocs: list[str], controls: list[str], t
     effect and whether it is within the tolerance), and the ROC figure."""
     from attnlab.plots.groundtruth import plot_roc
 
-    table = pd.concat([pd.read_csv(path) for path in tables], ignore_index=True)
+    frames = [pd.read_csv(path) for path in tables]
     control_rows = []
-    for path, scored in zip(controls, tables):
-        control, first = io.read_json(path), pd.read_csv(scored).iloc[0]
+    for path, scored in zip(controls, frames):
+        control, first = io.read_json(path), scored.iloc[0]
         control_rows.append({"model": first["model"], "program": first["program"], "stack": first["stack"],
                              "task": "program_control", "method": f"negative control ({control['rule']['kind']})",
                              "unit": "every head and edge", "largest_effect": control["largest_effect"],
                              "eap_ig_largest_abs_score": next(v for k, v in control.items() if k.startswith("eap_ig_")),
                              "tolerance": control["tolerance"], "passed": control["passed"]})
-    table = pd.concat([table, pd.DataFrame(control_rows)], ignore_index=True)
-    first = ["model", "program", "task", "unit", "method", "counted", "truth", "precision", "recall", "auc"]
-    io.write_csv(table[first + [c for c in table.columns if c not in first]], table_path)
+    table = pd.concat([*frames, pd.DataFrame(control_rows)], ignore_index=True)
+    leading = ["model", "program", "task", "unit", "method", "counted", "truth", "precision", "recall", "auc"]
+    io.write_csv(table[leading + [c for c in table.columns if c not in leading]], table_path)
     curves = pd.concat([pd.read_csv(path) for path in rocs], ignore_index=True)
     plot_roc(curves, table[table["task"] != "program_control"], figure_path, dpi)
