@@ -27,7 +27,9 @@ def plot_roc(curves: pd.DataFrame, table: pd.DataFrame, out_path, dpi: int = 150
             auc = row["auc"].iloc[0] if len(row) else None
             label = f"{model}: AUC {auc:.3f}" if auc is not None and pd.notna(auc) else f"{model}: AUC undefined"
             if len(curve):
-                ax.plot(curve["fpr"], curve["tpr"], color=colours(k % 10), label=label, drawstyle="steps-post")
+                # straight segments between scikit-learn's points: a run of tied scores is a diagonal,
+                # whose area counts ties half, as the AUC does (steps would draw less)
+                ax.plot(curve["fpr"], curve["tpr"], color=colours(k % 10), label=label)
             else:
                 ax.plot([], [], color=colours(k % 10), label=label)
         ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=0.8)
