@@ -38,7 +38,7 @@ from attnlab import sparsify
 from attnlab.attention import sparse
 from attnlab.interventions import intervened
 from attnlab.models import load_model
-from attnlab.plots.circuits import gate_bias_label
+from attnlab.plots.sparsify import gate_bias_label
 from attnlab.tokenization import load_tokenizer
 from common import OUT, add_device_arguments, device_and_dtype, embedded_model, write_result
 

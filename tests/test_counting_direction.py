@@ -72,9 +72,10 @@ def test_the_ratio_is_the_first_models_count_over_the_seconds(counted):
 
 
 def test_the_heads_vs_density_table_divides_the_dense_count_by_the_copys(counted):
-    sweeps = {(name, "ioi"): {"ablation": "corrupted", "ranking": "exact", "threshold": THRESHOLD,
-                              **{key: count.summary[key] for key in ("heads_to_reach_threshold", "heads_to_reach_exact",
-                                                                     "unmeasured_below", "crosses_back_below")}}
+    sweeps = {(name, "ioi", "corrupted"): {"ablation": "corrupted", "ranking": "exact", "threshold": THRESHOLD,
+                                           **{key: count.summary[key] for key in (
+                                               "heads_to_reach_threshold", "heads_to_reach_exact", "unmeasured_below",
+                                               "crosses_back_below")}}
               for name, count in counted.items()}
     table = heads_vs_density_table([("A", "B")], sweeps, {"B": {"heldout_density": 0.1, "heldout_kl": 0.1}},
                                    {"ioi": PROMPTS}).set_index("label")

@@ -33,8 +33,8 @@ def test_heads_vs_density_table_puts_each_copy_beside_its_own_base():
     sweep = lambda needed, back=False: {"ablation": "corrupted", "ranking": "exact", "threshold": 0.9,  # noqa: E731
                                         "heads_to_reach_threshold": needed, "heads_to_reach_exact": True,
                                         "unmeasured_below": 0, "crosses_back_below": back}
-    sweeps = {("a", "ioi"): sweep(10), ("a-sparse", "ioi"): sweep(5), ("b", "ioi"): sweep(8),
-              ("b-sparse", "ioi"): sweep(None)}
+    sweeps = {("a", "ioi", "corrupted"): sweep(10), ("a-sparse", "ioi", "corrupted"): sweep(5),
+              ("b", "ioi", "corrupted"): sweep(8), ("b-sparse", "ioi", "corrupted"): sweep(None)}
     densities = {"a-sparse": {"heldout_density": 0.05, "heldout_kl": 0.1},
                  "b-sparse": {"heldout_density": 0.2, "heldout_kl": 0.12}}
     table = heads_vs_density_table([("a", "a-sparse"), ("b", "b-sparse")], sweeps, densities,

@@ -18,6 +18,22 @@ def test_sparse_pairs_are_the_compared_models_beside_their_own_copies_in_either_
     assert sparse_pairs(pairs, bases) == [("a", "a-sparse"), ("b", "b-sparse")]
 
 
+def test_pruning_ablation_is_one_or_a_list_with_the_primary_first():
+    from attnlab.config.plan import pruning_ablations
+
+    assert pruning_ablations({"ablation": "mean"}) == ["mean"]
+    assert pruning_ablations({"ablation": ["zero", "corrupted", "mean"]}) == ["zero", "corrupted", "mean"]
+
+
+def test_every_model_task_and_ablation_has_its_own_sweep_folder():
+    from attnlab.config.plan import sweep_folders
+
+    folders = sweep_folders(["a", "a-sparse", "a"], ["ioi"], ["corrupted", "zero"])
+    assert folders == {"a/ioi/corrupted": "results/pruning/a/ioi/corrupted", "a/ioi/zero": "results/pruning/a/ioi/zero",
+                       "a-sparse/ioi/corrupted": "results/pruning/a-sparse/ioi/corrupted",
+                       "a-sparse/ioi/zero": "results/pruning/a-sparse/ioi/zero"}
+
+
 def _condition(kind="none", arm=False, placement="between", **extra):
     return {"kind": kind, "arm": arm, "placement": placement, **extra}
 

@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -5,8 +7,8 @@ import torch
 from attnlab.circuits.curves import heads_to_reach, k_grid
 from attnlab.circuits.sweeps import sweep as swept_metric
 from attnlab.interventions import intervened
-from attnlab.patching.heads import HeadGates, Patcher, build_batch
-from attnlab.patching.tasks import TaskError, TaskPrompts, generate_task, single_tokens, year_formulation
+from attnlab.patching.heads import HeadGates, Patcher, build_batch, template_means
+from attnlab.patching.tasks import TaskError, TaskPrompts, generate_task, single_tokens, subset, year_formulation
 from test_attention import TINY
 
 
@@ -120,6 +122,38 @@ def test_the_sweeps_ends_are_the_model_with_every_head_and_with_none(arch, ablat
     assert abs(sweep["metric"].iloc[-1] - sweep["metric"].iloc[0]) > 1e-2  # the ends differ: a real check
     assert sorted(per_prompt) == list(range(13)) and all(len(v) == 6 for v in per_prompt.values())
     np.testing.assert_allclose([per_prompt[k].mean() for k in range(13)], sweep["metric"], atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_mean_ablation_takes_each_templates_mean_over_every_prompt_given(arch):
+    """A split that holds one prompt of each template (each its own mean within the split) ablated
+    to the template means of all 7 prompts (two templates of 7 and 5 tokens, left padded): every
+    head replaced equals, prompt by prompt and without padding, each layer's o_proj input set by a
+    hook written here to the mean of its template's prompts computed one at a time."""
+    model, tokenizer, rng = TINY[arch](), WordTokenizer(), np.random.default_rng(1)
+    lengths, templates = [7, 7, 7, 7, 5, 5, 5], [0, 0, 0, 0, 1, 1, 1]
+    clean = [" ".join(f"w{x}" for x in rng.integers(0, 50, n)) for n in lengths]
+    corrupted = [" ".join(f"w{x}" for x in rng.integers(0, 50, n)) for n in lengths]
+    prompts = TaskPrompts("ioi", clean, corrupted, templates, answers=list(rng.integers(1, 101, 7)),
+                          distractors=[[int(x)] for x in rng.integers(1, 101, 7)])
+    split = [1, 5]
+    few = build_batch(subset(prompts, split), tokenizer)
+    patcher = Patcher(model, few, "mean", batch_size=4, means=template_means(model, build_batch(prompts, tokenizer), 3))
+    alone = [torch.tensor([tokenizer(text).input_ids]) for text in clean]
+    inputs = [_references_by_hand(model, SimpleNamespace(clean=ids), "clean") for ids in alone]
+    by_template = {t: {layer: torch.stack([inputs[i][layer][0] for i in range(7) if templates[i] == t]).mean(0)
+                       for layer in range(3)} for t in (0, 1)}
+    expected, unpatched = [], []
+    for i, prompt in enumerate(split):
+        one = SimpleNamespace(clean=alone[prompt], metric=lambda logits, rows, i=i: few.metric(logits, slice(i, i + 1)))
+        mean = {layer: z[None] for layer, z in by_template[templates[prompt]].items()}
+        expected.append(_metric_by_hand(model, one, mean))
+        unpatched.append(_metric_by_hand(model, one, None))
+    assert patcher.metric(torch.zeros(3, 4)) == pytest.approx(np.mean(expected), abs=1e-5)
+    assert patcher.metric(None) == pytest.approx(np.mean(unpatched), abs=1e-5)
+    assert abs(np.mean(expected) - np.mean(unpatched)) > 1e-2  # the split's own mean would change nothing
+    with pytest.raises(ValueError, match="template 1 of row 1 has no mean"):
+        Patcher(model, few, "mean", batch_size=4, means={0: [by_template[0][layer] for layer in range(3)]})
 
 
 @pytest.mark.parametrize("arch", list(TINY))
@@ -346,10 +380,11 @@ def test_heads_vs_density_rows_say_when_their_ratio_is_fragile():
     from attnlab.circuits.curves import flag_fragile_counts, fragility
 
     table = pd.DataFrame({"label": ["d", "d-sparse"], "base": ["d", "d"], "task": ["ioi", "ioi"],
-                          "heads_to_reach_threshold": [217, 19]})
+                          "ablation": ["corrupted", "corrupted"], "heads_to_reach_threshold": [217, 19]})
     smooth = 1 - np.exp(-np.arange(271) / 8.0)
     smooth[-1] = 1.0
-    flags = {("d", "ioi"): fragility(_late_jump_curve(), 0.9), ("d-sparse", "ioi"): fragility(_curve(smooth), 0.9)}
+    flags = {("d", "ioi", "corrupted"): fragility(_late_jump_curve(), 0.9),
+             ("d-sparse", "ioi", "corrupted"): fragility(_curve(smooth), 0.9)}
     out = flag_fragile_counts(table, flags)
     assert out["fragile"].tolist() == [True, False]
     assert out["heads_fewer_fragile"].tolist() == [True, True]  # the copy's N× rests on the base's count

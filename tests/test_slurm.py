@@ -101,4 +101,4 @@ def test_tiny_workflow_runs_as_slurm_jobs(cluster, tmp_path):
         assert has_gpu == (_rule(job["comment"]) in GPU_RULES), job
     # The outputs are those of a local run.
     assert (Path(tmp_path) / "results/tables/accuracy.csv").is_file()
-    assert (Path(tmp_path) / "results/figures/pruning/ioi.png").is_file()
+    assert (Path(tmp_path) / "results/figures/pruning/corrupted/ioi.png").is_file()

@@ -18,6 +18,23 @@ def _config():
     return yaml.safe_load((REPO / "tests/configs/sparse_tiny.yaml").read_text())
 
 
+def test_a_copys_dense_control_is_prepared_after_its_post_training_and_compared(tmp_path):
+    """config/sparse-control.yaml's overlay on the tiny config: the control's folder is not there
+    before the copy's post-training, yet the workflow plans its preparation after it."""
+    config = _config()
+    config["models"]["control"] = {"source": {"local": f"resources/sparsify/{SPARSE}/control"}, "datasets": []}
+    config["pruning"]["compare"] = [[DENSE, SPARSE], ["control", SPARSE]]
+    result = _dry_run(tmp_path, config)
+    assert result.returncode == 0, result.stdout[-3000:]
+    counts = job_counts(result.stdout)
+    assert counts["prepare_model"] == 2 and counts["score_heads"] == 3 and counts["sweep_heads"] == 3
+    assert f"input: results/sparsify/{SPARSE}/summary.json" in result.stdout
+    config["models"][SPARSE]["source"]["sparsify"]["constraint"] = {"type": "kl", "slack": 0.1}
+    (tmp_path / "kl").mkdir()
+    refused = _dry_run(tmp_path / "kl", config)
+    assert refused.returncode != 0 and "trains no control" in refused.stdout, refused.stdout[-3000:]
+
+
 def test_dry_run_plans_one_post_training_and_treats_the_copy_as_a_model(tmp_path):
     result = _dry_run(tmp_path, _config())
     assert result.returncode == 0, result.stdout
@@ -64,22 +81,33 @@ def test_every_stage_runs_on_the_sparse_copy(sparse_run):
     summary = json.loads((workdir / f"results/sparsify/{SPARSE}/summary.json").read_text())
     assert summary["steps"] == 2 and 0 < summary["heldout_density"] < 1
     assert not (workdir / f"resources/sparsify/{SPARSE}/checkpoint.pt").exists()
+    # the default constraint, ce_control: its dense control beside, and what the fine-tuning alone cost
+    assert summary["constraint"]["type"] == "ce_control" and summary["heldout_kl_control"] >= 0
+    control = json.loads((workdir / f"resources/sparsify/{SPARSE}/control/attnlab_source.json").read_text())
+    assert control["dense_control_of"] == SPARSE and "attnlab_sparse" not in json.loads(
+        (workdir / f"resources/sparsify/{SPARSE}/control/config.json").read_text())
     for figure in ("training", "density"):
         assert (workdir / f"results/figures/sparsify/{SPARSE}/{figure}.png").stat().st_size > 10_000
     for name in (DENSE, SPARSE):
         for condition in ("none", "mless"):
             assert (workdir / f"results/grades/{name}/svamp/{condition}.json").is_file()
         assert (workdir / f"results/tables/mlp/{name}/svamp.csv").is_file()
-        assert (workdir / f"results/pruning/{name}/ioi/sweep.csv").is_file()
-    assert (workdir / "results/figures/pruning/ioi.png").is_file()
+        assert (workdir / f"results/pruning/{name}/ioi/corrupted/sweep.csv").is_file()
+    assert (workdir / "results/figures/pruning/corrupted/ioi.png").is_file()
     heads = pd.read_csv(workdir / "results/tables/heads_vs_density.csv").set_index("label")
     assert heads.loc[DENSE, "heldout_density"] == 1 and heads.loc[SPARSE, "heldout_density"] == summary["heldout_density"]
-    sweeps = {name: json.loads((workdir / f"results/pruning/{name}/ioi/sweep.json").read_text()) for name in (DENSE, SPARSE)}
+    sweeps = {name: json.loads((workdir / f"results/pruning/{name}/ioi/corrupted/sweep.json").read_text())
+              for name in (DENSE, SPARSE)}
     assert list(heads.loc[[DENSE, SPARSE], "heads_to_reach_threshold"]) == [
         sweeps[name]["heads_to_reach_threshold"] for name in (DENSE, SPARSE)]
     # the copy shares its base's tokenizer, so both were counted on the same prompts: a paired N×
     assert sweeps[DENSE]["counted_prompts_digest"] == sweeps[SPARSE]["counted_prompts_digest"]
     assert heads.loc[SPARSE, "heads_fewer_paired"] == True  # noqa: E712 (read from CSV: a bool or NaN)
+    # the copy's clean − corrupted gap over its base's on the counted prompts (circuits.task_gap)
+    gaps = {name: np.mean(sweeps[name]["clean_metric_per_prompt"]) - np.mean(sweeps[name]["corrupted_metric_per_prompt"])
+            for name in (DENSE, SPARSE)}
+    assert heads.loc[SPARSE, "kept_gap"] == pytest.approx(gaps[SPARSE] / gaps[DENSE])
+    assert heads.loc[SPARSE, "task_lost"] == (gaps[SPARSE] / gaps[DENSE] < 0.8)
     assert (workdir / "results/figures/pruning/heads_vs_density.png").stat().st_size > 10_000
     _check_edge_circuits(workdir)
     # Extraction of the copy is gated: it says so, and its received attention differs from the base's.
@@ -102,7 +130,7 @@ def _check_edge_circuits(workdir):
         edges = pd.read_parquet(folder / "edges.parquet")
         summary = json.loads((folder / "summary.json").read_text())
         curve = pd.read_csv(folder / "curve.csv")
-        heads = json.loads((workdir / f"results/pruning/{name}/ioi/sweep.json").read_text())
+        heads = json.loads((workdir / f"results/pruning/{name}/ioi/corrupted/sweep.json").read_text())
         assert len(edges) == summary["edges"] == 70_651  # SmolLM2's graph (test_edges)
         assert sorted(edges["rank"]) == list(range(1, len(edges) + 1))
         assert curve["explained_effect"].iloc[0] == 0 and curve["explained_effect"].iloc[-1] == 1

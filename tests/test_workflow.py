@@ -224,22 +224,22 @@ def test_pruning_outputs(tiny_run):
     from scipy.stats import spearmanr
 
     workdir, *_ = tiny_run
-    folder = workdir / f"results/pruning/{MODEL}/ioi"
-    scores = pd.read_csv(folder / "scores.csv")
+    folder = workdir / f"results/pruning/{MODEL}/ioi"  # the split; each ablation's scores and sweep below it
+    scores = pd.read_csv(folder / "corrupted/scores.csv")
     assert len(scores) == 270 and sorted(scores["rank"]) == list(range(1, 271))
     assert scores.sort_values("rank")["exact"].is_monotonic_decreasing  # ranked by exact patching
     summary = json.loads((folder / "scores.json").read_text())
-    assert summary["clean_metric"] > summary["corrupted_metric"]
-    assert summary["spearman_attribution_vs_exact"] == pytest.approx(
+    assert summary["clean_metric"] > summary["corrupted_metric"] and summary["ablations"] == ["corrupted"]
+    assert summary["by_ablation"]["corrupted"]["spearman_attribution_vs_exact"] == pytest.approx(
         spearmanr(scores["attribution"], scores["exact"]).statistic)
     ranked, counted = summary["ranked_on"], summary["counted_on"]
     assert len(ranked) == len(counted) == 4 and sorted(ranked + counted) == list(range(8))
-    curves = pd.read_csv(folder / "sweep.csv")
+    curves = pd.read_csv(folder / "corrupted/sweep.csv")
     assert set(curves["ranking"]) == {"exact", "attribution"}
-    crossed = json.loads((folder / "sweep.json").read_text())
+    crossed = json.loads((folder / "corrupted/sweep.json").read_text())
     assert crossed["ranking"] == "exact" and crossed["n_prompts_counted_on"] == 4
     grid = k_grid(270, max_all=100)  # the log grid, with every k between the two points around the crossing
-    per_prompt = pd.read_parquet(folder / "per_prompt.parquet")
+    per_prompt = pd.read_parquet(folder / "corrupted/per_prompt.parquet")
     for ranking, sweep in curves.groupby("ranking"):
         kept = sweep["heads_kept"]
         assert kept.is_monotonic_increasing and set(grid) <= set(kept)
@@ -271,7 +271,7 @@ def test_pruning_outputs(tiny_run):
             counts.append(reached[0] if len(reached) else np.inf)
         low, high = np.quantile(counts, 0.025, method="lower"), np.quantile(counts, 0.975, method="higher")
         assert crossed["heads_interval"] == [int(low), None if np.isinf(high) else int(high)]
-    assert (workdir / "results/figures/pruning/ioi.png").stat().st_size > 10_000
+    assert (workdir / "results/figures/pruning/corrupted/ioi.png").stat().st_size > 10_000
 
 
 # ---- reruns: only what is stale ----

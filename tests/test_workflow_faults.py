@@ -29,7 +29,7 @@ def test_report_holds_every_figure_and_table_with_definitions(tiny_report):
     expected += [f"results/figures/placement/{d}.png" for d in DATASETS]
     expected += [f"results/figures/attention/{MODEL}/svamp/{name}.png" for name in ("layer0_head0", "lambda")]
     expected += ["results/figures/attention/composite/head1_layers1-2.png"]
-    expected += [f"results/figures/mlp/{MODEL}/svamp.png", "results/figures/pruning/ioi.png",
+    expected += [f"results/figures/mlp/{MODEL}/svamp.png", "results/figures/pruning/corrupted/ioi.png",
                  "results/tables/accuracy.csv", f"results/tables/mlp/{MODEL}/svamp.csv"]
     expected += [f"results/tables/placement/{d}.csv" for d in DATASETS]
     expected += [f"results/tables/accuracy_paired/{d}.csv" for d in DATASETS]

@@ -10,10 +10,11 @@ sys.path.insert(0, LIBRARY)
 _paths = os.environ.get("PYTHONPATH", "")
 if LIBRARY not in _paths.split(os.pathsep):  # set for the jobs, not read from the user
     os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [LIBRARY, _paths])))
-from attnlab.config.plan import (arm_of, cell_generation, comparison_pairs, config_label, fewshot_shots,
+from attnlab.config.plan import (arm_of, cell_generation, comparison_pairs, config_label, control_of, fewshot_shots,
                                  fewshot_spec, figure_files, has_length_sweep, has_placement_sweep, length_families,
-                                 model_datasets, model_job_threads, mediation_cells, model_memory_mb, models_on,
-                                 placements, selections, sparse_pairs, weights_bytes)
+                                 gap_pairs, model_datasets, model_job_threads, mediation_cells, model_memory_mb,
+                                 models_on, placements, pruning_ablations, selections, sparse_pairs, sweep_folders,
+                                 weights_bytes)
 from attnlab.config import settings as typed
 from attnlab.config.sources import sparse_bases
 from attnlab.config.schema import check_unique_keys
@@ -63,12 +64,21 @@ ATTENTION_FIGURES = CHOSEN["figures"]
 PRUNING = config["pruning"]
 PRUNING_MODELS = CHOSEN["pruning_models"]
 TASKS = list(PRUNING["tasks"]) if PRUNING_MODELS else []
+# Every configured ablation gets its own sweeps and figures; the first, the primary, is the one
+# whose scores and sweep ground truth reads.
+ABLATIONS = pruning_ablations(PRUNING)
+PRIMARY_ABLATION = ABLATIONS[0]
 # Compared pairs of a model and its own sparse copy, both swept: heads needed against density.
 SPARSE_PAIRS = [pair for pair in sparse_pairs(comparison_pairs(PRUNING["compare"], PRUNING_MODELS), SPARSE_BASES)
                 if set(pair) <= set(PRUNING_MODELS)]
-# What heads_vs_density reads: both models' sweep summaries ("model/task") and each copy's held-out numbers.
-DENSITY_SWEEPS = {f"{model}/{task}": f"results/pruning/{model}/{task}/sweep.json"
-                  for model in dict.fromkeys(m for pair in SPARSE_PAIRS for m in pair) for task in TASKS}
+# Compared pairs of a dense model (its base, or its dense control) and a sparse copy: the figures
+# state the share of the dense model's clean − corrupted gap the copy keeps.
+GAP_PAIRS = [pair for pair in gap_pairs(comparison_pairs(PRUNING["compare"], PRUNING_MODELS), SPARSE_BASES)
+             if set(pair) <= set(PRUNING_MODELS)]
+# What heads_vs_density reads: both models' sweep summaries ("model/task/ablation", every ablation)
+# and each copy's held-out numbers.
+DENSITY_SWEEPS = {key: f"{folder}/sweep.json" for key, folder in
+                  sweep_folders([m for pair in SPARSE_PAIRS for m in pair], TASKS, ABLATIONS).items()}
 # Their curves too: whether a count (and so an N×) is fragile is read from the curve itself.
 DENSITY_CURVES = {key: path.replace("sweep.json", "sweep.csv") for key, path in DENSITY_SWEEPS.items()}
 # and each prompt's metric at every k: the N×'s interval resamples the prompts of both models.
@@ -102,6 +112,7 @@ wildcard_constraints:
     condition=_one_of(CONDITIONS),
     ext="png|pdf|svg",
     task=_one_of(TASKS),
+    ablation=_one_of(ABLATIONS),
     layer=r"\d+",
     head=r"\d+",
     figure=_one_of([figure["name"] for figure in ATTENTION_FIGURES]),
@@ -112,6 +123,13 @@ wildcard_constraints:
 
 def model_source(wildcards):
     return config["models"][wildcards.model]["source"]
+
+
+def control_training(wildcards):
+    """A sparse copy's dense control (a local source under resources/sparsify/{copy}/control) is
+    prepared after that copy's post-training, which writes it: its summary is the input."""
+    copy = control_of(config["models"][wildcards.model]["source"], SPARSE_BASES)
+    return {"trained_with": f"results/sparsify/{copy}/summary.json"} if copy else {}
 
 
 def sparse_base_dir(wildcards):
@@ -260,11 +278,11 @@ def composite_figure_files(wildcards):
 
 
 def scoring_settings(wildcards):
-    return typed.slice_of(typed.Scoring, {**PRUNING, **PRUNING["tasks"][wildcards.task]})
+    return typed.slice_of(typed.Scoring, {**PRUNING, **PRUNING["tasks"][wildcards.task], "ablations": ABLATIONS})
 
 
 def sweep_settings(wildcards):
-    return typed.slice_of(typed.Sweep, PRUNING)
+    return typed.slice_of(typed.Sweep, {**PRUNING, "ablation": wildcards.ablation})
 
 
 def pruning_batch(wildcards, attempt):
@@ -279,7 +297,9 @@ def _sweep_files(task: str, folder: str, names: tuple[str, str, str], models: li
 
 
 def pruning_sweeps(wildcards):
-    return _sweep_files(wildcards.task, "pruning", ("sweep.csv", "sweep.json", "per_prompt.parquet"), PRUNING_MODELS)
+    """Each swept model's sweep of one task under one ablation."""
+    names = tuple(f"{wildcards.ablation}/{name}" for name in ("sweep.csv", "sweep.json", "per_prompt.parquet"))
+    return _sweep_files(wildcards.task, "pruning", names, PRUNING_MODELS)
 
 
 def edge_settings(wildcards):
@@ -361,8 +381,8 @@ def attention_targets():
 
 def pruning_targets():
     return [
-        *expand("results/pruning/{model}/{task}/scores.csv", model=PRUNING_MODELS, task=TASKS),
-        *expand("results/figures/pruning/{task}.{ext}", task=TASKS, ext=EXT),
+        *expand("results/pruning/{model}/{task}/scores.json", model=PRUNING_MODELS, task=TASKS),
+        *expand("results/figures/pruning/{ablation}/{task}.{ext}", ablation=ABLATIONS, task=TASKS, ext=EXT),
         *(["results/tables/heads_vs_density.csv"] if SPARSE_PAIRS and TASKS else []),
     ]
 

@@ -5,9 +5,9 @@ rule groundtruth_score:
     input:
         model="resources/models/{model}",
         prompts="results/pruning/{model}/{task}/prompts.json",
-        scores="results/pruning/{model}/{task}/scores.csv",
+        scores=f"results/pruning/{{model}}/{{task}}/{PRIMARY_ABLATION}/scores.csv",
         scoring="results/pruning/{model}/{task}/scores.json",
-        sweep="results/pruning/{model}/{task}/sweep.json",
+        sweep=f"results/pruning/{{model}}/{{task}}/{PRIMARY_ABLATION}/sweep.json",
         edges="results/circuits/{model}/{task}/edges.parquet",
         circuit="results/circuits/{model}/{task}/summary.json",
     output:

@@ -1,5 +1,8 @@
 rule prepare_model:
-    """Hub id, local folder or packaged GGUF -> a plain Hugging Face folder, once."""
+    """Hub id, local folder or packaged GGUF -> a plain Hugging Face folder, once (a sparse copy's
+    dense control once that copy's post-training has written it)."""
+    input:
+        unpack(control_training),
     output:
         directory("resources/models/{model}"),
     params:
@@ -37,6 +40,9 @@ rule sparsify_model:
     wildcard_constraints:
         model=_one_of(SPARSE_BASES),
     threads: 8
+    # Every job of the copy waits for it: it goes before the base's own jobs (score_heads and
+    # sweep_heads: 1), which then share the cores with the copy's rather than leave one idle.
+    priority: 2
     log:
         "results/logs/sparsify_model/{model}.log",
     benchmark:

@@ -1,11 +1,12 @@
 rule score_heads:
     """Task prompts for this tokenizer, the share heads are ranked on, then every head's exact
-    patching and attribution scores on that share."""
+    patching and attribution scores on that share, under each configured ablation (one job: the
+    prompts and the model load are shared)."""
     input:
         model="resources/models/{model}",
     output:
         prompts="results/pruning/{model}/{task}/prompts.json",
-        scores="results/pruning/{model}/{task}/scores.csv",
+        scores=expand("results/pruning/{{model}}/{{task}}/{ablation}/scores.csv", ablation=ABLATIONS),
         summary="results/pruning/{model}/{task}/scores.json",
     params:
         settings=scoring_settings,
@@ -20,7 +21,7 @@ rule score_heads:
     resources:
         gpu=1,
         mem_mb=model_memory(16000),
-        runtime=lambda wildcards, attempt: 60 * attempt,
+        runtime=lambda wildcards, attempt: 60 * attempt * len(ABLATIONS),  # one job scores every ablation
         batch_size=pruning_batch,
     conda:
         "../../envs/attnlab.yaml"
@@ -29,25 +30,26 @@ rule score_heads:
 
 
 rule sweep_heads:
-    """On the prompts heads were not ranked on, keep the top-k heads, ablate the rest: the metric
-    and explained effect for each k, each prompt's metric, the count with its interval."""
+    """On the prompts heads were not ranked on, keep the top-k heads, ablate the rest under one
+    ablation: the metric and explained effect for each k, each prompt's metric, the count with its
+    interval, and the unpatched model's clean and corrupted metric on each counted prompt."""
     input:
         model="resources/models/{model}",
         prompts="results/pruning/{model}/{task}/prompts.json",
-        scores="results/pruning/{model}/{task}/scores.csv",
+        scores="results/pruning/{model}/{task}/{ablation}/scores.csv",
         scoring="results/pruning/{model}/{task}/scores.json",
     output:
-        sweep="results/pruning/{model}/{task}/sweep.csv",
-        per_prompt="results/pruning/{model}/{task}/per_prompt.parquet",
-        summary="results/pruning/{model}/{task}/sweep.json",
+        sweep="results/pruning/{model}/{task}/{ablation}/sweep.csv",
+        per_prompt="results/pruning/{model}/{task}/{ablation}/per_prompt.parquet",
+        summary="results/pruning/{model}/{task}/{ablation}/sweep.json",
     params:
         settings=sweep_settings,
     threads: model_threads
     priority: 1
     log:
-        "results/logs/sweep_heads/{model}/{task}.log",
+        "results/logs/sweep_heads/{model}/{task}/{ablation}.log",
     benchmark:
-        "results/benchmarks/sweep_heads/{model}/{task}.tsv"
+        "results/benchmarks/sweep_heads/{model}/{task}/{ablation}.tsv"
     resources:
         gpu=1,
         mem_mb=model_memory(16000),
@@ -60,12 +62,13 @@ rule sweep_heads:
 
 
 rule plot_pruning:
-    """Explained effect vs heads kept, one curve per model, with the Nx label and intervals."""
+    """Explained effect vs heads kept under one ablation, one curve per model, with the Nx label
+    and intervals, and the gap a sparse copy keeps of its base's."""
     input:
         unpack(pruning_sweeps),
     output:
         report(
-            "results/figures/pruning/{task}.{ext}",
+            "results/figures/pruning/{ablation}/{task}.{ext}",
             caption="../report/pruning.rst",
             category="Head pruning",
         ),
@@ -73,13 +76,14 @@ rule plot_pruning:
         models=PRUNING_MODELS,
         compare=PRUNING["compare"],
         threshold=PRUNING["threshold"],
-        ablation=PRUNING["ablation"],
+        ablation=lambda wildcards: wildcards.ablation,
         ranking=PRUNING["ranking"],
         bootstrap=pruning_bootstrap(),
         dpi=config["plots"]["dpi"],
         unit="heads",
+        copies=GAP_PAIRS,
     log:
-        "results/logs/plot_pruning/{task}.{ext}.log",
+        "results/logs/plot_pruning/{ablation}/{task}.{ext}.log",
     conda:
         "../../envs/attnlab.yaml"
     script:

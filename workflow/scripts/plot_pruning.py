@@ -13,4 +13,5 @@ steps.plot_pruning(
     bootstrap=snakemake.params.bootstrap,
     dpi=snakemake.params.dpi,
     unit=snakemake.params.unit,
+    copies=snakemake.params.get("copies", []),  # plot_edges: none (its summaries keep no per-prompt gap)
 )

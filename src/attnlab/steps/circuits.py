@@ -13,12 +13,13 @@ from attnlab.config.settings import Scoring, Sweep
 from attnlab.steps.common import _batch_size, _seed_everything, log
 
 
-def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
+def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_paths: dict[str, str],
                 summary_path: str, threads: int, batch_size: int | None = None) -> None:
     """Generate the task for this tokenizer, draw the prompts heads are ranked on (the rest are
-    for the sweep), then score every head on those: attribution, and exact patching."""
+    for the sweeps), then score every head on those under each configured ablation
+    (``scores_paths``: ablation -> its scores.csv): attribution, and exact patching. One job for
+    every ablation: the prompts, the split and the model load are shared."""
     import torch
-    from scipy.stats import spearmanr
 
     from attnlab.groundtruth.pairs import prompts_for
     from attnlab.models import load_model, pick_device
@@ -34,44 +35,69 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     io.write_json(dataclasses.asdict(prompts), prompts_path)
     ranked_on, counted_on = split_for_ranking(len(prompts.clean), settings.rank_share, settings.seed)
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
-    patcher = Patcher(model, build_batch(subset(prompts, ranked_on), tokenizer), settings.ablation,
-                      _batch_size(settings.batch_size, batch_size))
-    clean, corrupted = patcher.metric(), patcher.corrupted_metric()
-    log.info("%s: clean metric %.3f, corrupted %.3f (%d prompts ranked on, %d counted on)", task, clean,
-             corrupted, len(ranked_on), len(counted_on))
+    batch = build_batch(subset(prompts, ranked_on), tokenizer)
+    size = _batch_size(settings.batch_size, batch_size)
+    means = _task_means(model, prompts, tokenizer, size) if "mean" in settings.ablations else None
+    by_ablation, metrics = {}, {}
+    for ablation in settings.ablations:
+        patcher = Patcher(model, batch, ablation, size, means=means)
+        if not metrics:  # the unpatched model's, whatever the ablation
+            metrics = {"clean_metric": patcher.metric(), "corrupted_metric": patcher.corrupted_metric()}
+            log.info("%s: clean metric %.3f, corrupted %.3f (%d prompts ranked on, %d counted on)", task,
+                     metrics["clean_metric"], metrics["corrupted_metric"], len(ranked_on), len(counted_on))
+        scores, by_ablation[ablation] = _scored_heads(patcher, settings)
+        io.write_csv(scores, scores_paths[ablation])
+    # the metrics are the ranked prompts'; n_prompts counts every pair generated
+    io.write_json({"task": task, "n_prompts": len(prompts.clean), "n_prompts_ranked_on": len(ranked_on),
+                   **metrics, "ablations": list(settings.ablations), "ranking": settings.ranking, **prompts.info,
+                   "rank_share": settings.rank_share, "ranked_on": ranked_on, "counted_on": counted_on,
+                   **({"mean_over": _mean_over(means)} if means is not None else {}),
+                   "by_ablation": by_ablation}, summary_path)
+
+
+def _task_means(model, prompts, tokenizer, batch_size: int) -> dict:
+    """Mean ablation's reference: each template's mean over every prompt of the task, ranked and
+    counted alike (the task's distribution; a split alone leaves most of IOI's 30 templates with
+    one prompt, which would be its own mean)."""
+    from attnlab.patching.heads import build_batch, template_means
+
+    return template_means(model, build_batch(prompts, tokenizer), batch_size)
+
+
+def _scored_heads(patcher, settings: Scoring) -> tuple[pd.DataFrame, dict]:
+    """Every head's attribution and (when asked for) exact score under the patcher's ablation,
+    ranked by the configured ranking, and what scoring took (seconds, the Spearman correlation
+    of attribution and exact)."""
+    from scipy.stats import spearmanr
+
     started = time.perf_counter()
     attribution = patcher.attribution()
-    timings = {"attribution_s": time.perf_counter() - started}
+    summary = {"attribution_s": time.perf_counter() - started}
     layers, heads = attribution.shape
     scores = pd.DataFrame({"layer": np.repeat(np.arange(layers), heads), "head": np.tile(np.arange(heads), layers),
                            "attribution": attribution.flatten().numpy()})
-    # the metrics are the ranked prompts'; n_prompts counts every pair generated
-    summary = {"task": task, "n_prompts": len(prompts.clean), "n_prompts_ranked_on": len(ranked_on),
-               "clean_metric": clean,
-               "corrupted_metric": corrupted, "ablation": settings.ablation,
-               "ranking": settings.ranking, **prompts.info, "rank_share": settings.rank_share,
-               "ranked_on": ranked_on, "counted_on": counted_on}
     if settings.exact or settings.ranking == "exact":
         started = time.perf_counter()
         scores["exact"] = patcher.exact().flatten().numpy()
-        timings["exact_s"] = time.perf_counter() - started
+        summary["exact_s"] = time.perf_counter() - started
         summary["spearman_attribution_vs_exact"] = float(spearmanr(scores["attribution"], scores["exact"]).statistic)
-    ranking = scores[settings.ranking]
-    scores["rank"] = ranking.rank(ascending=False, method="first").astype(int)
-    io.write_csv(scores.sort_values("rank"), scores_path)
-    io.write_json({**summary, **timings}, summary_path)
+    scores["rank"] = scores[settings.ranking].rank(ascending=False, method="first").astype(int)
+    return scores.sort_values("rank"), summary
 
 
 def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
                 scoring_path: str, outputs: dict, threads: int, batch_size: int | None = None) -> None:
-    """On the prompts heads were not ranked on: keep the top-k heads of each ranking scored,
-    ablate the rest, for every k of the grid; for the configured ranking also every k around the
-    first crossing of the threshold and just below each end of its bootstrap interval, found by
-    rounds or by search (``_head_count``); the other ranking's count is the grid's (an upper
-    bound). ``outputs``: sweep (curves), per_prompt (each prompt's metric at each k), summary."""
+    """On the prompts heads were not ranked on, under ``settings["ablation"]`` (its scores:
+    ``scores_path``): keep the top-k heads of each ranking scored, ablate the rest, for every k
+    of the grid; for the configured ranking also every k around the first crossing of the
+    threshold and just below each end of its bootstrap interval, found by rounds or by search
+    (``_head_count``); the other ranking's count is the grid's (an upper bound). The unpatched
+    model's metric on each counted prompt, clean and corrupted, is recorded too (a copy's kept
+    gap: ``circuits.task_gap``). ``outputs``: sweep (curves), per_prompt (each prompt's metric at
+    each k), summary."""
     import torch
 
-    from attnlab.circuits.counting import Bootstrap, prompts_digest
+    from attnlab.circuits.counting import Bootstrap
     from attnlab.models import load_model, pick_device
     from attnlab.patching.heads import Patcher, build_batch
     from attnlab.patching.tasks import TaskPrompts, subset
@@ -84,8 +110,10 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     scoring = io.read_json(scoring_path)
     counted = subset(TaskPrompts(**io.read_json(prompts_path)), scoring["counted_on"])
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
-    patcher = Patcher(model, build_batch(counted, tokenizer), settings.ablation,
-                      _batch_size(settings.batch_size, batch_size))
+    size = _batch_size(settings.batch_size, batch_size)
+    means = (_task_means(model, TaskPrompts(**io.read_json(prompts_path)), tokenizer, size)
+             if settings.ablation == "mean" else None)
+    patcher = Patcher(model, build_batch(counted, tokenizer), settings.ablation, size, means=means)
     scores = pd.read_csv(scores_path)
     rankings = [settings.ranking, *(r for r in ("exact", "attribution") if r in scores and r != settings.ranking)]
     bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
@@ -96,21 +124,41 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
         counts[ranking] = _head_count(patcher, [(int(l), int(h)) for l, h in order], settings, bootstrap,
                                       scoring["counted_on"], configured=ranking == settings.ranking)
     elapsed = time.perf_counter() - started
-    primary = counts[settings.ranking]
     io.write_csv(pd.concat([c.curve.assign(ranking=r) for r, c in counts.items()], ignore_index=True),
                  outputs["sweep"])
     io.write_parquet(pd.concat([c.per_prompt.assign(ranking=r) for r, c in counts.items()], ignore_index=True),
                      outputs["per_prompt"])
+    primary = counts[settings.ranking]
     io.write_json({"task": task, "heads": len(scores), "sweep_s": elapsed, "points": len(primary.curve),
                    "refined_points": int(primary.curve["refined"].sum()), "threshold": settings.threshold,
                    **primary.summary, "ablation": settings.ablation, "ranking": settings.ranking,
+                   **({"mean_over": _mean_over(means)} if means is not None else {}),
                    "interval_confidence": bootstrap.confidence, "bootstrap_resamples": bootstrap.n_resamples,
-                   "n_prompts_ranked_on": len(scoring["ranked_on"]), "n_prompts_counted_on": len(counted.clean),
-                   "rank_share": scoring["rank_share"],
-                   "counted_prompts_digest": prompts_digest(counted.clean, counted.corrupted),
-                   "spearman_attribution_vs_exact": scoring.get("spearman_attribution_vs_exact"),
+                   **_counted_prompts(scoring, counted, patcher),
+                   "spearman_attribution_vs_exact": scoring.get("by_ablation", {}).get(settings.ablation, {}).get(
+                       "spearman_attribution_vs_exact"),
                    "rankings": {r: _ranking_summary(c.summary) for r, c in counts.items()}},
                   outputs["summary"])
+
+
+def _mean_over(means: dict) -> str:
+    return (f"each template's mean over every prompt of the task (ranked and counted): "
+            f"{len(means)} templates")
+
+
+def _counted_prompts(scoring: dict, counted, patcher) -> dict:
+    """What a sweep.json says of the prompts it counted on: how many (and how many heads were
+    ranked on), their digest (two sweeps with the same one can be paired), and the unpatched
+    model's metric on each, clean and corrupted, with their means (no ablation enters: the
+    clean − corrupted gap a sparse copy is held to, ``circuits.task_gap``)."""
+    from attnlab.circuits.counting import prompts_digest
+
+    clean_mean, clean = patcher.per_prompt(None)
+    corrupted = patcher.corrupted_per_prompt()
+    return {"n_prompts_ranked_on": len(scoring["ranked_on"]), "n_prompts_counted_on": len(counted.clean),
+            "rank_share": scoring["rank_share"], "counted_prompts_digest": prompts_digest(counted.clean, counted.corrupted),
+            "clean_metric": clean_mean, "corrupted_metric": float(corrupted.mean()),
+            "clean_metric_per_prompt": clean.tolist(), "corrupted_metric_per_prompt": corrupted.tolist()}
 
 
 def _head_count(patcher, order, settings: Sweep, bootstrap, counted_on: list[int], configured: bool):
@@ -140,20 +188,36 @@ def _ranking_summary(summary: dict) -> dict:
 
 
 def plot_pruning(inputs: dict[str, dict[str, str]], out_path: str, task: str, compare, threshold: float,
-                 ablation: str, ranking: str, bootstrap: dict, dpi: int, unit: str = "heads") -> None:
-    """The pruning figure of one task from each model's sweep (``inputs[model]``: sweep, summary,
-    per_prompt), the configured ranking's curves, with every count's and N×'s interval; ``unit``
-    "edges": edge sweeps (one ranking each, which ``ranking`` names)."""
+                 ablation: str, ranking: str, bootstrap: dict, dpi: int, unit: str = "heads",
+                 copies: list | None = None) -> None:
+    """The pruning figure of one task under one ablation from each model's sweep
+    (``inputs[model]``: sweep, summary, per_prompt), the configured ranking's curves, with every
+    count's and N×'s interval; for a compared pair of a model and its own sparse copy (``copies``:
+    (dense, copy) pairs) also the share of the model's clean − corrupted gap the copy keeps.
+    ``unit`` "edges": edge sweeps (one ranking each, which ``ranking`` names)."""
+    from attnlab.circuits.task_gap import kept_gap, kept_gap_text
     from attnlab.config.plan import comparison_pairs
     from attnlab.plots.circuits import plot_pruning as plot
 
     read = {model: _read_sweep(paths, ranking, unit) for model, paths in inputs.items()}
-    ratios = {}
+    ratios, notes = {}, {}
+    own_copies = {frozenset(pair): tuple(pair) for pair in copies or []}
     for first, second in comparison_pairs(compare, list(inputs)):
         if first in read and second in read:  # a compared model without a sweep here has no N× (edges of one model)
             ratios[(first, second)] = _ratio(read[first], read[second], threshold, bootstrap)
+            if frozenset((first, second)) in own_copies:
+                dense, copy = own_copies[frozenset((first, second))]
+                gap = kept_gap(read[dense].summary, read[copy].summary, _bootstrap(bootstrap))
+                notes[(first, second)] = kept_gap_text(copy, dense, gap)
     plot({m: r.curve for m, r in read.items()}, task, compare, threshold, ablation, ranking, out_path, dpi,
-         {m: r.summary for m, r in read.items()}, ratios, unit)
+         {m: r.summary for m, r in read.items()}, ratios, unit, notes)
+
+
+def _bootstrap(settings: dict):
+    """The resamples the rules hand on (``pruning_bootstrap``: n_resamples, confidence, seed)."""
+    from attnlab.circuits.counting import Bootstrap
+
+    return Bootstrap(settings["n_resamples"], settings["confidence"], settings["seed"])
 
 
 @dataclasses.dataclass
@@ -185,11 +249,10 @@ def _read_sweep(paths: dict[str, str], ranking: str | None = None, unit: str = "
 def _ratio(first: _Swept, second: _Swept, threshold: float, bootstrap: dict) -> dict:
     """The bootstrap interval of first's count / second's, paired where both were counted on the
     same prompts."""
-    from attnlab.circuits.counting import Bootstrap, ratio_between
+    from attnlab.circuits.counting import ratio_between
 
     paired = first.summary.get("counted_prompts_digest") == second.summary.get("counted_prompts_digest")
-    return ratio_between(first.per_prompt, second.per_prompt, paired, threshold,
-                         Bootstrap(bootstrap["n_resamples"], bootstrap["confidence"], bootstrap["seed"]))
+    return ratio_between(first.per_prompt, second.per_prompt, paired, threshold, _bootstrap(bootstrap))
 
 
 def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
@@ -197,31 +260,36 @@ def heads_vs_density(sweep_paths: dict[str, str], curve_paths: dict[str, str],
                      n_prompts: dict[str, int], bootstrap: dict, table_path: str, figure_path: str,
                      dpi: int, unit: str = "heads") -> None:
     """Each dense model's heads (``unit``: or edges) to the threshold beside its sparse copies'
-    (sweep_paths keyed "model/task"), against the copies' held-out density (their summary.json);
-    whether each count, and so each N×, is fragile comes from the sweep's curve (curve_paths,
-    same keys), and each N×'s interval from both sweeps' per-prompt metrics (per_prompt_paths,
-    paired)."""
+    under each ablation swept (sweep_paths keyed "model/task/ablation", or "model/task": the
+    ablation is the one each sweep.json records), against the copies' held-out density (their
+    summary.json); whether each count, and so each N×, is fragile comes from the sweep's curve
+    (curve_paths, same keys), and each N×'s interval from both sweeps' per-prompt metrics
+    (per_prompt_paths, paired). Heads: each copy's kept gap too (``circuits.task_gap``)."""
     from attnlab.circuits.curves import (crossing, flag_fragile_counts, fragility, heads_vs_density_table,
                                          renamed_unit)
+    from attnlab.circuits.task_gap import with_kept_gaps
     from attnlab.plots.circuits import plot_heads_vs_density
 
-    read = {tuple(key.split("/")): _read_sweep({"sweep": curve_paths[key], "summary": path,
-                                                "per_prompt": per_prompt_paths[key]}, unit=unit)
-            for key, path in sweep_paths.items()}
+    read = {}
+    for key, path in sweep_paths.items():
+        swept = _read_sweep({"sweep": curve_paths[key], "summary": path, "per_prompt": per_prompt_paths[key]}, unit=unit)
+        model, task = key.split("/")[:2]
+        read[(model, task, swept.summary["ablation"])] = swept
     # the counts from the curve: a sweep.json of older code meant less by "exact"
     sweeps = {key: {**r.summary, **crossing(r.curve, r.summary["threshold"])} for key, r in read.items()}
     densities = {model: io.read_json(path) for model, path in summary_paths.items()}
     table = heads_vs_density_table([tuple(pair) for pair in pairs], sweeps, densities, n_prompts)
-    flags = {key: fragility(r.curve, r.summary["threshold"]) for key, r in read.items()}
-    table = flag_fragile_counts(table, flags)
-    intervals = [sweeps[(row.label, row.task)].get("heads_interval", [None, None]) for row in table.itertuples()]
-    ratios = [None if row.label == row.base else
-              _ratio(read[(row.base, row.task)], read[(row.label, row.task)], row.threshold, bootstrap)
-              for row in table.itertuples()]
+    table = flag_fragile_counts(table, {key: fragility(r.curve, r.summary["threshold"]) for key, r in read.items()})
+    keys = [((row.label, row.task, row.ablation), (row.base, row.task, row.ablation)) for row in table.itertuples()]
+    intervals = [sweeps[own].get("heads_interval", [None, None]) for own, _ in keys]
+    ratios = [None if own == base else _ratio(read[base], read[own], sweeps[own]["threshold"], bootstrap)
+              for own, base in keys]
     table = table.assign(heads_low=[i[0] for i in intervals], heads_high=[i[1] for i in intervals],
                          heads_fewer_low=[r and r["low"] for r in ratios],
                          heads_fewer_high=[r and r["high"] for r in ratios],
                          heads_fewer_paired=[r and r["paired"] for r in ratios])
+    if unit == "heads":  # edge summaries keep no per-prompt clean and corrupted metrics: the heads' say it
+        table = with_kept_gaps(table, sweeps, _bootstrap(bootstrap))
     io.write_csv(renamed_unit(table, "heads", unit), table_path)
     plot_heads_vs_density(table, "", figure_path, dpi, unit)
 
@@ -233,7 +301,7 @@ def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, chec
 
     import torch
 
-    from attnlab.sparsify import Outputs, SparsifySettings, post_train, sparsify_device, write_outputs
+    from attnlab.sparsify import Outputs, SparsifySettings, post_train, sparsify_device, write_control, write_outputs
 
     torch.set_num_threads(threads)
     settings = SparsifySettings.from_config(settings)
@@ -247,11 +315,17 @@ def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, chec
     log.info("held-out: density %.4f, KL %.4f nats/token, CE dense %.4f, sparse %.4f; %.0f tokens/s",
              summary["heldout_density"], summary["heldout_kl"], summary["heldout_ce_dense"],
              summary["heldout_ce_sparse"], summary["tokens_per_s"])
+    for source, measured in summary["heldout_by_source"].items():
+        log.info("held-out, %s (weight %.3g): density %.4f, KL %.4f, CE dense %.4f, sparse %.4f", source,
+                 measured["weight"], measured["density"], measured["kl"], measured["ce_dense"], measured["ce_sparse"])
+    # a ce_control run's dense control beside the checkpoint (not a rule output): the model to compare
+    # the copy's circuits with (config/sparse-control.yaml)
+    write_control(result, name, str(Path(checkpoint).parent / "control"))
     Path(checkpoint).unlink(missing_ok=True)  # the finished model supersedes it
 
 
 def plot_sparsify(inputs: dict, training_path: str, density_path: str, model: str, dpi: int) -> None:
-    from attnlab.plots.circuits import plot_sparse_density, plot_sparse_training
+    from attnlab.plots.sparsify import plot_sparse_density, plot_sparse_training
 
     summary = io.read_json(inputs["summary"])
     plot_sparse_training(pd.read_csv(inputs["steps"]), pd.read_csv(inputs["evals"]), summary, model,
