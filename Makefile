@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.attnlab-installed
 
-.PHONY: install run mechanism sparse sparse-control sparse-gpu groundtruth groundtruth-models test test-fast lint dry-run report clean bench-peers bench-edge-peers
+.PHONY: install run mechanism sparse sparse-control sparse-zero sparse-gpu groundtruth groundtruth-models test test-fast lint dry-run report clean bench-peers bench-edge-peers
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ sparse: install
 # After make sparse: the copy's heads beside its dense control (fine-tuned alike, no gates).
 sparse-control: sparse
 	$(BIN)/snakemake --cores all --configfile config/sparse.yaml config/sparse-control.yaml
+
+# make sparse with zero ablation too (after make sparse, every scoring job runs again: one job
+# scores every configured ablation).
+sparse-zero: install
+	$(BIN)/snakemake --cores all --configfile config/sparse.yaml config/sparse-zero.yaml
 
 # The paper's regime on one GPU (config/sparse-gpu.yaml): stops before training without CUDA.
 sparse-gpu: install

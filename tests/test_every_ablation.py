@@ -22,7 +22,7 @@ BOOTSTRAP = {"n_resamples": 300, "confidence": 0.9, "seed": 0}  # not the defaul
 SCORING = {"seed": 0, "ranking": "exact", "exact": True, "rank_share": 0.5, "batch_size": 64, "device": "cpu",
            "n": N_PROMPTS}
 SWEEP = {"seed": 0, "ranking": "exact", "batch_size": 64, "device": "cpu", "all_k_up_to": 300, "log_points": 40,
-         "search": "rounds", "coarse_points": 16, "threshold": 0.9,
+         "search": "rounds", "coarse_points": 16, "threshold": 0.9, "sweep_other_ranking": True,
          "bootstrap": {key: BOOTSTRAP[key] for key in ("n_resamples", "confidence")}}
 
 
@@ -76,7 +76,8 @@ def swept(tiny_base, tmp_path_factory):
     root = tmp_path_factory.mktemp("ablations")
     models = {"dense": base, "same": _copy(base, root / "same"), "halved": _copy(base, root / "halved", _halve_logits),
               "headless": _copy(base, root / "headless", _zero_one_head)}
-    return {name: _score_and_sweep(folder, root / "results" / name) for name, folder in models.items()}
+    return {**{name: _score_and_sweep(folder, root / "results" / name) for name, folder in models.items()},
+            "dense_folder": base}
 
 
 def test_one_scoring_job_scores_every_head_under_every_ablation(swept):
@@ -116,6 +117,27 @@ def test_every_ablations_sweep_runs_from_none_kept_to_all_on_the_counted_prompts
     rows = pd.read_parquet(swept["dense"]["corrupted"]["per_prompt"])
     none = rows[(rows["ranking"] == "exact") & (rows["heads_kept"] == 0)].sort_values("prompt")
     np.testing.assert_allclose(corrupted["corrupted_metric_per_prompt"], none["metric"], atol=1e-4)
+
+
+def test_without_the_other_ranking_the_configured_ones_sweep_is_unchanged(swept, tmp_path):
+    """sweep_other_ranking: false sweeps exact alone, with the same curve and count as beside
+    attribution; the scoring's Spearman of the two rankings is still reported."""
+    both = swept["dense"]["corrupted"]
+    folder = both["summary"].parent.parent
+    alone = {"sweep": tmp_path / "sweep.csv", "summary": tmp_path / "sweep.json",
+             "per_prompt": tmp_path / "per_prompt.parquet"}
+    steps.sweep_heads(str(swept["dense_folder"]), "ioi", {**SWEEP, "ablation": "corrupted", "sweep_other_ranking": False},
+                      str(folder / "prompts.json"), str(folder / "corrupted" / "scores.csv"),
+                      str(folder / "scores.json"), {k: str(v) for k, v in alone.items()},
+                      threads=torch.get_num_threads())
+    curve, summary = pd.read_csv(alone["sweep"]), json.loads(alone["summary"].read_text())
+    assert set(curve["ranking"]) == {"exact"} and set(summary["rankings"]) == {"exact"}
+    reference = pd.read_csv(both["sweep"])
+    pd.testing.assert_frame_equal(curve, reference[reference["ranking"] == "exact"].reset_index(drop=True))
+    beside = json.loads(both["summary"].read_text())
+    assert set(beside["rankings"]) == {"exact", "attribution"}
+    assert summary["heads_interval"] == beside["heads_interval"]
+    assert summary["spearman_attribution_vs_exact"] == beside["spearman_attribution_vs_exact"] is not None
 
 
 def _density_table(swept, tmp_path, copy: str) -> pd.DataFrame:

@@ -39,7 +39,9 @@ rule sparsify_model:
         checkpoint="resources/sparsify/{model}/checkpoint.pt",
     wildcard_constraints:
         model=_one_of(SPARSE_BASES),
-    threads: 8
+    # Half the cores locally, as every model job: on 2 cores a training step took 31 s at 1 thread
+    # and 20.5 s at 2 (1.5x, 2026-11-28), so the base's own jobs run on the other core meanwhile.
+    threads: model_threads
     # Every job of the copy waits for it: it goes before the base's own jobs (score_heads and
     # sweep_heads: 1), which then share the cores with the copy's rather than leave one idle.
     priority: 2

@@ -96,6 +96,7 @@ class Sweep:
     seed: int
     ablation: str  # this sweep's, one of the configured ones (the rule's {ablation})
     ranking: str
+    sweep_other_ranking: bool  # also sweep the ranking not configured (its count beside, in sweep.json)
     batch_size: int
     device: str
     all_k_up_to: int

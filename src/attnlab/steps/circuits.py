@@ -115,7 +115,8 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
              if settings.ablation == "mean" else None)
     patcher = Patcher(model, build_batch(counted, tokenizer), settings.ablation, size, means=means)
     scores = pd.read_csv(scores_path)
-    rankings = [settings.ranking, *(r for r in ("exact", "attribution") if r in scores and r != settings.ranking)]
+    rankings = [settings.ranking, *(r for r in ("exact", "attribution")
+                                    if settings.sweep_other_ranking and r in scores and r != settings.ranking)]
     bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
     started, counts = time.perf_counter(), {}
     for ranking in rankings:
