@@ -99,7 +99,7 @@ def train(args) -> None:
             continue
         settings = filled({**recipes()[name], **({"steps": args.steps} if args.steps else {})})
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "settings.json").write_text(json.dumps(settings, indent=1))
+        _write_text(folder / "settings.json", json.dumps(settings, indent=1))
         started = time.perf_counter()
         result = sparsify.post_train(str(base), f"smollm2-135m-{name}", settings, str(folder / "checkpoint.pt"),
                                      torch.device("cpu"))
@@ -143,9 +143,17 @@ def compare(args) -> None:
     result = {"base": str(base), "n_prompts": args.n, "tasks": TASKS, "recipes": rows,
               "dense_tasks": {t: {k: float(np.mean(v)) for k, v in m.items()} for t, m in dense_tasks.items()},
               "definitions": DEFINITIONS, "torch": torch.__version__, "threads": args.threads}
-    (OUT / "compare.json").write_text(json.dumps(result, indent=1, default=str))
-    (OUT / "compare.md").write_text(markdown(result))
+    _write_text(OUT / "compare.json", json.dumps(result, indent=1, default=str))
+    _write_text(OUT / "compare.md", markdown(result))
     print(markdown(result))
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Written under a temporary name and renamed: a killed run leaves no file that looks whole."""
+    from attnlab.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
 
 
 def _recipe_row(name: str, dense, dense_tasks: dict, texts: dict, tokenizer, base, n: int) -> dict:
@@ -192,7 +200,9 @@ DEFINITIONS = {
 }
 
 
-HELDOUT_PER_KIND = 32  # held-out sequences of each kind of text the copies are compared on
+# held-out sequences of narrative English and of worked problems the copies are compared on; Python
+# source has the shipped recipe's own held-out documents only (its share of heldout_sequences)
+HELDOUT_PER_KIND = 32
 
 
 def heldout_texts(tokenizer) -> dict[str, torch.Tensor]:

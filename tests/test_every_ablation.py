@@ -185,13 +185,16 @@ def test_the_kept_gap_and_its_interval_by_hand_from_the_per_prompt_metrics(swept
     kept = gaps["copy"].mean() / gaps["dense"].mean()
     draws = np.random.default_rng(BOOTSTRAP["seed"]).integers(0, len(gaps["dense"]),
                                                               (BOOTSTRAP["n_resamples"], len(gaps["dense"])))
-    resampled = np.sort([gaps["copy"][rows].mean() / gaps["dense"][rows].mean() for rows in draws])
+    # a resample whose dense gap is not positive has no share to keep: left out, and counted
+    defined = [rows for rows in draws if gaps["dense"][rows].mean() > 0]
+    resampled = np.sort([gaps["copy"][rows].mean() / gaps["dense"][rows].mean() for rows in defined])
     tail = (1 - BOOTSTRAP["confidence"]) / 2
     low, high = np.quantile(resampled, tail, method="lower"), np.quantile(resampled, 1 - tail, method="higher")
     row = table.loc[("headless", "corrupted")]
     assert row["gap_dense"] == pytest.approx(gaps["dense"].mean()) and row["gap_copy"] == pytest.approx(gaps["copy"].mean())
     assert row["kept_gap"] == pytest.approx(kept) and kept != pytest.approx(1, abs=1e-3)
     assert (row["kept_gap_low"], row["kept_gap_high"]) == (pytest.approx(low), pytest.approx(high))
+    assert row["kept_gap_undefined_resamples"] == len(draws) - len(defined)
     assert row["task_lost"] == (kept < KEPT_GAP_FLOOR)
 
 
@@ -222,3 +225,34 @@ def test_the_kept_gap_needs_per_prompt_metrics_and_pairs_only_the_same_prompts()
     with pytest.raises(ValueError, match="same prompts"):
         kept_gap(dense, {**flipped, "clean_metric_per_prompt": [0.0], "corrupted_metric_per_prompt": [1.0]},
                  bootstrap)
+
+
+def test_a_base_that_fails_the_task_has_no_share_of_its_gap_to_keep():
+    """A negative base gap would make a copy that fails worse (gap −2 over −1) look like one that
+    keeps twice the task: no kept gap, and the figure says why. Resamples whose base gap is not
+    positive are left out of the interval and counted, by hand: prompts (gap) 3 and −4, paired."""
+    from attnlab.circuits.counting import Bootstrap
+    from attnlab.circuits.task_gap import kept_gap_text
+
+    bootstrap = Bootstrap(400, 0.95, 0)
+    failing = {"clean_metric_per_prompt": [0.0, 0.0], "corrupted_metric_per_prompt": [1.0, 1.0],
+               "counted_prompts_digest": "a"}
+    worse = {"clean_metric_per_prompt": [0.0, 0.0], "corrupted_metric_per_prompt": [2.0, 2.0],
+             "counted_prompts_digest": "a"}
+    gap = kept_gap(failing, worse, bootstrap)
+    assert gap["gap_dense"] == -1 and gap["gap_copy"] == -2
+    assert np.isnan(gap["kept_gap"]) and gap["task_lost"] is None
+    assert kept_gap_text("copy", "dense", gap) == "dense's clean−corrupted gap is -1, not positive: no share of it to keep"
+
+    dense = {"clean_metric_per_prompt": [4.0, -3.0, 4.0], "corrupted_metric_per_prompt": [1.0, 1.0, 1.0],
+             "counted_prompts_digest": "a"}  # gaps 3, −4, 3: mean 2/3 > 0
+    copy = {**dense, "clean_metric_per_prompt": [2.5, -3.0, 2.5]}  # gaps 1.5, −4, 1.5
+    gap = kept_gap(dense, copy, bootstrap)
+    draws = bootstrap.draws(3)
+    base = np.array([3.0, -4.0, 3.0])[draws].mean(-1)
+    ratio = np.array([1.5, -4.0, 1.5])[draws].mean(-1) / base
+    defined = np.sort(ratio[base > 0])
+    assert gap["kept_gap_undefined_resamples"] == int((base <= 0).sum()) > 0
+    assert gap["kept_gap"] == pytest.approx((-1 / 3) / (2 / 3))
+    assert gap["kept_gap_low"] == np.quantile(defined, 0.025, method="lower")
+    assert gap["kept_gap_high"] == np.quantile(defined, 0.975, method="higher")

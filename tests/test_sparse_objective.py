@@ -195,6 +195,11 @@ def test_python_stdlib_documents_are_documented_definitions_with_their_provenanc
     left_out = {"test", "tests", "idlelib", "site-packages", "dist-packages", "turtledemo"}
     assert not any(left_out & set(path.relative_to(root).parts) for path in files)
     assert (root / "json" / "decoder.py") in files  # the library as written for use stays
+    # a module this Python cannot parse gives no document and is counted, not dropped unseen
+    from attnlab.sparsify.sources import _documented_definitions
+
+    assert _documented_definitions("def broken(:\n") is None and _documented_definitions("x = 1\n") == []
+    assert 0 <= provenance["files_unparsed"] < provenance["files"] / 10
 
 
 def test_a_checkpoint_resumes_only_on_the_same_text():
@@ -310,6 +315,12 @@ def test_under_ce_control_the_gates_are_priced_against_the_control(tiny_base, tm
     assert summary["heldout_kl_control"] == pytest.approx(_kl(base_logits, control_logits), rel=1e-4, abs=1e-6)
     assert summary["heldout_by_source"]["paths"]["kl_vs_control"] == pytest.approx(
         _kl(control_logits, copy_logits), rel=1e-4, abs=1e-6)
+    # the held-out numbers at the training bias beside the grid: KL from the grid's reference
+    at_training = calibration["at_training_bias"]
+    assert at_training["kl_from"] == calibration["kl_from"] and calibration["grid"][0]["gate_bias"] == settings["gate_bias"]
+    with torch.no_grad(), intervened(result.model, gate_bias=settings["gate_bias"]):
+        copy_logits = result.model(input_ids=held).logits
+    assert at_training["kl"] == pytest.approx(_kl(control_logits, copy_logits), rel=1e-4, abs=1e-6)
 
 
 def test_a_local_source_under_a_copys_folder_is_its_dense_control():

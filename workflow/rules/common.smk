@@ -285,6 +285,10 @@ def sweep_settings(wildcards):
     return typed.slice_of(typed.Sweep, {**PRUNING, "ablation": wildcards.ablation})
 
 
+def wildcard_ablation(wildcards):
+    return wildcards.ablation
+
+
 def pruning_batch(wildcards, attempt):
     return _halved(PRUNING["batch_size"], attempt)
 

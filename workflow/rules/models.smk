@@ -39,9 +39,10 @@ rule sparsify_model:
         checkpoint="resources/sparsify/{model}/checkpoint.pt",
     wildcard_constraints:
         model=_one_of(SPARSE_BASES),
-    # Half the cores locally, as every model job: on 2 cores a training step took 31 s at 1 thread
-    # and 20.5 s at 2 (1.5x, 2026-11-28), so the base's own jobs run on the other core meanwhile.
-    threads: model_threads
+    # Every core: on 2 cores a training step took 20.5-24 s at 2 threads and 35-40 s at 1 thread
+    # beside a base's scoring job (make sparse, 2026-11-28), and the base's own jobs end well before
+    # a 1-thread post-training would, leaving a core idle.
+    threads: 8
     # Every job of the copy waits for it: it goes before the base's own jobs (score_heads and
     # sweep_heads: 1), which then share the cores with the copy's rather than leave one idle.
     priority: 2

@@ -76,7 +76,7 @@ rule plot_pruning:
         models=PRUNING_MODELS,
         compare=PRUNING["compare"],
         threshold=PRUNING["threshold"],
-        ablation=lambda wildcards: wildcards.ablation,
+        ablation=wildcard_ablation,
         ranking=PRUNING["ranking"],
         bootstrap=pruning_bootstrap(),
         dpi=config["plots"]["dpi"],

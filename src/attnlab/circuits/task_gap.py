@@ -27,7 +27,7 @@ from attnlab.circuits.curves import order_interval
 KEPT_GAP_FLOOR = 0.8
 KEPT_GAP_LABEL = f"keeps < {KEPT_GAP_FLOOR:.0%} of the task's clean−corrupted gap"
 KEPT_GAP_COLUMNS = ("gap_dense", "gap_copy", "kept_gap", "kept_gap_low", "kept_gap_high", "kept_gap_paired",
-                    "task_lost")
+                    "task_lost", "kept_gap_undefined_resamples")
 
 
 def per_prompt_gaps(summary: dict) -> np.ndarray | None:
@@ -44,8 +44,11 @@ def kept_gap(dense: dict, copy: dict, bootstrap: Bootstrap) -> dict:
     on one task), with the bootstrap interval of that ratio: the same resamples of the prompts for
     both when they were counted on the same prompts (``counted_prompts_digest``), independent ones
     otherwise, as the N×'s interval. The gaps are signed: a copy whose gap changed sign keeps less
-    than nothing. NaN throughout where either sweep records no per-prompt metrics or the base has
-    no gap at all."""
+    than nothing. A share of the base's gap needs a base that does the task: NaN throughout where
+    either sweep records no per-prompt metrics or the base's mean gap is not positive (a ratio to
+    a negative gap would call a copy that fails the task worse than its base one that keeps it);
+    resamples whose base gap is not positive are left out of the interval and counted
+    (``kept_gap_undefined_resamples``)."""
     dense_gaps, copy_gaps = per_prompt_gaps(dense), per_prompt_gaps(copy)
     if dense_gaps is None or copy_gaps is None:
         return _no_kept_gap()
@@ -55,13 +58,16 @@ def kept_gap(dense: dict, copy: dict, bootstrap: Bootstrap) -> dict:
     draws_dense = bootstrap.draws(len(dense_gaps))
     draws_copy = draws_dense if paired else bootstrap.draws(len(copy_gaps), stream=1)
     gap_dense, gap_copy = float(dense_gaps.mean()), float(copy_gaps.mean())
-    with np.errstate(invalid="ignore", divide="ignore"):
-        kept = gap_copy / gap_dense if gap_dense != 0 else float("nan")
-        resampled = copy_gaps[draws_copy].mean(-1) / dense_gaps[draws_dense].mean(-1)
-    low, high = order_interval(np.where(np.isfinite(resampled), resampled, np.nan), bootstrap.confidence)
+    if not gap_dense > 0:
+        return {**_no_kept_gap(gap_dense), "gap_copy": gap_copy, "kept_gap_paired": paired}
+    resampled_dense = dense_gaps[draws_dense].mean(-1)
+    undefined = resampled_dense <= 0
+    resampled = copy_gaps[draws_copy].mean(-1) / np.where(undefined, np.nan, resampled_dense)
+    low, high = order_interval(resampled, bootstrap.confidence)
+    kept = gap_copy / gap_dense
     return {"gap_dense": gap_dense, "gap_copy": gap_copy, "kept_gap": kept, "kept_gap_low": low,
-            "kept_gap_high": high, "kept_gap_paired": paired,
-            "task_lost": bool(kept < KEPT_GAP_FLOOR) if np.isfinite(kept) else None}
+            "kept_gap_high": high, "kept_gap_paired": paired, "task_lost": bool(kept < KEPT_GAP_FLOOR),
+            "kept_gap_undefined_resamples": int(undefined.sum())}
 
 
 def _no_kept_gap(gap_dense: float = float("nan")) -> dict:
@@ -86,7 +92,9 @@ def with_kept_gaps(table: pd.DataFrame, sweeps: dict[tuple[str, str, str], dict]
 
 def kept_gap_text(copy: str, dense: str, gap: dict) -> str:
     """"B keeps 52% [40%, 61%] of A's clean−corrupted gap", and the flag where it is below the
-    floor; '' where there is no kept gap."""
+    floor; why there is none where the base has no positive gap; '' where nothing was measured."""
+    if gap is not None and np.isfinite(gap["gap_dense"]) and gap["gap_dense"] <= 0:
+        return f"{dense}'s clean−corrupted gap is {gap['gap_dense']:.3g}, not positive: no share of it to keep"
     if gap is None or not np.isfinite(gap["kept_gap"]):
         return ""
     spread = ""

@@ -52,8 +52,10 @@ def check_model_source(name: str, source: dict) -> None:
             raise SourceError(
                 f"{what}: models.{name}.source.local = '{folder}' is not a Hugging Face "
                 "model folder (no config.json there). "
-                + (f"It is the dense control that the sparse copy {folder.parent.name}'s post-training writes under "
-                   "constraint.type ce_control: run that copy's post-training first (make sparse)."
+                + (f"It is where the sparse copy {folder.parent.name}'s post-training writes its dense control "
+                   f"under constraint.type ce_control: configure models.{folder.parent.name} with a sparsify source "
+                   "under ce_control and run it first (make sparse); if it ran and this folder is gone, "
+                   "`snakemake --forcerun sparsify_model` with that config writes it again."
                    if control else "Point it at a folder made by save_pretrained, or use `hub: org/name`.")
             )
     elif "gguf_path" in source:

@@ -14,7 +14,7 @@ from attnlab.attention import sparse
 from attnlab.interventions import intervened
 from attnlab.sparsify import losses
 from attnlab.sparsify.corpus import Corpus
-from attnlab.sparsify.train import Trainer, _autocast
+from attnlab.sparsify.train import Trainer, autocast_for
 
 # the numbers one evaluation reports, each a mean over tokens of one source's held-out sequences
 MEASURED = ("ce_sparse", "ce_dense", "kl", "density", "ce_control", "kl_control", "kl_vs_control")
@@ -58,7 +58,8 @@ def ce_bound(base_ce: dict[str, float], names: list[str], sources: np.ndarray, s
     """What a ``ce`` constraint holds a training batch's CE to: the base model's held-out CE on each
     batch sequence's source (``base_ce``, by source name; ``sources``: each sequence's source index
     into ``names``), averaged over the batch, plus ``slack``. Taking each source's own reference keeps
-    a batch of easier text (Python source: lower CE) from looking like slack gained."""
+    a batch of text the base finds easier from looking like slack gained, and a harder one from
+    looking like a broken bound (SmolLM2's held-out CE: 2.65 on narrative English, 3.04 on Python)."""
     return float(np.mean([base_ce[names[index]] for index in sources])) + slack
 
 
@@ -67,7 +68,7 @@ def reference_logits(trainer: Trainer, ids: torch.Tensor, model=None) -> list[to
     """The dense model's (or ``model``'s) logits on ``ids``, per evaluation batch (to reuse across
     evaluations)."""
     batch, model = trainer.settings.batch_size, model if model is not None else trainer.dense
-    with _autocast(trainer.device, trainer.settings.dtype, training=False):
+    with autocast_for(trainer.device, trainer.settings.dtype, training=False):
         return [model(input_ids=ids[start:start + batch].to(trainer.device), use_cache=False).logits
                 for start in range(0, len(ids), batch)]
 
@@ -90,7 +91,7 @@ def gated_kl(trainer: Trainer, ids: torch.Tensor, references: list[torch.Tensor]
     tracker, kl, batch = sparse.GateTracker(), 0.0, trainer.settings.batch_size
     for index, start in enumerate(range(0, len(ids), batch)):
         rows = ids[start:start + batch].to(trainer.device)
-        with _autocast(trainer.device, trainer.settings.dtype, training=False):
+        with autocast_for(trainer.device, trainer.settings.dtype, training=False):
             reference = references[index] if references is not None else model(input_ids=rows, use_cache=False).logits
             with intervened(trainer.student, gates=tracker):
                 logits = trainer.student(input_ids=rows, use_cache=False).logits
@@ -122,7 +123,7 @@ def evaluate(trainer: Trainer, heldout: torch.Tensor, references: list[torch.Ten
     batch = trainer.settings.batch_size
     for index, start in enumerate(range(0, len(heldout), batch)):
         ids = heldout[start:start + batch].to(trainer.device)
-        with _autocast(trainer.device, trainer.settings.dtype, training=False):
+        with autocast_for(trainer.device, trainer.settings.dtype, training=False):
             reference = (references[index] if references is not None
                          else trainer.dense(input_ids=ids, use_cache=False).logits)
             with intervened(trainer.student, gates=tracker):
@@ -134,7 +135,7 @@ def evaluate(trainer: Trainer, heldout: torch.Tensor, references: list[torch.Ten
         totals["kl"] += float(kl) * weight
         totals["ce_dense"] += float(ce_dense) * weight
         if trainer.control is not None:  # what fine-tuning alone does: the control's CE and KL from the base
-            with _autocast(trainer.device, trainer.settings.dtype, training=False):
+            with autocast_for(trainer.device, trainer.settings.dtype, training=False):
                 control_logits = trainer.control(input_ids=ids, use_cache=False).logits
             control_ce, control_kl = losses.loss_terms(control_logits, ids, reference)
             totals["ce_control"] += float(control_ce) * weight

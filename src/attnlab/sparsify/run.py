@@ -22,7 +22,7 @@ from attnlab.sparsify.corpus import Corpus, build_corpus, report_corpus
 from attnlab.sparsify.errors import SparsifyError
 from attnlab.sparsify.heldout import Evaluation, HeldOut, ce_bound
 from attnlab.sparsify.settings import SparsifySettings
-from attnlab.sparsify.train import Trainer, TrainState, _describe, _finite, _stop_on_nan
+from attnlab.sparsify.train import Trainer, TrainState, all_finite, describe_numbers, stop_on_nan
 from attnlab.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,11 +80,15 @@ def post_train(base_dir: str, name: str, settings: SparsifySettings | dict, chec
     if settings.calibrate_gate_bias.enabled:
         # calibration text: documents held out of training like the held-out ones
         bias, calibration = calibrate_gate_bias(run.trainer, run.corpus.calibration, settings)
-        calibration["at_training_bias"] = {k: final.overall[k] for k in ("ce_sparse", "kl", "density")}
+        # on the held-out text, its KL from what the calibration's is from (the control under ce_control)
+        kl = "kl_vs_control" if "kl_vs_control" in final.overall else "kl"
+        calibration["at_training_bias"] = {"ce_sparse": final.overall["ce_sparse"], "kl": final.overall[kl],
+                                           "kl_from": calibration["kl_from"], "density": final.overall["density"],
+                                           "text": "held-out"}
         if bias != settings.gate_bias:  # every held-out number of the copy is at its saved b'
             final = run.heldout.measure()
             evals.append({**evals[-1], **final.row(), **bias_columns(bias)})
-            log.info("held-out at the calibrated gate bias %s: %s", bias, _describe(final.overall))
+            log.info("held-out at the calibrated gate bias %s: %s", bias, describe_numbers(final.overall))
     summary = _summary(settings, state, final, run.corpus, device, time.perf_counter() - started,
                        bias, calibration)
     return PostTrained(pd.DataFrame(state.steps), pd.DataFrame(evals), final.per_head, summary,
@@ -155,7 +159,7 @@ def _resumed_or_new(run: _Run, settings: SparsifySettings) -> TrainState:
     state.evals.append({"step": 0, "tokens": 0, **first.row()})
     # the base's held-out CE on each kind of text: what a ce constraint holds the copy to
     state.base_ce = {name: measured["ce_dense"] for name, measured in first.by_source.items()}
-    log.info("before training: %s", _describe(first.overall))
+    log.info("before training: %s", describe_numbers(first.overall))
     return state
 
 
@@ -170,8 +174,8 @@ def _train(run: _Run, state: TrainState, name: str, settings: SparsifySettings, 
         bound = (ce_bound(state.base_ce, names, sources, settings.constraint.slack)
                  if settings.constraint.type == "ce" else None)
         row = trainer.step(ids, state, bound)
-        if not _finite(row):
-            _stop_on_nan(row, state, run.checkpoint)
+        if not all_finite(row):
+            stop_on_nan(row, state, run.checkpoint)
         state.steps.append(row)
         state.step += 1
         state.position += len(ids)
@@ -181,7 +185,7 @@ def _train(run: _Run, state: TrainState, name: str, settings: SparsifySettings, 
         if state.step % settings.eval_every == 0 or state.step == steps:
             final = run.heldout.measure()
             state.evals.append({"step": state.step, "tokens": row["tokens"], **final.row()})
-            log.info("held-out at step %d: %s", state.step, _describe(final.overall))
+            log.info("held-out at step %d: %s", state.step, describe_numbers(final.overall))
         if state.step % settings.checkpoint_every == 0 or state.step == steps:
             state.elapsed_s += time.perf_counter() - clock
             clock = time.perf_counter()

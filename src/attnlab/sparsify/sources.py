@@ -53,23 +53,26 @@ def _python_stdlib() -> tuple[list[str], str, dict]:
     if not files:
         raise SparsifyError(f"corpus: python_stdlib found no source files under {root}, the standard library "
                             f"of {sys.executable}; use another source")
-    digest, documents = hashlib.sha256(), []
+    digest, documents, unparsed = hashlib.sha256(), [], 0
     for path in files:
         raw = path.read_bytes()
         digest.update(json.dumps(str(path.relative_to(root))).encode())
         digest.update(raw)
-        documents += _documented_definitions(raw.decode("utf-8", errors="replace"))
+        found = _documented_definitions(raw.decode("utf-8", errors="replace"))
+        unparsed += found is None
+        documents += found or []
     provenance = {"python": sys.version.split()[0], "implementation": sys.implementation.name,
-                  "stdlib": str(root), "files": len(files), "sha256": digest.hexdigest()}
+                  "stdlib": str(root), "files": len(files), "files_unparsed": unparsed, "sha256": digest.hexdigest()}
     return documents, f"Python {provenance['python']} standard library, documented definitions", provenance
 
 
-def _documented_definitions(text: str) -> list[str]:
-    """The top-level functions and classes of one module that hold a docstring, each as its source."""
+def _documented_definitions(text: str) -> list[str] | None:
+    """The top-level functions and classes of one module that hold a docstring, each as its source;
+    None where this Python cannot parse the module (counted in the provenance)."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):  # a file written for another Python
-        return []
+        return None
     lines = text.splitlines(keepends=True)
     definitions = []
     for node in tree.body:

@@ -1,5 +1,5 @@
 """The trainer: the gated student, its frozen dense reference (and dense control), the
-optimiser, the GECO multiplier, held-out evaluation and checkpoints (docs/sparse.md)."""
+optimiser, the GECO multiplier and checkpoints (held-out evaluation: ``heldout``; docs/sparse.md)."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def _trainable_copy(base_dir: str, dtype: torch.dtype, device: torch.device):
     return AutoModelForCausalLM.from_pretrained(base_dir, config=config, dtype=dtype).to(device)
 
 
-def _autocast(device: torch.device, dtype: str, training: bool = True):
+def autocast_for(device: torch.device, dtype: str, training: bool = True):
     """bfloat16 autocast (the weights stay float32): with ``auto`` on CUDA only; with
     ``bfloat16`` also for the training steps on a CPU, where bf16 matrix units make a
     step 1.4-1.7x faster here. Held-out evaluations on a CPU stay float32, the precision at
@@ -208,7 +208,7 @@ class Trainer:
             group["lr"] = learning_rate(settings, state.step)
         reference = target = None
         if settings.constraint.type == "kl":
-            with torch.no_grad(), _autocast(self.device, settings.dtype):
+            with torch.no_grad(), autocast_for(self.device, settings.dtype):
                 reference = self.dense(input_ids=ids, use_cache=False).logits
         elif settings.constraint.type == "ce_control":
             target = self._control_step(ids, state.step) + settings.constraint.slack
@@ -219,7 +219,7 @@ class Trainer:
         tracker = sparse.GateTracker(training=True, generator=self.generator, gradient=settings.gate_gradient,
                                      seed_generator=self.seed_generator)
         with intervened(self.student, gates=tracker):  # also around backward: checkpointed layers replay their gates
-            with _autocast(self.device, settings.dtype):
+            with autocast_for(self.device, settings.dtype):
                 logits = self.student(input_ids=ids, use_cache=False).logits
             return self._update(logits, ids, reference, target, tracker, state)
 
@@ -249,7 +249,7 @@ class Trainer:
             row["control_ce"] = target - settings.constraint.slack
         elif target is not None:
             row["ce_bound"] = target
-        if not _finite(row):
+        if not all_finite(row):
             self.optimizer.zero_grad(set_to_none=True)
             return row  # no update: post_train stops with the last finite values
         torch.nn.utils.clip_grad_norm_([p for p in self.student.parameters() if p.requires_grad],
@@ -261,7 +261,7 @@ class Trainer:
     def _control_step(self, ids: torch.Tensor, step: int) -> float:
         for group in self.control_optimizer.param_groups:
             group["lr"] = learning_rate(self.settings, step)
-        with _autocast(self.device, self.settings.dtype):
+        with autocast_for(self.device, self.settings.dtype):
             logits = self.control(input_ids=ids, use_cache=False).logits
         ce, _ = losses.loss_terms(logits, ids, None)
         self.control_optimizer.zero_grad(set_to_none=True)
@@ -330,15 +330,15 @@ def _load_parameters(model, values: dict) -> None:
             parameters[name].copy_(value)
 
 
-def _finite(row: dict) -> bool:
+def all_finite(row: dict) -> bool:
     return all(math.isfinite(row[key]) for key in ("loss", "ce", "kl", "expected_density") if key in row)
 
 
-def _describe(evaluation: dict) -> str:
+def describe_numbers(evaluation: dict) -> str:
     return ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
 
 
-def _stop_on_nan(row: dict, state: TrainState, checkpoint: Path) -> None:
+def stop_on_nan(row: dict, state: TrainState, checkpoint: Path) -> None:
     last = state.steps[-1] if state.steps else {}
     kept = (f"the last checkpoint ({checkpoint}) is kept" if checkpoint.is_file()
             else "no checkpoint was written yet")
