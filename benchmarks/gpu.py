@@ -44,6 +44,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from common import OUT, REPO, embedded_model, versions  # noqa: E402
 
+SPARSE_TASKS = ("ioi", "docstring", "greater_than", "ioi_long")  # the first two as on the CPU
 SECTIONS = ("checks", "extraction", "training", "generation", "generation-gemma3", "edges", "sparse")
 DEFAULT_SECTIONS = SECTIONS[:-1]
 FULL = {"checks": ((300, 231, 180), 128), "extraction": (4, 2048), "training": (16, 1024),
@@ -107,23 +108,27 @@ def _sparse_regime(model_dir: Path, folder: Path) -> dict:
     scripts a user runs by hand, each writing its log to ``folder``/<step>.log as it goes, so a
     run stopped by a deadline keeps what it logged)."""
     here = Path(__file__).parent
+    model_dir, folder = model_dir.resolve(), folder.resolve()  # the scripts run in benchmarks/
     train = [sys.executable, str(here / "sparse_gpu.py"), "--config", str(REPO / "config" / "sparse-gpu.yaml"),
              "--model", "smollm2-135m-sparse", "--base-dir", str(model_dir), "--out", str(folder / "run")]
     heads = [sys.executable, str(here / "sparse_heads.py"), "measure", "--n", "192", "--ablations", "corrupted",
-             "--rankings", "exact", "--tasks", "ioi", "docstring", "--batch-size", "1024", "--out", str(folder / "heads")]
+             "--rankings", "exact", "--batch-size", "1024", "--out", str(folder / "heads")]
+    models = {"dense": str(model_dir), "sparse": str(folder / "run" / "model")}
+    # task by task, the dense model's count then the copy's: a run stopped by its deadline keeps
+    # paired counts of the tasks it finished (sparse_heads.py appends each task as it ends)
+    counts = [(f"heads_{label}_{task}", heads + ["--tasks", task, "--label", label, "--model", models[label]])
+              for task in SPARSE_TASKS for label in ("dense", "sparse")]
     done = {}
     folder.mkdir(parents=True, exist_ok=True)
-    for label, command in (("post_training", train),
-                           ("heads_dense", heads + ["--label", "dense", "--model", str(model_dir)]),
-                           ("heads_sparse", heads + ["--label", "sparse", "--model", str(folder / "run" / "model")])):
+    for label, command in [("post_training", train), *counts]:
         started = time.perf_counter()
         log = folder / f"{label}.log"
         with log.open("w") as stream:
             finished = subprocess.run(command, cwd=here, stdout=stream, stderr=subprocess.STDOUT, text=True)
         done[label] = {"seconds": time.perf_counter() - started, "returncode": finished.returncode,
                        "log": str(log), "log_tail": log.read_text()[-2000:]}
-        if finished.returncode:
-            break
+        if finished.returncode and label == "post_training":
+            break  # no copy to count; a failing count leaves the other tasks to run
     summary = folder / "run" / "summary.json"
     done["summary"] = json.loads(summary.read_text()) if summary.is_file() else None
     return done

