@@ -148,3 +148,37 @@ def test_the_gpu_summary_reads_the_committed_h200_run():
     assert '"static_cache bfloat16": 9449' in lines and '"static bfloat16": 553' in lines
     assert "generation: ERROR ModuleNotFoundError" in lines  # the default run's, before data.py's fix
     assert '"extract (kernels)": 0.376' in lines and '"max_abs_diff": 1.35e-06' in lines
+
+
+def test_the_sparse_section_hands_its_scripts_absolute_folders_and_pairs_counts_task_by_task(
+        tmp_path, monkeypatch):
+    """The scripts run in benchmarks/: a relative model folder given to gpu.py (as the offline-node
+    script gives it) must reach them resolved (the 2026-11-28 H200 call lost its sparse section
+    to that). Counts go task by task, the dense model's then the copy's; a failing count leaves
+    the other tasks to run, a failing post-training stops them (no copy to count)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu
+
+    calls = []
+
+    def fake_run(command, cwd, stdout, **_):
+        calls.append(command)
+        failing = "greater_than" in command or (len(calls) == 1 and fail_training)
+        return subprocess.CompletedProcess(command, 1 if failing else 0)
+
+    monkeypatch.setattr(gpu.subprocess, "run", fake_run)
+    monkeypatch.chdir(tmp_path)
+    fail_training = False
+    done = gpu._sparse_regime(Path("resources/model"), Path("out/sparse"))
+    training, *counts = calls
+    assert Path(training[training.index("--base-dir") + 1]) == tmp_path / "resources" / "model"
+    assert Path(training[training.index("--out") + 1]).is_absolute()
+    order = [(c[c.index("--tasks") + 1], c[c.index("--label") + 1]) for c in counts]
+    assert order == [(task, label) for task in gpu.SPARSE_TASKS for label in ("dense", "sparse")]
+    assert all(Path(c[c.index("--model") + 1]).is_absolute() for c in counts)
+    assert done["heads_dense_greater_than"]["returncode"] == 1 and "heads_sparse_ioi_long" in done
+
+    calls.clear()
+    fail_training = True
+    done = gpu._sparse_regime(Path("resources/model"), Path("out/sparse"))
+    assert len(calls) == 1 and list(done) == ["post_training", "summary"]
