@@ -49,7 +49,7 @@ def measure(args) -> None:
         for n in args.n:
             (found, sweeps), seconds = timed(lambda: head_counts.head_counts(
                 model, tokenizer, task, n, args.seed, args.ablations, args.rankings, args.threshold,
-                args.batch_size, args.all_k_up_to, args.log_points))
+                args.batch_size, args.all_k_up_to, args.log_points, args.mean_pool))
             rows += [{"label": args.label, **info, **row, "seconds": seconds, **run_fields(device, dtype)}
                      for row in found]
             curves.append(sweeps.assign(label=args.label))
@@ -100,6 +100,8 @@ def main() -> None:
     run.add_argument("--batch-size", type=int, default=64)
     run.add_argument("--all-k-up-to", type=int, default=300)
     run.add_argument("--log-points", type=int, default=40)
+    run.add_argument("--mean-pool", type=int, default=256,
+                     help="mean ablation: each template's mean over this many prompts drawn apart from the n")
     # the device and dtype options of common.add_device_arguments, named here so that `figure` needs no torch
     run.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     run.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),

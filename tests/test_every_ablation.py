@@ -15,14 +15,15 @@ from attnlab import steps
 from attnlab.circuits.task_gap import KEPT_GAP_FLOOR, kept_gap
 
 ABLATIONS = ["corrupted", "mean", "zero"]
-# IOI has 30 template variants and the mean ablation averages over prompts of one template: 64
-# pairs give every variant two or three, so that among the 32 counted prompts templates repeat.
+# IOI has 30 template variants: 64 pairs give every variant two or three, so that among the 32
+# counted prompts templates repeat.
 N_PROMPTS, HEADS = 64, 2 * 4
 BOOTSTRAP = {"n_resamples": 300, "confidence": 0.9, "seed": 0}  # not the default level: the hand check reads it
+MEAN_POOL = 64  # mean ablation's reference: IOI's 30 variants two or three times each, apart from the 64
 SCORING = {"seed": 0, "ranking": "exact", "exact": True, "rank_share": 0.5, "batch_size": 64, "device": "cpu",
-           "n": N_PROMPTS}
+           "n": N_PROMPTS, "mean_pool": MEAN_POOL}
 SWEEP = {"seed": 0, "ranking": "exact", "batch_size": 64, "device": "cpu", "all_k_up_to": 300, "log_points": 40,
-         "search": "rounds", "coarse_points": 16, "threshold": 0.9, "sweep_other_ranking": True,
+         "search": "rounds", "coarse_points": 16, "threshold": 0.9, "sweep_other_ranking": True, "mean_pool": MEAN_POOL,
          "bootstrap": {key: BOOTSTRAP[key] for key in ("n_resamples", "confidence")}}
 
 
@@ -256,3 +257,56 @@ def test_a_base_that_fails_the_task_has_no_share_of_its_gap_to_keep():
     assert gap["kept_gap"] == pytest.approx((-1 / 3) / (2 / 3))
     assert gap["kept_gap_low"] == np.quantile(defined, 0.025, method="lower")
     assert gap["kept_gap_high"] == np.quantile(defined, 0.975, method="higher")
+
+
+def test_mean_ablation_takes_its_means_from_a_pool_apart_from_the_ranked_and_counted_prompts(swept, tiny_base):
+    """The template means come from MEAN_POOL prompts drawn with another seed, none of them a prompt
+    ranked or counted on (a mean that held the ablated prompt would ablate it in part), the same
+    pool in the scoring and the sweep job; scores.json and sweep.json say how many and from what."""
+    from collections import Counter
+
+    from attnlab.groundtruth.pairs import prompts_for
+    from attnlab.models import load_model
+    from attnlab.patching.heads import build_batch, template_means
+    from attnlab.patching.tasks import TaskPrompts
+    from attnlab.steps.circuits import _task_means
+    from attnlab.tokenization import load_tokenizer
+
+    base, _ = tiny_base
+    folder = swept["dense"]["mean"]["summary"].parent.parent
+    task = TaskPrompts(**json.loads((folder / "prompts.json").read_text()))
+    tokenizer = load_tokenizer(str(base))
+    model = load_model(str(base), torch.device("cpu"), torch.float32)
+    means = _task_means(model, "ioi", task, tokenizer, 16, MEAN_POOL, 0, str(base))
+    # by hand: the generator's prompts at another seed, the task's own removed
+    drawn = prompts_for("ioi", tokenizer, MEAN_POOL, means.seed, str(base))
+    assert means.seed != 0
+    keep = [i for i, text in enumerate(drawn.clean) if text not in set(task.clean)]
+    pool = TaskPrompts("ioi", [drawn.clean[i] for i in keep], [drawn.corrupted[i] for i in keep],
+                       [drawn.templates[i] for i in keep], [drawn.answers[i] for i in keep],
+                       [drawn.distractors[i] for i in keep])
+    assert not set(pool.clean) & set(task.clean) and means.pool == len(pool.clean) >= MEAN_POOL - 2
+    expected = template_means(model, build_batch(pool, tokenizer), 16)
+    assert set(means.by_template) == set(expected) >= set(task.templates)
+    for template, layers in expected.items():
+        for got, want in zip(means.by_template[template], layers):
+            torch.testing.assert_close(got, want)
+    assert means.fewest == min(Counter(pool.templates).values()) >= 2
+    # the task's own prompts would give other means: the pool is not the task
+    own = template_means(model, build_batch(task, tokenizer), 16)
+    assert not torch.allclose(own[task.templates[0]][0], expected[task.templates[0]][0])
+    for path in (folder / "scores.json", swept["dense"]["mean"]["summary"]):
+        recorded = json.loads(path.read_text())["mean_over"]
+        assert recorded["prompts"] == means.pool and recorded["seed"] == means.seed and "apart" in recorded["what"]
+
+
+def test_a_mean_pool_too_small_for_the_tasks_templates_is_refused_naming_the_setting():
+    from attnlab.patching.tasks import TaskError, TaskPrompts, held_apart
+
+    task = TaskPrompts("docstring", ["a", "b", "c"], ["a'", "b'", "c'"], [0, 1, 2], [1, 1, 1], [[2], [2], [2]])
+    pool = TaskPrompts("docstring", ["a", "d", "e", "f", "g"], ["a'", "d'", "e'", "f'", "g'"], [0, 0, 1, 1, 2],
+                       [1] * 5, [[2]] * 5)
+    with pytest.raises(TaskError, match=r"fewer than 2 prompts of template\(s\) \{0: 1, 2: 1\}.*pruning.mean_pool \(now 5\)"):
+        held_apart(pool, task)
+    kept = held_apart(pool, task, at_least=1)
+    assert kept.clean == ["d", "e", "f", "g"] and kept.templates == [0, 1, 1, 2]

@@ -191,9 +191,9 @@ def test_head_counts_sweep_every_ranking_and_ablation_from_zero_to_all_heads(tra
     folder, _ = trained
     model = load_model(folder / "model", torch.device("cpu"), torch.float32)
     rows, curves = head_counts.head_counts(model, load_tokenizer(folder / "model"), "ioi", 6, 0,
-                                           ["corrupted", "zero"], ["attribution", "exact"], 0.9, 4)
+                                           ["corrupted", "mean", "zero"], ["attribution", "exact"], 0.9, 4)
     assert {(r["ablation"], r["ranking"]) for r in rows} == {
-        (a, r) for a in ("corrupted", "zero") for r in ("attribution", "exact")}
+        (a, r) for a in ("corrupted", "mean", "zero") for r in ("attribution", "exact")}
     for (_, _), curve in curves.groupby(["ablation", "ranking"]):
         effect = curve.set_index("heads_kept")["explained_effect"]
         assert list(effect.index) == list(range(9))  # 2 layers x 4 heads, every k

@@ -27,8 +27,8 @@ from attnlab.attention import sparse
 from attnlab.circuits.curves import crossing, k_grid
 from attnlab.circuits.sweeps import sweep
 from attnlab.interventions import intervened
-from attnlab.patching.heads import Patcher, build_batch
-from attnlab.patching.tasks import TaskPrompts, generate_task
+from attnlab.patching.heads import Patcher, build_batch, template_means
+from attnlab.patching.tasks import MEAN_POOL_SEED_OFFSET, TaskPrompts, generate_task, held_apart
 
 log = logging.getLogger(__name__)
 RANKINGS = ("attribution", "exact")
@@ -36,17 +36,22 @@ RANKINGS = ("attribution", "exact")
 
 def head_counts(model, tokenizer, task: str, n: int, seed: int, ablations: list[str],
                 rankings: list[str], threshold: float, batch_size: int,
-                all_k_up_to: int = 300, log_points: int = 40) -> tuple[list[dict], pd.DataFrame]:
-    """Heads to ``threshold`` for every ablation x ranking on ``n`` prompts of ``task``.
+                all_k_up_to: int = 300, log_points: int = 40, mean_pool: int = 256) -> tuple[list[dict], pd.DataFrame]:
+    """Heads to ``threshold`` for every ablation x ranking on ``n`` prompts of ``task``; under mean
+    ablation each template's mean over ``mean_pool`` prompts drawn apart (as the workflow's).
 
     Returns one row per (ablation, ranking) (crossing(), clean and corrupted metrics, the
     Spearman correlation of attribution and exact scores) and the sweeps' curves.
     """
     prompts = generate_task(task, tokenizer, n, seed)
     batch = build_batch(prompts, tokenizer)
+    means = None
+    if "mean" in ablations:
+        pool = held_apart(generate_task(task, tokenizer, mean_pool, seed + MEAN_POOL_SEED_OFFSET), prompts)
+        means = template_means(model, build_batch(pool, tokenizer), batch_size)
     rows, curves = [], []
     for ablation in ablations:
-        patcher = Patcher(model, batch, ablation, batch_size)
+        patcher = Patcher(model, batch, ablation, batch_size, means=means if ablation == "mean" else None)
         scores = {"attribution": patcher.attribution()}
         if "exact" in rankings:
             scores["exact"] = patcher.exact()

@@ -86,6 +86,7 @@ class Scoring:
     batch_size: int
     device: str
     n: int  # the task's clean/corrupted pairs (pruning.tasks.<task>.n)
+    mean_pool: int  # mean ablation's reference: prompts drawn apart from the n
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class Sweep:
     ablation: str  # this sweep's, one of the configured ones (the rule's {ablation})
     ranking: str
     sweep_other_ranking: bool  # also sweep the ranking not configured (its count beside, in sweep.json)
+    mean_pool: int  # mean ablation's reference: prompts drawn apart from the task's
     batch_size: int
     device: str
     all_k_up_to: int

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -307,3 +308,25 @@ def split_for_ranking(n: int, share: float, seed: int) -> tuple[list[int], list[
     ranked = min(n - 1, max(1, round(share * n)))
     order = random.Random(f"rank split {seed}").sample(range(n), n)  # a stream apart from the task's
     return sorted(order[:ranked]), sorted(order[ranked:])
+
+
+# Mean ablation's pool is drawn with the task's seed plus this: another stream of the same
+# generator, so the same templates (IOI's and IOI-long's in turn, Docstring's at random)
+MEAN_POOL_SEED_OFFSET = 1_000_003
+
+
+def held_apart(pool: TaskPrompts, prompts: TaskPrompts, at_least: int = 2) -> TaskPrompts:
+    """The prompts of ``pool`` whose clean text is none of ``prompts``': mean ablation's reference,
+    apart from every prompt ranked or counted on (a template's mean that holds the ablated prompt
+    ablates it only in part: by 1/m with m prompts of its template). Refused unless every template
+    of ``prompts`` keeps ``at_least`` prompts (one is a resample, not a mean)."""
+    taken = set(prompts.clean)
+    kept = subset(pool, [i for i, text in enumerate(pool.clean) if text not in taken])
+    have = Counter(kept.templates)
+    short = {t: have.get(t, 0) for t in sorted(set(prompts.templates)) if have.get(t, 0) < at_least}
+    if short:
+        raise TaskError(f"{prompts.task}: mean ablation's pool of {len(pool.clean)} prompts "
+                        f"({len(pool.clean) - len(kept.clean)} dropped as prompts of the task itself) holds fewer "
+                        f"than {at_least} prompts of template(s) {short} (template: prompts); raise "
+                        f"pruning.mean_pool (now {len(pool.clean)})")
+    return kept

@@ -37,10 +37,11 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     batch = build_batch(subset(prompts, ranked_on), tokenizer)
     size = _batch_size(settings.batch_size, batch_size)
-    means = _task_means(model, prompts, tokenizer, size) if "mean" in settings.ablations else None
+    means = (_task_means(model, task, prompts, tokenizer, size, settings.mean_pool, settings.seed, model_dir)
+             if "mean" in settings.ablations else None)
     by_ablation, metrics = {}, {}
     for ablation in settings.ablations:
-        patcher = Patcher(model, batch, ablation, size, means=means)
+        patcher = Patcher(model, batch, ablation, size, means=means.by_template if means else None)
         if not metrics:  # the unpatched model's, whatever the ablation
             metrics = {"clean_metric": patcher.metric(), "corrupted_metric": patcher.corrupted_metric()}
             log.info("%s: clean metric %.3f, corrupted %.3f (%d prompts ranked on, %d counted on)", task,
@@ -55,13 +56,32 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
                    "by_ablation": by_ablation}, summary_path)
 
 
-def _task_means(model, prompts, tokenizer, batch_size: int) -> dict:
-    """Mean ablation's reference: each template's mean over every prompt of the task, ranked and
-    counted alike (the task's distribution; a split alone leaves most of IOI's 30 templates with
-    one prompt, which would be its own mean)."""
-    from attnlab.patching.heads import build_batch, template_means
+@dataclasses.dataclass
+class TaskMeans:
+    """Mean ablation's reference (``template_means``: {template: per layer [tokens, width]}) and
+    the pool it was taken over."""
 
-    return template_means(model, build_batch(prompts, tokenizer), batch_size)
+    by_template: dict
+    pool: int  # prompts averaged over
+    fewest: int  # prompts of the template with fewest
+    seed: int
+
+
+def _task_means(model, task: str, prompts, tokenizer, batch_size: int, pool: int, seed: int, model_dir) -> TaskMeans:
+    """Each template's mean over a pool of ``pool`` prompts of the task drawn apart from ``prompts``
+    (another seed, the task's own prompts dropped): a mean over prompts that hold the ablated one
+    ablates it only in part (IOI's 4-5 prompts per template at n = 128: a fifth of the reference
+    was the prompt's own activation). The same pool in the scoring and every sweep job."""
+    from collections import Counter
+
+    from attnlab.groundtruth.pairs import prompts_for
+    from attnlab.patching.heads import build_batch, template_means
+    from attnlab.patching.tasks import MEAN_POOL_SEED_OFFSET, held_apart
+
+    drawn = prompts_for(task, tokenizer, pool, seed + MEAN_POOL_SEED_OFFSET, model_dir)
+    apart = held_apart(drawn, prompts)
+    return TaskMeans(template_means(model, build_batch(apart, tokenizer), batch_size), len(apart.clean),
+                     min(Counter(apart.templates).values()), seed + MEAN_POOL_SEED_OFFSET)
 
 
 def _scored_heads(patcher, settings: Scoring) -> tuple[pd.DataFrame, dict]:
@@ -111,9 +131,10 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     counted = subset(TaskPrompts(**io.read_json(prompts_path)), scoring["counted_on"])
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     size = _batch_size(settings.batch_size, batch_size)
-    means = (_task_means(model, TaskPrompts(**io.read_json(prompts_path)), tokenizer, size)
-             if settings.ablation == "mean" else None)
-    patcher = Patcher(model, build_batch(counted, tokenizer), settings.ablation, size, means=means)
+    means = (_task_means(model, task, TaskPrompts(**io.read_json(prompts_path)), tokenizer, size, settings.mean_pool,
+                         settings.seed, model_dir) if settings.ablation == "mean" else None)
+    patcher = Patcher(model, build_batch(counted, tokenizer), settings.ablation, size,
+                      means=means.by_template if means else None)
     scores = pd.read_csv(scores_path)
     rankings = [settings.ranking, *(r for r in ("exact", "attribution")
                                     if settings.sweep_other_ranking and r in scores and r != settings.ranking)]
@@ -142,9 +163,11 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
                   outputs["summary"])
 
 
-def _mean_over(means: dict) -> str:
-    return (f"each template's mean over every prompt of the task (ranked and counted): "
-            f"{len(means)} templates")
+def _mean_over(means: TaskMeans) -> dict:
+    return {"what": "each template's mean over a pool of the task's prompts drawn apart from those ranked and "
+                    "counted on (its own seed; any prompt of the task dropped)",
+            "prompts": means.pool, "templates": len(means.by_template), "fewest_per_template": means.fewest,
+            "seed": means.seed}
 
 
 def _counted_prompts(scoring: dict, counted, patcher) -> dict:
