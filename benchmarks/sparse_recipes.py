@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/sparse_recipes.py train   [--recipes old new ...] [--steps N]
     .venv/bin/python benchmarks/sparse_recipes.py compare [--recipes old new ...] [--n 64]
+    .venv/bin/python benchmarks/sparse_recipes.py adopt --recipes ce-control \
+        --model resources/models/smollm2-135m-sparse --control resources/sparsify/smollm2-135m-sparse/control \
+        --results results/sparsify/smollm2-135m-sparse    # make sparse's copy, if its settings are the recipe's
 
 Recipes (each the ``sparsify`` block of a config, defaults filled by the schema):
 
@@ -112,17 +115,56 @@ def train(args) -> None:
               f"KL {result.summary['heldout_kl']:.4f}")
 
 
+def adopt(args) -> None:
+    """Take a copy the workflow made (``make sparse``: its model, dense control and outputs) as one
+    recipe's, so that ``compare`` sets it beside the others without training it again. Refused
+    unless the settings the copy recorded (attnlab_source.json) equal that recipe's, defaults
+    filled: a copy of other settings would stand for a recipe it is not."""
+    import os
+    import shutil
+
+    from attnlab import io
+
+    if len(args.recipes) != 1:
+        raise SystemExit("adopt takes one recipe: --recipes NAME")
+    name, model, results = args.recipes[0], Path(args.model), Path(args.results)
+    recorded = filled(io.read_json(model / "attnlab_source.json")["source"]["sparsify"])
+    wanted = filled(recipes()[name])
+    differing = sorted(k for k in set(recorded) | set(wanted) if recorded.get(k) != wanted.get(k))
+    if differing:
+        raise SystemExit(f"{model} was made with other settings than recipe {name}: "
+                         + "; ".join(f"{k}: {recorded.get(k)!r} there, {wanted.get(k)!r} here" for k in differing))
+    folder = OUT / name
+    if folder.exists():
+        raise SystemExit(f"{folder} exists: remove it to adopt {model} as {name}")
+    staging = folder.with_name(folder.name + ".adopting")
+    shutil.rmtree(staging, ignore_errors=True)
+    for source, target in ((model, "model"), (Path(args.control) if args.control else None, "control")):
+        if source is not None:  # hard links: the same bytes, no second half-gigabyte copy
+            shutil.copytree(source, staging / target, copy_function=os.link)
+    for output in ("summary.json", "steps.csv", "eval.csv", "density.csv"):
+        shutil.copy2(results / output, staging / output)
+    (staging / "settings.json").write_text(json.dumps(wanted, indent=1))
+    (staging / "adopted.json").write_text(json.dumps({"model": str(model.resolve()), "results": str(results.resolve()),
+                                                      "control": args.control}, indent=1))
+    staging.rename(folder)  # whole or absent: compare reads only complete folders
+    print(f"{name}: adopted {model} ({results})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["train", "compare"])
+    parser.add_argument("command", choices=["train", "compare", "adopt"])
     parser.add_argument("--recipes", nargs="+", default=list(recipes()), choices=list(recipes()))
     parser.add_argument("--steps", type=int, help="every recipe's steps (a quick trial; the budget stays equal)")
     parser.add_argument("--n", type=int, default=64, help="prompts per task for the kept gap")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", help="adopt: the workflow's copy (resources/models/<copy>)")
+    parser.add_argument("--control", help="adopt: its dense control (resources/sparsify/<copy>/control)")
+    parser.add_argument("--results", help="adopt: its outputs (results/sparsify/<copy>)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    {"train": train, "compare": compare}[args.command](args)
+    {"train": train, "compare": compare, "adopt": adopt}[args.command](args)
 
 
 def compare(args) -> None:
