@@ -310,3 +310,15 @@ def test_a_mean_pool_too_small_for_the_tasks_templates_is_refused_naming_the_set
         held_apart(pool, task)
     kept = held_apart(pool, task, at_least=1)
     assert kept.clean == ["d", "e", "f", "g"] and kept.templates == [0, 1, 1, 2]
+
+
+def test_only_the_jobs_that_take_a_mean_read_the_mean_pool():
+    """Snakemake reruns a job whose params change: a new mean_pool must rerun the mean sweeps and
+    the scoring jobs that score under mean ablation, and nothing else."""
+    from attnlab.config.settings import scoring_params, sweep_params
+
+    pruning = {**SCORING, **SWEEP, "tasks": {"ioi": {"n": 64}}, "mean_pool": 99}
+    assert sweep_params(pruning, "mean")["mean_pool"] == 99
+    assert sweep_params(pruning, "corrupted")["mean_pool"] is None
+    assert scoring_params(pruning, "ioi", ["corrupted", "mean"])["mean_pool"] == 99
+    assert scoring_params(pruning, "ioi", ["corrupted", "zero"])["mean_pool"] is None

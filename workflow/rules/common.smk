@@ -278,11 +278,11 @@ def composite_figure_files(wildcards):
 
 
 def scoring_settings(wildcards):
-    return typed.slice_of(typed.Scoring, {**PRUNING, **PRUNING["tasks"][wildcards.task], "ablations": ABLATIONS})
+    return typed.scoring_params(PRUNING, wildcards.task, ABLATIONS)
 
 
 def sweep_settings(wildcards):
-    return typed.slice_of(typed.Sweep, {**PRUNING, "ablation": wildcards.ablation})
+    return typed.sweep_params(PRUNING, wildcards.ablation)
 
 
 def wildcard_ablation(wildcards):

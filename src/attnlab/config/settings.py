@@ -24,6 +24,19 @@ def slice_of(cls, config: dict) -> dict:
     return {f.name: config[f.name] for f in dataclasses.fields(cls)}
 
 
+def scoring_params(pruning: dict, task: str, ablations: list[str]) -> dict:
+    """One task's scoring job's settings; mean_pool only where a mean is taken, so a new pool
+    reruns no job that never reads it."""
+    pool = pruning["mean_pool"] if "mean" in ablations else None
+    return slice_of(Scoring, {**pruning, **pruning["tasks"][task], "ablations": ablations, "mean_pool": pool})
+
+
+def sweep_params(pruning: dict, ablation: str) -> dict:
+    """One ablation's sweep settings; mean_pool only under mean ablation (as scoring_params)."""
+    return slice_of(Sweep, {**pruning, "ablation": ablation,
+                            "mean_pool": pruning["mean_pool"] if ablation == "mean" else None})
+
+
 @dataclass(frozen=True)
 class Generation:
     """Greedy generation of one model x dataset cell (``plan.cell_generation``)."""
@@ -86,7 +99,7 @@ class Scoring:
     batch_size: int
     device: str
     n: int  # the task's clean/corrupted pairs (pruning.tasks.<task>.n)
-    mean_pool: int  # mean ablation's reference: prompts drawn apart from the n
+    mean_pool: int | None  # mean ablation's reference: prompts drawn apart from the n (None: no mean)
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,7 @@ class Sweep:
     ablation: str  # this sweep's, one of the configured ones (the rule's {ablation})
     ranking: str
     sweep_other_ranking: bool  # also sweep the ranking not configured (its count beside, in sweep.json)
-    mean_pool: int  # mean ablation's reference: prompts drawn apart from the task's
+    mean_pool: int | None  # mean ablation's reference: prompts drawn apart from the task's (None: not mean)
     batch_size: int
     device: str
     all_k_up_to: int
