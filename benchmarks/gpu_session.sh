@@ -12,8 +12,9 @@
 #   bash benchmarks/gpu_session.sh run     carry .gpu/b: join, install, prepare SmolLM2, then
 #       gpu.py --smoke and the default sections (Gemma-3 aside: its wheels do not fit), each under
 #       a deadline (SMOKE=0 skips the smoke run; FIRST_SECTIONS replaces the default sections:
-#       a session too short for all, FIRST_SECTIONS=checks); then start --sections sparse in the background (setsid: it outlives the call
-#       while the machine is held) and wait for it until BUDGET_S (default 560 s) has passed
+#       a session too short for all, FIRST_SECTIONS=checks); then start --sections sparse in the
+#       background (setsid: it outlives the call while the machine is held) and wait for it until
+#       BUDGET_S (default 560 s) has passed
 #   bash benchmarks/gpu_session.sh wait    wait for the sparse section until WAIT_S (540 s)
 # run and wait leave in $OUT: gpu_smoke.json, gpu.json, gpu_sparse.json (when done) and
 # gpu_results.tgz (every log, the sparse copy's CSVs, summary and head counts; no weights).
