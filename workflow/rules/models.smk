@@ -45,7 +45,10 @@ rule sparsify_model:
     threads: 8
     # Every job of the copy waits for it: it goes before the base's own jobs (score_heads and
     # sweep_heads: 1), which then share the cores with the copy's rather than leave one idle.
-    priority: 2
+    # Snakemake's MILP scheduler adds up the priorities of the jobs it starts together: at 2, two
+    # 1-thread scoring jobs tied with it on 2 cores and went first (make sparse, 2026-11-28), so
+    # it must outweigh a workstation's cores of priority-1 jobs (tests/test_scheduling.py).
+    priority: 50
     log:
         "results/logs/sparsify_model/{model}.log",
     benchmark:
