@@ -1,6 +1,6 @@
 """The figures of a benchmarks/gpu.py run in a few lines (on a remote GPU node the end of a
-command's output is often what comes back first): each JSON's sections with their ratios, errors and timings, and the sparse
-copy's density and head counts.
+command's output is often what comes back first): each JSON's sections with their ratios, errors
+and timings, and the sparse copy's density and head counts.
 
     python benchmarks/gpu_summary.py FOLDER     # the folder holding gpu*.json (and sparse_gpu/)
 """

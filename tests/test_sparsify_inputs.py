@@ -183,6 +183,29 @@ def test_snapshots_are_refused_for_lora(tiny_base, tmp_path):
 # ---------------------------------------------------------------- heads needed, padding check
 
 
+def test_head_counts_mean_ablation_uses_a_pool_held_apart_from_its_prompts(trained):
+    """With every head mean-ablated, the benchmark's curve reads the metric of the template means
+    over a pool drawn with the task's seed plus the offset, its own prompts removed by hand here,
+    not over the prompts counted on (which would hold each ablated prompt in its own mean)."""
+    from attnlab.circuits import head_counts
+    from attnlab.models import load_model
+    from attnlab.patching.heads import Patcher, build_batch, template_means
+    from attnlab.patching.tasks import MEAN_POOL_SEED_OFFSET, generate_task, subset
+    from attnlab.tokenization import load_tokenizer
+
+    folder, _ = trained
+    model, tokenizer = load_model(folder / "model", torch.device("cpu"), torch.float32), load_tokenizer(folder / "model")
+    _, curves = head_counts.head_counts(model, tokenizer, "ioi", 6, 0, ["mean"], ["exact"], 0.9, 4, mean_pool=64)
+    prompts, drawn = generate_task("ioi", tokenizer, 6, 0), generate_task("ioi", tokenizer, 64, MEAN_POOL_SEED_OFFSET)
+    pool = subset(drawn, [i for i, text in enumerate(drawn.clean) if text not in prompts.clean])
+    patcher = Patcher(model, build_batch(prompts, tokenizer), "mean", 4,
+                      means=template_means(model, build_batch(pool, tokenizer), 4))
+    none_kept = curves.set_index("heads_kept")["metric"][0]
+    assert none_kept == pytest.approx(patcher.metric(torch.zeros(2, 4)), abs=1e-5)
+    own = Patcher(model, build_batch(prompts, tokenizer), "mean", 4).metric(torch.zeros(2, 4))
+    assert abs(own - none_kept) > 1e-4  # the prompts' own means would give another number
+
+
 def test_head_counts_sweep_every_ranking_and_ablation_from_zero_to_all_heads(trained):
     from attnlab.circuits import head_counts
     from attnlab.models import load_model

@@ -27,8 +27,8 @@ from attnlab.attention import sparse
 from attnlab.circuits.curves import crossing, k_grid
 from attnlab.circuits.sweeps import sweep
 from attnlab.interventions import intervened
-from attnlab.patching.heads import Patcher, build_batch, template_means
-from attnlab.patching.tasks import MEAN_POOL_SEED_OFFSET, TaskPrompts, generate_task, held_apart
+from attnlab.patching.heads import Patcher, build_batch, held_apart_means
+from attnlab.patching.tasks import MEAN_POOL_SEED_OFFSET, TaskPrompts, generate_task
 
 log = logging.getLogger(__name__)
 RANKINGS = ("attribution", "exact")
@@ -47,8 +47,8 @@ def head_counts(model, tokenizer, task: str, n: int, seed: int, ablations: list[
     batch = build_batch(prompts, tokenizer)
     means = None
     if "mean" in ablations:
-        pool = held_apart(generate_task(task, tokenizer, mean_pool, seed + MEAN_POOL_SEED_OFFSET), prompts)
-        means = template_means(model, build_batch(pool, tokenizer), batch_size)
+        drawn = generate_task(task, tokenizer, mean_pool, seed + MEAN_POOL_SEED_OFFSET)
+        means, _ = held_apart_means(model, tokenizer, prompts, drawn, batch_size)
     rows, curves = [], []
     for ablation in ablations:
         patcher = Patcher(model, batch, ablation, batch_size, means=means if ablation == "mean" else None)

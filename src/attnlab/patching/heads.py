@@ -33,6 +33,7 @@ from attnlab.interventions import intervened
 from attnlab.interventions.readout import Readout
 from attnlab.interventions.resume import LayerInputs, ResumeAt, cached_positions, prefix_cache
 from attnlab.patching.batch import LOGITS_KEPT, TaskBatch, build_batch
+from attnlab.patching.tasks import held_apart
 
 __all__ = ["ABLATIONS", "LOGITS_KEPT", "HeadGates", "Patcher", "TaskBatch", "build_batch"]
 
@@ -81,9 +82,8 @@ class Patcher:
         """``references``: what an ablated head's slice is replaced by, given ([rows, tokens,
         heads · head_dim] per layer, the batch's rows: mediation patches another run's activations
         in), instead of one of ``ABLATIONS``. ``means``: under ``mean`` ablation, each template's
-        mean taken over more prompts than this batch's (``template_means`` of the task's every
-        prompt: a split of them leaves templates with one prompt, its own mean); None: this
-        batch's."""
+        mean over a pool held apart from the batch (``held_apart_means``); None: this batch's own,
+        which holds each ablated prompt and so ablates it only in part (tests use it)."""
         if references is None and ablation not in ABLATIONS:
             raise ValueError(f"ablation must be one of {ABLATIONS}, not {ablation!r}")
         self.model, self.batch, self.means = model, batch, means
@@ -332,11 +332,19 @@ class Patcher:
         return gates
 
 
+def held_apart_means(model, tokenizer, prompts, drawn, batch_size: int):
+    """Mean ablation's reference for ``prompts``: ``template_means`` over the prompts of ``drawn``
+    (a pool the caller drew with its own seed) held apart from them (``tasks.held_apart``).
+    Returns (the means, the pool)."""
+    pool = held_apart(drawn, prompts)
+    return template_means(model, build_batch(pool, tokenizer), batch_size), pool
+
+
 def template_means(model, batch: TaskBatch, batch_size: int) -> dict:
     """Each template's mean output-projection input over ``batch``'s clean prompts of that
     template, per layer, on the template's tokens ({template: [[tokens, heads · head_dim] per
-    layer]}): the reference of ``mean`` ablation, taken once over a task's every prompt and given
-    to the patchers of its ranking and counting splits (``Patcher(means=...)``)."""
+    layer]}): the reference of ``mean`` ablation, taken once over a pool held apart from a task's
+    prompts (``held_apart_means``) and given to the patchers of its splits (``Patcher(means=...)``)."""
     _, inputs = Patcher(model, batch, "given", batch_size, references=[]).per_prompt_with_head_inputs()
     return _means_by_template(inputs, batch)
 

@@ -75,13 +75,12 @@ def _task_means(model, task: str, prompts, tokenizer, batch_size: int, pool: int
     from collections import Counter
 
     from attnlab.groundtruth.pairs import prompts_for
-    from attnlab.patching.heads import build_batch, template_means
-    from attnlab.patching.tasks import MEAN_POOL_SEED_OFFSET, held_apart
+    from attnlab.patching.heads import held_apart_means
+    from attnlab.patching.tasks import MEAN_POOL_SEED_OFFSET
 
     drawn = prompts_for(task, tokenizer, pool, seed + MEAN_POOL_SEED_OFFSET, model_dir)
-    apart = held_apart(drawn, prompts)
-    return TaskMeans(template_means(model, build_batch(apart, tokenizer), batch_size), len(apart.clean),
-                     min(Counter(apart.templates).values()), seed + MEAN_POOL_SEED_OFFSET)
+    means, apart = held_apart_means(model, tokenizer, prompts, drawn, batch_size)
+    return TaskMeans(means, len(apart.clean), min(Counter(apart.templates).values()), seed + MEAN_POOL_SEED_OFFSET)
 
 
 def _scored_heads(patcher, settings: Scoring) -> tuple[pd.DataFrame, dict]:
