@@ -127,10 +127,11 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     _seed_everything(settings.seed)
     tokenizer = load_tokenizer(model_dir)
     scoring = io.read_json(scoring_path)
-    counted = subset(TaskPrompts(**io.read_json(prompts_path)), scoring["counted_on"])
+    prompts = TaskPrompts(**io.read_json(prompts_path))
+    counted = subset(prompts, scoring["counted_on"])
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     size = _batch_size(settings.batch_size, batch_size)
-    means = (_task_means(model, task, TaskPrompts(**io.read_json(prompts_path)), tokenizer, size, settings.mean_pool,
+    means = (_task_means(model, task, prompts, tokenizer, size, settings.mean_pool,
                          settings.seed, model_dir) if settings.ablation == "mean" else None)
     patcher = Patcher(model, build_batch(counted, tokenizer), settings.ablation, size,
                       means=means.by_template if means else None)
