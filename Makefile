@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.attnlab-installed
 
-.PHONY: install run mechanism sparse sparse-control sparse-zero sparse-gpu groundtruth groundtruth-models test test-fast lint dry-run report clean bench-peers bench-edge-peers
+.PHONY: install run mechanism sparse sparse-edges sparse-control sparse-zero sparse-gpu groundtruth groundtruth-models test test-fast lint dry-run report clean bench-peers bench-edge-peers
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ mechanism: install
 
 sparse: install
 	$(BIN)/snakemake --cores all --configfile config/sparse.yaml
+
+# After make sparse: both models' IOI edge circuits (about 4 minutes more).
+sparse-edges: sparse
+	$(BIN)/snakemake --cores all --configfile config/sparse.yaml config/sparse-edges.yaml
 
 # After make sparse: the copy's heads beside its dense control (fine-tuned alike, no gates).
 sparse-control: sparse

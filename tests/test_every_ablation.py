@@ -32,15 +32,16 @@ def _score_and_sweep(model_dir, out, ablations=ABLATIONS) -> dict:
     out/prompts.json, out/scores.json, out/{ablation}/scores.csv, sweep.csv, sweep.json,
     per_prompt.parquet. Returns {ablation: {sweep, summary, per_prompt}} paths."""
     scores = {ablation: str(out / ablation / "scores.csv") for ablation in ablations}
+    means = str(out / "mean" / "means.safetensors") if "mean" in ablations else None
     steps.score_heads(str(model_dir), "ioi", {**SCORING, "ablations": ablations}, str(out / "prompts.json"), scores,
-                      str(out / "scores.json"), threads=torch.get_num_threads())
+                      str(out / "scores.json"), threads=torch.get_num_threads(), means_path=means)
     swept = {}
     for ablation in ablations:
         swept[ablation] = {"sweep": out / ablation / "sweep.csv", "summary": out / ablation / "sweep.json",
                            "per_prompt": out / ablation / "per_prompt.parquet"}
         steps.sweep_heads(str(model_dir), "ioi", {**SWEEP, "ablation": ablation}, str(out / "prompts.json"),
                           scores[ablation], str(out / "scores.json"), {k: str(v) for k, v in swept[ablation].items()},
-                          threads=torch.get_num_threads())
+                          threads=torch.get_num_threads(), means_path=means if ablation == "mean" else None)
     return swept
 
 
@@ -298,6 +299,49 @@ def test_mean_ablation_takes_its_means_from_a_pool_apart_from_the_ranked_and_cou
     for path in (folder / "scores.json", swept["dense"]["mean"]["summary"]):
         recorded = json.loads(path.read_text())["mean_over"]
         assert recorded["prompts"] == means.pool and recorded["seed"] == means.seed and "apart" in recorded["what"]
+
+
+def test_the_mean_sweep_counts_with_the_scoring_jobs_reference_bit_for_bit(swept, tiny_base):
+    """The scoring job's means file holds the held-apart means taken again, to the bit, and the mean
+    sweep's numbers rest on them: with no head kept, each counted prompt's metric is the one a
+    patcher given the means taken here measures (a file read back wrong would differ)."""
+    from safetensors.torch import load_file
+
+    from attnlab.models import load_model
+    from attnlab.patching.heads import Patcher, build_batch
+    from attnlab.patching.tasks import TaskPrompts, subset
+    from attnlab.steps.circuits import _task_means
+    from attnlab.tokenization import load_tokenizer
+
+    base, _ = tiny_base
+    folder = swept["dense"]["mean"]["summary"].parent.parent
+    task = TaskPrompts(**json.loads((folder / "prompts.json").read_text()))
+    tokenizer = load_tokenizer(str(base))
+    model = load_model(str(base), torch.device("cpu"), torch.float32)
+    again = _task_means(model, "ioi", task, tokenizer, SCORING["batch_size"], MEAN_POOL, 0, str(base))
+    stored = load_file(folder / "mean" / "means.safetensors")
+    templates = list(again.by_template)
+    assert len(stored) == len(templates) * len(again.by_template[templates[0]])
+    for index, template in enumerate(templates):
+        for layer, mean in enumerate(again.by_template[template]):
+            assert torch.equal(stored[f"{index}/{layer}"], mean)
+    counted_on = json.loads((folder / "scores.json").read_text())["counted_on"]
+    patcher = Patcher(model, build_batch(subset(task, counted_on), tokenizer), "mean", 16, means=again.by_template)
+    _, metrics = patcher.per_prompt(torch.zeros(patcher.gates.n_layers, patcher.gates.n_heads))
+    rows = pd.read_parquet(swept["dense"]["mean"]["per_prompt"]).query("heads_kept == 0 and ranking == 'exact'")
+    assert rows["prompt"].tolist() == counted_on
+    np.testing.assert_allclose(rows["metric"], metrics, rtol=0, atol=1e-5)
+
+
+def test_the_sweep_refuses_the_scoring_jobs_reference_under_another_pool_and_writes_nothing(swept, tmp_path):
+    folder = swept["dense"]["mean"]["summary"].parent.parent
+    outputs = {name: str(tmp_path / f"{name}.out") for name in ("sweep", "summary", "per_prompt")}
+    with pytest.raises(ValueError, match="pool_asked 64 in the file, 65 asked for"):
+        steps.sweep_heads(str(swept["dense_folder"]), "ioi", {**SWEEP, "ablation": "mean", "mean_pool": MEAN_POOL + 1},
+                          str(folder / "prompts.json"), str(folder / "mean" / "scores.csv"), str(folder / "scores.json"),
+                          outputs, threads=torch.get_num_threads(),
+                          means_path=str(folder / "mean" / "means.safetensors"))
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_mean_pool_too_small_for_the_tasks_templates_is_refused_naming_the_setting():

@@ -285,6 +285,11 @@ def sweep_settings(wildcards):
     return typed.sweep_params(PRUNING, wildcards.ablation)
 
 
+def sweep_means(wildcards):
+    """The scoring job's mean reference, which only a mean sweep reads."""
+    return [f"results/pruning/{wildcards.model}/{wildcards.task}/mean/means.safetensors"] if wildcards.ablation == "mean" else []
+
+
 def wildcard_ablation(wildcards):
     return wildcards.ablation
 

@@ -8,6 +8,8 @@ rule score_heads:
         prompts="results/pruning/{model}/{task}/prompts.json",
         scores=expand("results/pruning/{{model}}/{{task}}/{ablation}/scores.csv", ablation=ABLATIONS),
         summary="results/pruning/{model}/{task}/scores.json",
+        # mean ablation's reference over the held-apart pool, taken once here for the mean sweep
+        means=["results/pruning/{model}/{task}/mean/means.safetensors"] if "mean" in ABLATIONS else [],
     params:
         settings=scoring_settings,
     threads: model_threads
@@ -38,6 +40,7 @@ rule sweep_heads:
         prompts="results/pruning/{model}/{task}/prompts.json",
         scores="results/pruning/{model}/{task}/{ablation}/scores.csv",
         scoring="results/pruning/{model}/{task}/scores.json",
+        means=sweep_means,
     output:
         sweep="results/pruning/{model}/{task}/{ablation}/sweep.csv",
         per_prompt="results/pruning/{model}/{task}/{ablation}/per_prompt.parquet",

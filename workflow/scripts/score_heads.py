@@ -10,4 +10,5 @@ steps.score_heads(
     summary_path=snakemake.output.summary,
     threads=snakemake.threads,
     batch_size=snakemake.resources.batch_size,
+    means_path=snakemake.output.means[0] if snakemake.output.means else None,
 )

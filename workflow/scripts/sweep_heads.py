@@ -12,4 +12,5 @@ steps.sweep_heads(
              "summary": snakemake.output.summary},
     threads=snakemake.threads,
     batch_size=snakemake.resources.batch_size,
+    means_path=snakemake.input.means[0] if snakemake.input.means else None,
 )

@@ -10,15 +10,17 @@ import pandas as pd
 
 from attnlab import io
 from attnlab.config.settings import Scoring, Sweep
+from attnlab.patching.mean_reference import Identity, TaskMeans, read_means, write_means
 from attnlab.steps.common import _batch_size, _seed_everything, log
 
 
 def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_paths: dict[str, str],
-                summary_path: str, threads: int, batch_size: int | None = None) -> None:
+                summary_path: str, threads: int, batch_size: int | None = None, means_path: str | None = None) -> None:
     """Generate the task for this tokenizer, draw the prompts heads are ranked on (the rest are
     for the sweeps), then score every head on those under each configured ablation
     (``scores_paths``: ablation -> its scores.csv): attribution, and exact patching. One job for
-    every ablation: the prompts, the split and the model load are shared."""
+    every ablation: the prompts, the split and the model load are shared. Under mean ablation the
+    reference is written to ``means_path`` too, for the mean sweep (``mean_reference``)."""
     import torch
 
     from attnlab.groundtruth.pairs import prompts_for
@@ -37,8 +39,13 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     batch = build_batch(subset(prompts, ranked_on), tokenizer)
     size = _batch_size(settings.batch_size, batch_size)
-    means = (_task_means(model, task, prompts, tokenizer, size, settings.mean_pool, settings.seed, model_dir)
-             if "mean" in settings.ablations else None)
+    means = None
+    if "mean" in settings.ablations:
+        means = _task_means(model, task, prompts, tokenizer, size, settings.mean_pool, settings.seed, model_dir)
+        if means_path is None:
+            raise ValueError("score_heads: mean ablation is configured but no means_path was given to write "
+                             "its reference to (the mean sweep reads it)")
+        write_means(means, _means_identity(task, settings, prompts), means_path)
     by_ablation, metrics = {}, {}
     for ablation in settings.ablations:
         patcher = Patcher(model, batch, ablation, size, means=means.by_template if means else None)
@@ -52,26 +59,15 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     io.write_json({"task": task, "n_prompts": len(prompts.clean), "n_prompts_ranked_on": len(ranked_on),
                    **metrics, "ablations": list(settings.ablations), "ranking": settings.ranking, **prompts.info,
                    "rank_share": settings.rank_share, "ranked_on": ranked_on, "counted_on": counted_on,
-                   **({"mean_over": _mean_over(means)} if means is not None else {}),
+                   **({"mean_over": means.described()} if means is not None else {}),
                    "by_ablation": by_ablation}, summary_path)
-
-
-@dataclasses.dataclass
-class TaskMeans:
-    """Mean ablation's reference (``template_means``: {template: per layer [tokens, width]}) and
-    the pool it was taken over."""
-
-    by_template: dict
-    pool: int  # prompts averaged over
-    fewest: int  # prompts of the template with fewest
-    seed: int
 
 
 def _task_means(model, task: str, prompts, tokenizer, batch_size: int, pool: int, seed: int, model_dir) -> TaskMeans:
     """Each template's mean over a pool of ``pool`` prompts of the task drawn apart from ``prompts``
     (another seed, the task's own prompts dropped): a mean over prompts that hold the ablated one
     ablates it only in part (IOI's 4-5 prompts per template at n = 128: a fifth of the reference
-    was the prompt's own activation). The same pool in the scoring and every sweep job."""
+    was the prompt's own activation). Taken once, in the scoring job: the mean sweep reads it."""
     from collections import Counter
 
     from attnlab.groundtruth.pairs import prompts_for
@@ -81,6 +77,21 @@ def _task_means(model, task: str, prompts, tokenizer, batch_size: int, pool: int
     drawn = prompts_for(task, tokenizer, pool, seed + MEAN_POOL_SEED_OFFSET, model_dir)
     means, apart = held_apart_means(model, tokenizer, prompts, drawn, batch_size)
     return TaskMeans(means, len(apart.clean), min(Counter(apart.templates).values()), seed + MEAN_POOL_SEED_OFFSET)
+
+
+def _means_identity(task: str, settings, prompts) -> Identity:
+    """What the task's mean reference is taken for: the scoring job writes it with this, the mean
+    sweep refuses a file without it."""
+    from attnlab.circuits.counting import prompts_digest
+
+    return Identity(task, settings.mean_pool, settings.seed, prompts_digest(prompts.clean, prompts.corrupted))
+
+
+def _scoring_means(means_path: str | None, task: str, settings: Sweep, prompts, device) -> TaskMeans:
+    """A mean sweep's reference: the scoring job's file, refused if taken for anything else."""
+    if means_path is None:
+        raise ValueError("sweep_heads: a mean sweep needs the scoring job's reference (means_path)")
+    return read_means(means_path, _means_identity(task, settings, prompts), device)
 
 
 def _scored_heads(patcher, settings: Scoring) -> tuple[pd.DataFrame, dict]:
@@ -105,7 +116,8 @@ def _scored_heads(patcher, settings: Scoring) -> tuple[pd.DataFrame, dict]:
 
 
 def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
-                scoring_path: str, outputs: dict, threads: int, batch_size: int | None = None) -> None:
+                scoring_path: str, outputs: dict, threads: int, batch_size: int | None = None,
+                means_path: str | None = None) -> None:
     """On the prompts heads were not ranked on, under ``settings["ablation"]`` (its scores:
     ``scores_path``): keep the top-k heads of each ranking scored, ablate the rest, for every k
     of the grid; for the configured ranking also every k around the first crossing of the
@@ -113,7 +125,7 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     (``_head_count``); the other ranking's count is the grid's (an upper bound). The unpatched
     model's metric on each counted prompt, clean and corrupted, is recorded too (a copy's kept
     gap: ``circuits.task_gap``). ``outputs``: sweep (curves), per_prompt (each prompt's metric at
-    each k), summary."""
+    each k), summary. Mean ablation's reference: the scoring job's (``means_path``)."""
     import torch
 
     from attnlab.circuits.counting import Bootstrap
@@ -131,8 +143,7 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     counted = subset(prompts, scoring["counted_on"])
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     size = _batch_size(settings.batch_size, batch_size)
-    means = (_task_means(model, task, prompts, tokenizer, size, settings.mean_pool,
-                         settings.seed, model_dir) if settings.ablation == "mean" else None)
+    means = _scoring_means(means_path, task, settings, prompts, model.device) if settings.ablation == "mean" else None
     patcher = Patcher(model, build_batch(counted, tokenizer), settings.ablation, size,
                       means=means.by_template if means else None)
     scores = pd.read_csv(scores_path)
@@ -154,20 +165,13 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     io.write_json({"task": task, "heads": len(scores), "sweep_s": elapsed, "points": len(primary.curve),
                    "refined_points": int(primary.curve["refined"].sum()), "threshold": settings.threshold,
                    **primary.summary, "ablation": settings.ablation, "ranking": settings.ranking,
-                   **({"mean_over": _mean_over(means)} if means is not None else {}),
+                   **({"mean_over": means.described()} if means is not None else {}),
                    "interval_confidence": bootstrap.confidence, "bootstrap_resamples": bootstrap.n_resamples,
                    **_counted_prompts(scoring, counted, patcher),
                    "spearman_attribution_vs_exact": scoring.get("by_ablation", {}).get(settings.ablation, {}).get(
                        "spearman_attribution_vs_exact"),
                    "rankings": {r: _ranking_summary(c.summary) for r, c in counts.items()}},
                   outputs["summary"])
-
-
-def _mean_over(means: TaskMeans) -> dict:
-    return {"what": "each template's mean over a pool of the task's prompts drawn apart from those ranked and "
-                    "counted on (its own seed; any prompt of the task dropped)",
-            "prompts": means.pool, "templates": len(means.by_template), "fewest_per_template": means.fewest,
-            "seed": means.seed}
 
 
 def _counted_prompts(scoring: dict, counted, patcher) -> dict:
