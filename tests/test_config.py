@@ -31,7 +31,7 @@ def test_tiny_config_dry_run_counts_jobs(tmp_path):
 def test_default_config_dry_run_counts_jobs_with_gemmas_edge_circuit(tmp_path):
     """make run's plan: 2 models x 2 datasets (MATH-500, arithmetic) x 4 conditions, attention and
     the MLP analysis on MATH-500, heads on IOI for both models, and the edge circuit of Gemma-3
-    alone on IOI with its curve figure and its drawing (SmolLM2's: config/sparse.yaml)."""
+    alone on IOI with its curve figure and its drawing (SmolLM2's: config/sparse-edges.yaml)."""
     result = snakemake("-n", "--cores", "2", workdir=tmp_path)  # no --configfile: config/config.yaml
     assert result.returncode == 0, result.stdout[-3000:]
     counts = job_counts(result.stdout)
@@ -45,6 +45,19 @@ def test_default_config_dry_run_counts_jobs_with_gemmas_edge_circuit(tmp_path):
     assert "results/circuits/gemma3-270m/ioi/curve.csv" in result.stdout
     assert "results/figures/circuits/gemma3-270m/ioi.circuit.png" in result.stdout
     assert "results/circuits/smollm2-135m" not in result.stdout
+
+
+def test_make_sparse_runs_no_edge_circuit_and_its_edges_overlay_adds_only_the_edge_jobs(tmp_path):
+    """make sparse (config/sparse.yaml) counts heads only; make sparse-edges (config/sparse-edges.yaml
+    over it) adds both models' IOI edge circuits, their figures and table, and changes no head job."""
+    sparse = ["--configfile", str(REPO / "config/sparse.yaml")]
+    alone = snakemake("-n", "--cores", "2", *sparse, workdir=tmp_path / "a")
+    both = snakemake("-n", "--cores", "2", *sparse, str(REPO / "config/sparse-edges.yaml"), workdir=tmp_path / "b")
+    assert alone.returncode == 0 and both.returncode == 0, alone.stdout[-3000:] + both.stdout[-3000:]
+    alone, both = job_counts(alone.stdout), job_counts(both.stdout)
+    assert not {"edge_circuit", "plot_edges", "edges_vs_density", "plot_circuit"} & set(alone)
+    added = {rule: both[rule] - alone.get(rule, 0) for rule in both if both[rule] != alone.get(rule, 0)}
+    assert added == {"edge_circuit": 2, "plot_circuit": 2, "plot_edges": 1, "edges_vs_density": 1, "total": 6}
 
 
 def test_edge_circuits_run_for_the_models_named_and_refuse_unknown_ones(tmp_path):

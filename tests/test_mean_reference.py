@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from attnlab.patching.mean_reference import Identity, TaskMeans, read_means, write_means
 
-IDENTITY = Identity("ioi", 64, 0, "0123456789abcdef")
+IDENTITY = Identity("ioi", 64, 0, "0123456789abcdef", "base|config 0|weights w:1")
 
 
 def _means() -> TaskMeans:
@@ -39,12 +39,51 @@ def test_the_reference_reads_back_to_the_bit_with_its_templates_and_pool(tmp_pat
     (dataclasses.replace(IDENTITY, seed=1), "seed 0 in the file, 1 asked for"),
     (dataclasses.replace(IDENTITY, task="docstring"), "task 'ioi' in the file, 'docstring' asked for"),
     (dataclasses.replace(IDENTITY, held_apart_from="fedcba9876543210"), "held_apart_from '0123456789abcdef' in the file"),
+    (dataclasses.replace(IDENTITY, model="copy|config 1|weights w:2"), "model 'base|config 0|weights w:1' in the file"),
 ])
 def test_a_reference_taken_for_another_pool_seed_task_or_prompts_is_refused(tmp_path, asked, differs):
     written = tmp_path / "means.safetensors"
     write_means(_means(), IDENTITY, written)
     with pytest.raises(ValueError, match=rf"{written} was taken for another reference \({differs}.*snakemake -R"):
         read_means(written, asked, "cpu")
+
+
+def test_a_model_its_copy_and_its_control_have_different_fingerprints(tmp_path):
+    """A sparse copy shares its base's tokenizer (the same prompts digest): the fingerprint tells
+    their references apart, by folder name, config and weights' sizes, without reading a weight."""
+    from attnlab.patching.mean_reference import model_fingerprint
+
+    folders = {}
+    for name, config, weights in (("base", "{}", 8), ("copy", '{"attnlab_sparse": {}}', 8), ("control", "{}", 8),
+                                  ("again", "{}", 9)):
+        folder = folders[name] = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(config)
+        (folder / "model.safetensors").write_bytes(bytes(weights))
+    prints = {name: model_fingerprint(folder) for name, folder in folders.items()}
+    assert len(set(prints.values())) == 4 and prints["base"] == model_fingerprint(folders["base"])
+    (tmp_path / "elsewhere").mkdir()
+    moved = tmp_path / "elsewhere" / "base"
+    folders["base"].rename(moved)
+    assert model_fingerprint(moved) == prints["base"]  # the folder's name, not its place
+    (moved / "model.safetensors").write_bytes(bytes(9))
+    assert model_fingerprint(moved) != prints["base"]
+
+
+def test_a_file_short_of_tensors_is_refused(tmp_path):
+    from safetensors.torch import load_file
+
+    written = tmp_path / "means.safetensors"
+    write_means(_means(), IDENTITY, written)
+    tensors = load_file(written)
+    from safetensors import safe_open
+
+    with safe_open(str(written), framework="pt") as opened:
+        metadata = opened.metadata()
+    del tensors["2/2"]
+    save_file(tensors, str(written), metadata=metadata)
+    with pytest.raises(ValueError, match=r"holds 8 tensors where its 3 templates x 3 layers need 9: it is damaged"):
+        read_means(written, IDENTITY, "cpu")
 
 
 def test_a_file_of_another_format_is_refused_naming_it(tmp_path):

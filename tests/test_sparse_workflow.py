@@ -27,7 +27,7 @@ def test_a_copys_dense_control_is_prepared_after_its_post_training_and_compared(
     result = _dry_run(tmp_path, config)
     assert result.returncode == 0, result.stdout[-3000:]
     counts = job_counts(result.stdout)
-    assert counts["prepare_model"] == 2 and counts["score_heads"] == 3 and counts["sweep_heads"] == 3
+    assert counts["prepare_model"] == 2 and counts["score_heads"] == 3 and counts["sweep_heads"] == 3 * 2  # corrupted, mean
     assert f"input: results/sparsify/{SPARSE}/summary.json" in result.stdout
     config["models"][SPARSE]["source"]["sparsify"]["constraint"] = {"type": "kl", "slack": 0.1}
     (tmp_path / "kl").mkdir()
@@ -41,7 +41,7 @@ def test_dry_run_plans_one_post_training_and_treats_the_copy_as_a_model(tmp_path
     counts = job_counts(result.stdout)
     assert counts["prepare_model"] == 1 and counts["sparsify_model"] == 1 and counts["plot_sparsify"] == 1
     assert counts["generate"] == 2 * 2 and counts["extract_attention"] == 2 * 2
-    assert counts["score_heads"] == 2 and counts["sweep_heads"] == 2
+    assert counts["score_heads"] == 2 and counts["sweep_heads"] == 2 * 2  # corrupted and mean
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -92,9 +92,17 @@ def test_every_stage_runs_on_the_sparse_copy(sparse_run):
         for condition in ("none", "mless"):
             assert (workdir / f"results/grades/{name}/svamp/{condition}.json").is_file()
         assert (workdir / f"results/tables/mlp/{name}/svamp.csv").is_file()
-        assert (workdir / f"results/pruning/{name}/ioi/corrupted/sweep.csv").is_file()
-    assert (workdir / "results/figures/pruning/corrupted/ioi.png").is_file()
-    heads = pd.read_csv(workdir / "results/tables/heads_vs_density.csv").set_index("label")
+        for ablation in ("corrupted", "mean"):
+            assert (workdir / f"results/pruning/{name}/ioi/{ablation}/sweep.csv").is_file()
+        # the mean sweep counted with the scoring job's reference, and says what it was taken over
+        assert (json.loads((workdir / f"results/pruning/{name}/ioi/mean/sweep.json").read_text())["mean_over"]
+                == json.loads((workdir / f"results/pruning/{name}/ioi/scores.json").read_text())["mean_over"])
+        assert (workdir / f"results/pruning/{name}/ioi/mean/means.safetensors").stat().st_size > 0
+    for ablation in ("corrupted", "mean"):
+        assert (workdir / f"results/figures/pruning/{ablation}/ioi.png").is_file()
+    table = pd.read_csv(workdir / "results/tables/heads_vs_density.csv")
+    assert sorted(table["ablation"]) == ["corrupted", "corrupted", "mean", "mean"]
+    heads = table[table["ablation"] == "corrupted"].set_index("label")
     assert heads.loc[DENSE, "heldout_density"] == 1 and heads.loc[SPARSE, "heldout_density"] == summary["heldout_density"]
     sweeps = {name: json.loads((workdir / f"results/pruning/{name}/ioi/corrupted/sweep.json").read_text())
               for name in (DENSE, SPARSE)}

@@ -3,8 +3,9 @@ task's held-apart pool once and writes it; the mean sweep reads it instead of dr
 averaging the same pool again (31-33 s on IOI, 101-115 s on Docstring, SmolLM2 on 1 CPU core).
 
 A safetensors file (no pickle), one tensor per template and layer, with what it was taken over in
-its metadata. The reader refuses a file whose task, pool, seed or held-apart-from prompts are not
-the ones asked for, so a stale or copied file never stands in for another run's reference.
+its metadata. The reader refuses a file whose task, pool, seed, held-apart-from prompts or model
+are not the ones asked for, or whose tensors do not match its templates and layers, so a stale or
+copied file does not stand in for another run's reference.
 """
 
 from __future__ import annotations
@@ -37,13 +38,27 @@ class TaskMeans:
 @dataclasses.dataclass(frozen=True)
 class Identity:
     """What a reference file must have been taken for: the task, the pool asked for
-    (``pruning.mean_pool``), the pool's seed and the digest of the task's prompts it is held
-    apart from (``counting.prompts_digest``)."""
+    (``pruning.mean_pool``), the pool's seed, the digest of the task's prompts it is held apart
+    from (``counting.prompts_digest``) and the model (``model_fingerprint``: a model and its sparse
+    copy share a tokenizer, so the prompts alone would not tell their references apart)."""
 
     task: str
     pool_asked: int
     seed: int
     held_apart_from: str
+    model: str = ""
+
+
+def model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """A prepared model folder's name, its config.json's digest and its weights' sizes: cheap at
+    any model size (no weight is read), and different for a model, its copy and its control."""
+    import hashlib
+    from pathlib import Path
+
+    folder = Path(model_dir)
+    config = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]
+    sizes = ",".join(f"{path.name}:{path.stat().st_size}" for path in sorted(folder.glob("*.safetensors")))
+    return f"{folder.resolve().name}|config {config}|weights {sizes}"
 
 
 def write_means(means: TaskMeans, identity: Identity, path: str | os.PathLike) -> None:
@@ -56,16 +71,20 @@ def write_means(means: TaskMeans, identity: Identity, path: str | os.PathLike) -
     tensors = {f"{index}/{layer}": mean.detach().to("cpu").contiguous()
                for index, template in enumerate(templates)
                for layer, mean in enumerate(means.by_template[template])}
+    layers = {len(means.by_template[template]) for template in templates}
+    if len(layers) > 1:
+        raise ValueError(f"mean reference for {path}: templates hold different numbers of layers ({sorted(layers)})")
     metadata = {"format": FORMAT, "identity": json.dumps(dataclasses.asdict(identity)),
-                "templates": json.dumps(templates), "pool": str(means.pool), "fewest": str(means.fewest),
-                "seed": str(means.seed)}
+                "templates": json.dumps(templates), "layers": str(layers.pop() if layers else 0),
+                "pool": str(means.pool), "fewest": str(means.fewest), "seed": str(means.seed)}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
 
 
 def read_means(path: str | os.PathLike, identity: Identity, device) -> TaskMeans:
     """The reference in ``path`` on ``device``; refuses (ValueError, naming the file, what differs
-    and the fix) a file not of this format or taken for another task, pool, seed or prompts."""
+    and the fix) a file not of this format, taken for another task, pool, seed, prompts or model,
+    or short of tensors."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt", device="cpu") as opened:
@@ -78,8 +97,11 @@ def read_means(path: str | os.PathLike, identity: Identity, device) -> TaskMeans
         if differ:
             raise ValueError(f"{path} was taken for another reference ({'; '.join(differ)}): it is stale or was "
                              f"copied from another run; rerun the scoring job that writes it (`snakemake -R {path}`)")
-        templates = json.loads(metadata["templates"])
-        layers = len(opened.keys()) // max(len(templates), 1)
+        templates, layers = json.loads(metadata["templates"]), int(metadata["layers"])
+        if len(opened.keys()) != len(templates) * layers:
+            raise ValueError(f"{path} holds {len(opened.keys())} tensors where its {len(templates)} templates x "
+                             f"{layers} layers need {len(templates) * layers}: it is damaged; rerun the scoring "
+                             f"job that writes it (`snakemake -R {path}`)")
         by_template = {template: [opened.get_tensor(f"{index}/{layer}").to(device) for layer in range(layers)]
                        for index, template in enumerate(templates)}
     return TaskMeans(by_template, int(metadata["pool"]), int(metadata["fewest"]), int(metadata["seed"]))

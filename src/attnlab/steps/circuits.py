@@ -10,7 +10,7 @@ import pandas as pd
 
 from attnlab import io
 from attnlab.config.settings import Scoring, Sweep
-from attnlab.patching.mean_reference import Identity, TaskMeans, read_means, write_means
+from attnlab.patching.mean_reference import Identity, TaskMeans, model_fingerprint, read_means, write_means
 from attnlab.steps.common import _batch_size, _seed_everything, log
 
 
@@ -41,11 +41,11 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     size = _batch_size(settings.batch_size, batch_size)
     means = None
     if "mean" in settings.ablations:
-        means = _task_means(model, task, prompts, tokenizer, size, settings.mean_pool, settings.seed, model_dir)
         if means_path is None:
             raise ValueError("score_heads: mean ablation is configured but no means_path was given to write "
                              "its reference to (the mean sweep reads it)")
-        write_means(means, _means_identity(task, settings, prompts), means_path)
+        means = _task_means(model, task, prompts, tokenizer, size, settings.mean_pool, settings.seed, model_dir)
+        write_means(means, _means_identity(task, settings, prompts, model_dir), means_path)
     by_ablation, metrics = {}, {}
     for ablation in settings.ablations:
         patcher = Patcher(model, batch, ablation, size, means=means.by_template if means else None)
@@ -79,19 +79,20 @@ def _task_means(model, task: str, prompts, tokenizer, batch_size: int, pool: int
     return TaskMeans(means, len(apart.clean), min(Counter(apart.templates).values()), seed + MEAN_POOL_SEED_OFFSET)
 
 
-def _means_identity(task: str, settings, prompts) -> Identity:
+def _means_identity(task: str, settings, prompts, model_dir: str) -> Identity:
     """What the task's mean reference is taken for: the scoring job writes it with this, the mean
     sweep refuses a file without it."""
     from attnlab.circuits.counting import prompts_digest
 
-    return Identity(task, settings.mean_pool, settings.seed, prompts_digest(prompts.clean, prompts.corrupted))
+    return Identity(task, settings.mean_pool, settings.seed, prompts_digest(prompts.clean, prompts.corrupted),
+                    model_fingerprint(model_dir))
 
 
-def _scoring_means(means_path: str | None, task: str, settings: Sweep, prompts, device) -> TaskMeans:
+def _scoring_means(means_path: str | None, task: str, settings: Sweep, prompts, model_dir: str, device) -> TaskMeans:
     """A mean sweep's reference: the scoring job's file, refused if taken for anything else."""
     if means_path is None:
         raise ValueError("sweep_heads: a mean sweep needs the scoring job's reference (means_path)")
-    return read_means(means_path, _means_identity(task, settings, prompts), device)
+    return read_means(means_path, _means_identity(task, settings, prompts, model_dir), device)
 
 
 def _scored_heads(patcher, settings: Scoring) -> tuple[pd.DataFrame, dict]:
@@ -143,7 +144,8 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     counted = subset(prompts, scoring["counted_on"])
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     size = _batch_size(settings.batch_size, batch_size)
-    means = _scoring_means(means_path, task, settings, prompts, model.device) if settings.ablation == "mean" else None
+    means = (_scoring_means(means_path, task, settings, prompts, model_dir, model.device)
+             if settings.ablation == "mean" else None)
     patcher = Patcher(model, build_batch(counted, tokenizer), settings.ablation, size,
                       means=means.by_template if means else None)
     scores = pd.read_csv(scores_path)
