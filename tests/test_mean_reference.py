@@ -71,13 +71,12 @@ def test_a_model_its_copy_and_its_control_have_different_fingerprints(tmp_path):
 
 
 def test_a_file_short_of_tensors_is_refused(tmp_path):
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     written = tmp_path / "means.safetensors"
     write_means(_means(), IDENTITY, written)
     tensors = load_file(written)
-    from safetensors import safe_open
-
     with safe_open(str(written), framework="pt") as opened:
         metadata = opened.metadata()
     del tensors["2/2"]

@@ -67,6 +67,8 @@ TASKS = list(PRUNING["tasks"]) if PRUNING_MODELS else []
 # Every configured ablation gets its own sweeps and figures; the first, the primary, is the one
 # whose scores and sweep ground truth reads.
 ABLATIONS = pruning_ablations(PRUNING)
+# mean ablation's reference: the scoring job writes it (under mean ablation), the mean sweep reads it
+MEANS_FILE = "results/pruning/{model}/{task}/mean/means.safetensors"
 PRIMARY_ABLATION = ABLATIONS[0]
 # Compared pairs of a model and its own sparse copy, both swept: heads needed against density.
 SPARSE_PAIRS = [pair for pair in sparse_pairs(comparison_pairs(PRUNING["compare"], PRUNING_MODELS), SPARSE_BASES)
@@ -287,7 +289,7 @@ def sweep_settings(wildcards):
 
 def sweep_means(wildcards):
     """The scoring job's mean reference, which only a mean sweep reads."""
-    return [f"results/pruning/{wildcards.model}/{wildcards.task}/mean/means.safetensors"] if wildcards.ablation == "mean" else []
+    return [MEANS_FILE.format(model=wildcards.model, task=wildcards.task)] if wildcards.ablation == "mean" else []
 
 
 def wildcard_ablation(wildcards):

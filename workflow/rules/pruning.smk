@@ -9,7 +9,7 @@ rule score_heads:
         scores=expand("results/pruning/{{model}}/{{task}}/{ablation}/scores.csv", ablation=ABLATIONS),
         summary="results/pruning/{model}/{task}/scores.json",
         # mean ablation's reference over the held-apart pool, taken once here for the mean sweep
-        means=["results/pruning/{model}/{task}/mean/means.safetensors"] if "mean" in ABLATIONS else [],
+        means=[MEANS_FILE] if "mean" in ABLATIONS else [],
     params:
         settings=scoring_settings,
     threads: model_threads

@@ -46,7 +46,7 @@ class Identity:
     pool_asked: int
     seed: int
     held_apart_from: str
-    model: str = ""
+    model: str
 
 
 def model_fingerprint(model_dir: str | os.PathLike) -> str:
