@@ -60,13 +60,13 @@ def snakemake(*args, workdir: Path, timeout: int = 900,
                           timeout=timeout)
 
 
-def dry_run(tmp_path: Path, config: dict) -> subprocess.CompletedProcess:
-    """A dry run of ``config`` (a dict) from ``tmp_path``."""
+def dry_run(tmp_path: Path, config: dict, *args: str) -> subprocess.CompletedProcess:
+    """A dry run of ``config`` (a dict) from ``tmp_path``, with Snakemake's ``args``."""
     import yaml
 
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    return snakemake("-n", "--cores", "1", "--configfile", str(path), workdir=tmp_path)
+    return snakemake("-n", "--cores", "1", "--configfile", str(path), *args, workdir=tmp_path)
 
 
 def job_counts(output: str) -> dict[str, int]:

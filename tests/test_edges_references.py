@@ -14,7 +14,7 @@ import torch
 from attnlab.attention import sparse
 from attnlab.interventions import intervened
 from attnlab.interventions.edges import Graph
-from attnlab.patching.edges import EdgeCircuits
+from attnlab.patching.edges import EdgeCircuits, recording_bytes
 from attnlab.patching.heads import TaskBatch
 from hand_forward import HandForward
 from test_attention import TINY, _tiny
@@ -211,3 +211,41 @@ def test_eap_ig_at_five_steps_equals_an_einsum_of_hand_differences_and_gradients
     # one step is not five: the comparison sees the interpolation
     one = _eap_ig_by_hand(hand, batch, steps=1)
     assert (one - want).abs().max() > 1e-2 * scale
+
+
+@pytest.mark.parametrize("arch", [*TINY, "olmo-clip_qkv"])
+def test_scores_taken_in_chunks_of_points_equal_the_whole_batch_and_the_hand_einsum(arch):
+    """``score_chunk`` bounds a pass's points (its receivers' gradients and senders' activations):
+    one point at a time, three, and more than a batch holds give the unchunked matrix to float32
+    rounding (the library returns float32 scores), and one point at a time the hand forward's."""
+    model = _model(arch)
+    batch = _batch(padding=_pads(arch))
+    whole = EdgeCircuits(model, batch, batch_size=4).scores(steps=2).double()
+    scale = float(whole.abs().max())
+    assert scale > 1e-2
+    for chunk in (1, 3, 10_000):
+        chunked = EdgeCircuits(model, batch, batch_size=4, score_chunk=chunk).scores(steps=2).double()
+        torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-7 * scale)
+        if chunk == 1:
+            torch.testing.assert_close(chunked, _eap_ig_by_hand(HandForward(model), batch, steps=2),
+                                       rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "gemma3-sliding"])
+def test_circuits_with_the_corrupted_recordings_recorded_again_equal_those_kept(arch):
+    """``cache_bytes`` keeps the corrupted recordings that fit it (none; the first of two
+    mini-batches) and records the others again at each evaluation: the same metrics, circuit by
+    circuit, as all of them kept."""
+    model = _model(arch)
+    batch = _batch(padding=_pads(arch))
+    kept_all = EdgeCircuits(model, batch, batch_size=4)
+    masks = [_partial_mask(kept_all.graph, seed) for seed in range(2)]
+    want = [kept_all.per_prompt(kept)[1] for kept in masks]
+    one = recording_bytes(kept_all.corrupted_run(0))
+    for budget, kept_count in ((0, 0), (one, 1)):
+        circuits = EdgeCircuits(model, batch, batch_size=4, cache_bytes=budget)
+        assert circuits.recordings_kept == (kept_count, 2)
+        assert circuits.corrupted_metric() == kept_all.corrupted_metric()
+        for kept, expected in zip(masks, want):
+            np.testing.assert_allclose(circuits.per_prompt(kept)[1], expected, rtol=0, atol=1e-12)
+    assert kept_all.recordings_kept == (2, 2)

@@ -140,6 +140,7 @@ def _check_edge_circuits(workdir):
         curve = pd.read_csv(folder / "curve.csv")
         heads = json.loads((workdir / f"results/pruning/{name}/ioi/corrupted/sweep.json").read_text())
         assert len(edges) == summary["edges"] == 70_651  # SmolLM2's graph (test_edges)
+        assert summary["score_chunk"] == 20 and summary["recordings_kept"] == [1, 2]  # sparse_tiny.yaml
         assert sorted(edges["rank"]) == list(range(1, len(edges) + 1))
         assert curve["explained_effect"].iloc[0] == 0 and curve["explained_effect"].iloc[-1] == 1
         assert curve["edges_kept"].iloc[-1] == len(edges)

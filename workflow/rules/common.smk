@@ -1,6 +1,7 @@
 import os
 import re
 import sys
+from pathlib import Path
 
 # This workflow's own library comes first, for Snakemake (its pure-stdlib parts: it may run
 # outside the project's environment) and for every job's scripts, installed or not (a conda
@@ -19,6 +20,7 @@ from attnlab.config import settings as typed
 from attnlab.config.sources import sparse_bases
 from attnlab.config.schema import check_unique_keys
 from attnlab.config.validate import ConfigError, check, rebuild_requests
+from attnlab.config.budget import check_gpu_memory, estimates, gpu_memory_limit
 
 
 def check_local_dataset(name, spec):
@@ -57,6 +59,13 @@ PLACEMENTS = placements(config["conditions"])
 PLACEMENT_SWEEP = has_placement_sweep(PLACEMENTS)
 
 CHOSEN = selections(config)  # what runs: attention and MLP datasets, composite figures, swept models
+# A declared GPU memory (--resources gpu_mem_gb=80): every planned job the cost fit can estimate
+# must fit it, before any job runs (attnlab.config.budget).
+try:
+    check_gpu_memory(estimates(config, CHOSEN, SPARSE_BASES, Path("resources/models")),
+                     gpu_memory_limit(workflow.global_resources.get("gpu_mem_gb")))
+except ConfigError as error:
+    raise WorkflowError(str(error)) from None
 ATTENTION = config["attention"]
 ATTENTION_DATASETS = CHOSEN["attention_datasets"]
 HEADS = ATTENTION["heads"]

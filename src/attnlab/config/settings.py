@@ -130,6 +130,8 @@ class EdgeSweep:
     seed: int
     steps: int
     batch_size: int
+    score_chunk: int | None  # tokens per scoring pass (None: a mini-batch's in one)
+    cache_gb: float | None  # corrupted recordings kept between evaluations (None: all)
     device: str
     log_points: int
     search: str  # rounds (curves.refined_sweep, counting.count_heads) or bisection (crossing_search)

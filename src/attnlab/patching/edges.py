@@ -12,10 +12,18 @@ are those of ``edges.Graph`` and every pass goes through ``intervened(model, edg
   clean input). Hanna et al.'s code takes k = 0..steps−1 (ending next to the corrupted input);
   for steps ≥ 5 the two differ by a step of the sum. Cost: a recording forward of the corrupted
   run and ``steps`` forward-and-backward passes per batch of prompts (the last one, at the clean
-  input, records the clean run).
+  input, records the clean run). Its memory grows with the points of a mini-batch (the tokens from
+  each prompt's first clean/corrupted difference on): every receiver's gradient and every
+  sender's clean and corrupted activation at each point. ``score_chunk`` bounds it: the points
+  are taken ``score_chunk`` at a time, each chunk with its own recording forward and ``steps``
+  passes (the scores are a sum over points, so the chunks add up to the same matrix; the passes
+  multiply by the chunks).
 - Evaluation: a circuit keeps n edges (ranked by |score|); every other edge carries its sender's
   corrupted activation (``edges.EdgePatch``). Keeping every edge is the clean forward, none the
-  corrupted one. The corrupted run of each batch is recorded once and reused for every n.
+  corrupted one. The corrupted run of each batch is recorded once and reused for every n, as long
+  as the recordings kept fit ``cache_bytes`` (None: all of them); a batch past it is recorded
+  again at every evaluation (one more forward for that batch). A recording holds every sender's
+  activation at the batch's points: at 7B width, about 20 MB per prompt and layer in float32.
 - Sweep: n on a log grid, refined around the first crossing of the threshold by log-spaced
   rounds until the crossing is found to the edge (``curves.refined_sweep``); the count's
   interval comes from ``counting.count_heads``, which works on any ranked components.
@@ -38,15 +46,23 @@ from attnlab.patching.batch import LOGITS_KEPT, TaskBatch
 class EdgeCircuits:
     """A task batch's edge scores and circuit metrics on one model, in mini-batches."""
 
-    def __init__(self, model, batch: TaskBatch, batch_size: int, refine_points: int = 12):
+    def __init__(self, model, batch: TaskBatch, batch_size: int, refine_points: int = 12,
+                 score_chunk: int | None = None, cache_bytes: int | None = None):
+        if score_chunk is not None and score_chunk < 1:
+            raise ValueError(f"score_chunk is the points (tokens) scored per pass: at least 1, not {score_chunk}")
+        if cache_bytes is not None and cache_bytes < 0:
+            raise ValueError(f"cache_bytes bounds the corrupted recordings kept: 0 or more, not {cache_bytes}")
         self.model, self.batch, self.refine_points = model, batch, refine_points
         model.requires_grad_(False)
         self.graph = Graph.of(model)
         self.edges = self.graph.edges()
-        self.batch_size = batch_size
+        self.batch_size, self.score_chunk, self.cache_bytes = batch_size, score_chunk, cache_bytes
         self.device = model.device
         self.positions = batch.positions
-        self._corrupted: list[tuple[Recording, torch.Tensor]] | None = None  # with its metric
+        # each mini-batch's corrupted recording (None: not kept, recorded again when needed) and metric
+        self._kept: list[Recording | None] | None = None
+        self._corrupted_metrics: list[torch.Tensor] | None = None
+        self._table: torch.Tensor | None = None  # one senders' table for every batch's patched passes
 
     # ---- passes ----
     def _chunks(self) -> list[slice]:
@@ -69,41 +85,72 @@ class EdgeCircuits:
             logits = self._logits(rows, EdgePatch(self.graph, record=recording), ids=ids)
         return recording, self.batch.metric(logits, self.batch.prompts_of(rows))
 
-    def _corrupted_runs(self) -> list[tuple[Recording, torch.Tensor]]:
-        """The corrupted run of each mini-batch and its metric, recorded once."""
-        if self._corrupted is None:
-            self._corrupted = [self._record(self.batch.corrupted, rows, self.batch.differing_points(rows))
-                               for rows in self._chunks()]
-        return self._corrupted
+    def _record_corrupted(self) -> None:
+        """Each mini-batch's corrupted run recorded and its metric kept; the recordings kept while
+        they fit ``cache_bytes``."""
+        if self._kept is not None:
+            return
+        self._kept, self._corrupted_metrics, held = [], [], 0
+        for rows in self._chunks():
+            recording, metric = self._record(self.batch.corrupted, rows, self.batch.differing_points(rows))
+            held += recording_bytes(recording)
+            self._kept.append(recording if self.cache_bytes is None or held <= self.cache_bytes else None)
+            self._corrupted_metrics.append(metric)
+
+    def corrupted_run(self, index: int) -> Recording:
+        """Mini-batch ``index``'s corrupted recording: the kept one, or recorded again."""
+        self._record_corrupted()
+        if self._kept[index] is not None:
+            return self._kept[index]
+        rows = self._chunks()[index]
+        return self._record(self.batch.corrupted, rows, self.batch.differing_points(rows))[0]
 
     @property
     def corrupted(self) -> list[Recording]:
-        return [recording for recording, _ in self._corrupted_runs()]
+        """Every mini-batch's corrupted recording (those not kept recorded again, all held at once)."""
+        return [self.corrupted_run(index) for index in range(len(self._chunks()))]
+
+    @property
+    def recordings_kept(self) -> tuple[int, int]:
+        """(mini-batches whose corrupted recording is kept between evaluations, mini-batches)."""
+        self._record_corrupted()
+        return sum(recording is not None for recording in self._kept), len(self._kept)
 
     # ---- scores ----
     def scores(self, steps: int = 5) -> torch.Tensor:
         """[senders, receivers] EAP-IG score of every edge (0 where there is no edge)."""
         if steps < 1:
             raise ValueError(f"EAP-IG needs at least 1 step, not {steps}")
-        graph, scores = self.graph, torch.zeros(self.graph.n_senders, self.graph.n_receivers, dtype=torch.float64)
+        scores = torch.zeros(self.graph.n_senders, self.graph.n_receivers, dtype=torch.float64)
         embed = anatomy.of(self.model).input_embeddings
         for rows in tqdm(self._chunks(), desc="edge scores", unit="batch", mininterval=10):
-            points = self.batch.differing_points(rows)  # elsewhere clean − corrupted is 0
-            corrupted, _ = self._record(self.batch.corrupted, rows, points)
             with torch.no_grad():
                 clean_in = embed(self.batch.clean[rows].to(self.device))
                 corrupted_in = embed(self.batch.corrupted[rows].to(self.device))
-            points = points.to(self.device)
-            gradients, clean = ReceiverGradients(points=points), Recording(points=points)
-            for k in range(1, steps + 1):
-                # the last step is the clean input itself: its pass records the clean run too
-                embeds = clean_in if k == steps else corrupted_in + (k / steps) * (clean_in - corrupted_in)
-                patch = EdgePatch(graph, gradients=gradients, record=clean if k == steps else None)
-                logits = self._logits(rows, patch, embeds=embeds)
-                metric = self.batch.metric(logits, self.batch.prompts_of(rows)).sum() / self.batch.n_prompts
-                metric.backward()
-            scores += _edge_scores(graph, clean.senders.sub_(corrupted.senders), gradients, steps)
+            points = self.batch.differing_points(rows)  # elsewhere clean − corrupted is 0
+            size = len(points) if self.score_chunk is None else self.score_chunk
+            for start in range(0, len(points), max(size, 1)):
+                scores += self._scores_at(rows, points[start:start + size], clean_in, corrupted_in, steps)
         return scores.float()
+
+    def _scores_at(self, rows: slice, points: torch.Tensor, clean_in: torch.Tensor, corrupted_in: torch.Tensor,
+                   steps: int) -> torch.Tensor:
+        """The scores' terms at ``points`` of mini-batch ``rows``: the corrupted run recorded there,
+        then ``steps`` forward-and-backward passes keeping the receivers' gradients there."""
+        graph = self.graph
+        corrupted = Recording(points=points.to(self.device), keeps_elsewhere=False)
+        with torch.no_grad():
+            self._logits(rows, EdgePatch(graph, record=corrupted), ids=self.batch.corrupted)
+        points = points.to(self.device)
+        gradients, clean = ReceiverGradients(points=points), Recording(points=points, keeps_elsewhere=False)
+        for k in range(1, steps + 1):
+            # the last step is the clean input itself: its pass records the clean run too
+            embeds = clean_in if k == steps else corrupted_in + (k / steps) * (clean_in - corrupted_in)
+            patch = EdgePatch(graph, gradients=gradients, record=clean if k == steps else None)
+            logits = self._logits(rows, patch, embeds=embeds)
+            metric = self.batch.metric(logits, self.batch.prompts_of(rows)).sum() / self.batch.n_prompts
+            metric.backward()
+        return _edge_scores(graph, clean.senders.sub_(corrupted.senders), gradients, steps)
 
     # ---- circuits ----
     def kept(self, order: np.ndarray, n: int) -> torch.Tensor:
@@ -117,18 +164,43 @@ class EdgeCircuits:
         values = []
         plan = None if kept is None else Plan.of(self.graph, kept)  # one for every batch
         with torch.no_grad():
-            for rows, corrupted in zip(self._chunks(), self.corrupted):
-                patch = (EdgePatch(self.graph) if kept is None
-                         else EdgePatch(self.graph, kept=kept, corrupted=corrupted, plan=plan))
+            for index, rows in enumerate(self._chunks()):
+                if kept is None:
+                    patch = EdgePatch(self.graph)
+                else:
+                    corrupted = self._with_table(self.corrupted_run(index))
+                    patch = EdgePatch(self.graph, kept=kept, corrupted=corrupted, plan=plan)
                 values.append(self.batch.metric(self._logits(rows, patch, ids=self.batch.clean),
                                                 self.batch.prompts_of(rows)))
+                if kept is not None:
+                    corrupted.table = None  # the shared table: the next batch's
         return sum(float(v.sum()) for v in values) / self.batch.n_prompts, torch.cat(values).double().cpu().numpy()
+
+    def _with_table(self, corrupted: Recording) -> Recording:
+        """``corrupted`` given a view of the one senders' table every batch's patched pass uses in
+        turn (each pass writes every row it reads: ``Recording.table``), grown to the largest."""
+        senders, points, hidden = corrupted.senders.shape
+        size = (senders + 2) * points * hidden
+        if self._table is None or self._table.numel() < size or self._table.dtype != corrupted.senders.dtype:
+            # NaN until written, so a sum reading a row no pass wrote shows in the metrics
+            self._table = corrupted.senders.new_full((size,), float("nan"))
+        corrupted.table = self._table[:size].view(senders + 2, points, hidden)
+        return corrupted
 
     def metric(self, kept: torch.Tensor | None = None) -> float:
         return self.per_prompt(kept)[0]
 
     def corrupted_metric(self) -> float:
-        return float(sum(metric.sum() for _, metric in self._corrupted_runs())) / self.batch.n_prompts
+        self._record_corrupted()
+        return float(sum(metric.sum() for metric in self._corrupted_metrics)) / self.batch.n_prompts
+
+
+def recording_bytes(recording: Recording) -> int:
+    """The bytes of the tensors ``recording`` holds."""
+    tensors = [recording.senders, recording.final, recording.table, *recording.layer_inputs.values(),
+               *recording.middle.values(), *recording.head_inputs.values(), *recording.attention_outputs.values(),
+               *recording.elsewhere.values()]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor is not None)
 
 
 def _edge_scores(graph: Graph, differences: torch.Tensor, gradients: ReceiverGradients, steps: int) -> torch.Tensor:

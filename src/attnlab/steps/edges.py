@@ -22,7 +22,7 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
 
     from attnlab.circuits.counting import Bootstrap, prompts_digest
     from attnlab.models import load_model, pick_device
-    from attnlab.patching.edges import EdgeCircuits, ranked_edges
+    from attnlab.patching.edges import EdgeCircuits
     from attnlab.patching.heads import build_batch
     from attnlab.patching.tasks import TaskPrompts, subset
     from attnlab.tokenization import load_tokenizer
@@ -35,18 +35,19 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     prompts = TaskPrompts(**io.read_json(prompts_path))
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     size = _batch_size(settings.batch_size, batch_size)
-    ranking = EdgeCircuits(model, build_batch(subset(prompts, scoring["ranked_on"]), tokenizer), size)
-    started = time.perf_counter()
-    edges = ranked_edges(ranking.graph, ranking.scores(settings.steps))
-    scored_s = time.perf_counter() - started
+    edges, scored_s = _scored_edges(model, model_dir, build_batch(subset(prompts, scoring["ranked_on"]), tokenizer),
+                                    settings, size)
     io.write_parquet(edges, outputs["edges"])
-    del ranking
     counted_on = scoring["counted_on"][:settings.n_counted]  # ascending ids: the first n (None: all)
     counted = subset(prompts, counted_on)
-    circuits = EdgeCircuits(model, build_batch(counted, tokenizer), size, settings.refine_points)
+    circuits = EdgeCircuits(model, build_batch(counted, tokenizer), size, settings.refine_points,
+                            cache_bytes=None if settings.cache_gb is None else int(settings.cache_gb * 1e9))
     clean, corrupted = circuits.metric(), circuits.corrupted_metric()
+    log.info("corrupted recordings kept between evaluations: %d of %d mini-batches (cache_gb %s); the "
+             "others are recorded again at each evaluation", *circuits.recordings_kept, settings.cache_gb)
     log.info("%s: %d edges scored in %.0f s; clean metric %.3f, corrupted %.3f on %d counted prompts", task,
              len(edges), scored_s, clean, corrupted, len(counted.clean))
+    _log_estimates(model_dir, circuits, settings, size, model.device.type, scoring=False)
     bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
     started = time.perf_counter()
     count = _swept_count(circuits, edges.sort_values("rank").index.to_numpy(), settings, bootstrap, counted_on)
@@ -56,7 +57,8 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     graph = circuits.graph
     io.write_json({"task": task, "edges": len(edges), "senders": graph.n_senders, "receivers": graph.n_receivers,
                    "layers": graph.n_layers, "heads": graph.n_heads, "kv_heads": graph.n_kv_heads,
-                   "eap_ig_steps": settings.steps, "ablation": "corrupted", "search": settings.search,
+                   "eap_ig_steps": settings.steps, "score_chunk": settings.score_chunk,
+                   "recordings_kept": list(circuits.recordings_kept), "ablation": "corrupted", "search": settings.search,
                    "ranking": f"EAP-IG {settings.steps} steps", "threshold": settings.threshold,
                    **renamed_unit(count.summary),
                    "clean_metric": clean, "corrupted_metric": corrupted, "points": len(count.curve),
@@ -66,6 +68,39 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
                    "rank_share": scoring["rank_share"],
                    "counted_prompts_digest": prompts_digest(counted.clean, counted.corrupted)},
                   outputs["summary"])
+
+
+def _scored_edges(model, model_dir: str, batch, settings, size: int):
+    """Every edge's EAP-IG score and rank on ``batch`` (the prompts heads were ranked on), and the seconds taken."""
+    from attnlab.patching.edges import EdgeCircuits, ranked_edges
+
+    ranking = EdgeCircuits(model, batch, size, score_chunk=settings.score_chunk)
+    _log_estimates(model_dir, ranking, settings, size, model.device.type)
+    started = time.perf_counter()
+    edges = ranked_edges(ranking.graph, ranking.scores(settings.steps))
+    return edges, time.perf_counter() - started
+
+
+def _log_estimates(model_dir: str, circuits, settings, batch_size: int, device: str, scoring: bool = True) -> None:
+    """The cost fit's estimate of this part's peak memory (attnlab.config.cost), in the log beside
+    the peak it reached (on CUDA)."""
+    import torch
+
+    from attnlab.config.cost import described
+
+    batch = circuits.batch
+    rows = batch.whole_prompts(batch_size)
+    per_batch = max(len(batch.differing_points(chunk)) for chunk in batch.chunks(batch_size))
+    if scoring:
+        chunk = min(per_batch, settings.score_chunk or per_batch)
+        work, stage = {"batch": rows, "tokens": int(batch.clean.shape[1]), "points_per_batch": chunk}, "edge_scores"
+    else:
+        work = {"batch": rows, "tokens": int(batch.clean.shape[1]), "points_per_batch": per_batch,
+                "points": len(batch.differing_points(slice(0, len(batch.clean)))), "prompts": len(batch.clean)}
+        stage = "edge_circuit"
+    log.info("%s", described(stage, io.read_json(f"{model_dir}/config.json"), work, 4, device))
+    if device == "cuda":
+        log.info("CUDA peak so far: %.1f GB", torch.cuda.max_memory_allocated() / 1e9)
 
 
 def _swept_count(circuits, order, settings, bootstrap, counted_on):

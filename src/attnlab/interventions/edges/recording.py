@@ -20,6 +20,9 @@ class Recording:
 
     points: torch.Tensor | None = None  # flat token indices; None: every token
     shape: tuple[int, int] | None = None  # (rows, tokens) of the recorded pass
+    # whether to keep the outputs at the tokens not in ``points`` (``elsewhere``): only passes
+    # patched against this recording read them, not edge attribution's differences
+    keeps_elsewhere: bool = True
     senders: torch.Tensor | None = None
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     middle: dict[int, torch.Tensor] = field(default_factory=dict)

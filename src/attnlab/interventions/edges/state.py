@@ -79,7 +79,7 @@ class PassState:
         """On a recording pass that keeps only some points, keep ``out`` [rows, tokens, features]
         at the others."""
         record = self.patch.record
-        if record is not None and record.points is not None:
+        if record is not None and record.points is not None and record.keeps_elsewhere:
             record.elsewhere[key] = select_points(out.detach(), record.unpatched(out.device))
 
     def recorded_elsewhere(self, like: torch.Tensor, key: tuple) -> torch.Tensor:

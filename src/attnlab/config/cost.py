@@ -1,0 +1,202 @@
+"""What a model-running job costs, from the model's config.json and the stage's settings (pure
+standard library: Snakemake reads it while it parses the workflow).
+
+Memory: the weights (counted from the config: embeddings, each layer's q/k/v/o and MLP, the
+head where it is not tied) plus, per stage, a sum of terms each a product of the model's shape
+and the workload (``features``: the elements a stage holds at its peak). Terms the code
+allocates as counted (``EXACT``: edge attribution's gradients and senders, the corrupted
+recordings, the KV cache) take one element's bytes each; the others a coefficient in bytes per
+element fitted by non-negative least squares to the peaks ``benchmarks/scale.py`` measured at
+the papers' models' width (``benchmarks/scale_fit.py`` writes ``cost_coefficients.json`` beside
+this module). Time: a
+coefficient in seconds per unit of the stage's work (``WORK``), fitted the same way, per device
+kind. A stage, model or device the table has no coefficients for has no estimate (None): the
+caller falls back to its own request and says so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnlab.anatomy.families import BY_MODEL_TYPE, CONFIG_FIELDS, text_config
+
+COEFFICIENTS = Path(__file__).with_name("cost_coefficients.json")
+# Terms counted exactly as the code allocates them: one element of the stage's dtype each, not
+# fitted (fitting them beside terms that grow in step with them in every measurement would
+# split one sum between them at random)
+EXACT = {"edge_scores": ("gradients", "senders"), "edge_circuit": ("recordings", "table"),
+         "generation": ("kv_cache",)}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes a stage's memory and time depend on."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool
+    tied: bool
+    post_norms: bool = False  # a norm after each sublayer (Gemma-3's sandwich, OLMo-2)
+
+    @classmethod
+    def of(cls, config: dict) -> "Shape | None":
+        """The shape of a config.json (a wrapper's text_config), or None for a family attnlab
+        does not know or a config that lacks a size."""
+        config = text_config(config)
+        family = BY_MODEL_TYPE.get(config.get("model_type", ""))
+        if family is None:
+            return None
+        fields = {**CONFIG_FIELDS, **family.config_fields}
+        try:
+            hidden, heads = int(config[fields["hidden"]]), int(config[fields["heads"]])
+            kv_heads = int(config.get(fields["kv_heads"]) or heads)
+            intermediate = int(config.get("intermediate_size") or config.get("n_inner") or 4 * hidden)
+            return cls(layers=int(config[fields["layers"]]), hidden=hidden, heads=heads, kv_heads=kv_heads,
+                       head_dim=int(config.get("head_dim") or hidden // heads), intermediate=intermediate,
+                       vocab=int(config["vocab_size"]), gated_mlp=family.gated_mlp,
+                       tied=bool(config.get("tie_word_embeddings", family.name == "gpt2")),
+                       post_norms=family.norm_places != "pre")
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def layer_parameters(self) -> int:
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+        return attention + mlp
+
+    def parameters(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embeddings + self.layers * self.layer_parameters()
+
+    # the edge graph (attnlab.interventions.edges.Graph)
+    def senders(self) -> int:
+        return 1 + self.layers * (self.heads + 1)
+
+    def receivers(self) -> int:
+        return 1 + self.layers * (self.heads + 2 * self.kv_heads + 1)
+
+    def recorded_per_point(self) -> int:
+        """Elements a ``Recording`` holds per point: every sender's contribution, each layer's
+        input and its MLP's input, the final norm's input; where no norm follows the attention,
+        also its heads' outputs and the attention's output (what a patched pass adds back)."""
+        recorded = self.hidden * (self.senders() + 2 * self.layers + 1)
+        if not self.post_norms:
+            recorded += self.layers * (self.heads * self.head_dim + self.hidden)
+        return recorded
+
+    def outputs_per_token(self) -> int:
+        """A layer's q, k, v, o and MLP outputs per token (a recording keeps them before the points)."""
+        return self.head_dim * (self.heads + 2 * self.kv_heads) + 2 * self.hidden
+
+
+def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
+    """The elements ``stage`` holds at its peak, by kind, for ``work`` (its workload's sizes: tokens,
+    batch, prompts, points)."""
+    s, w = shape, work
+    per_token = s.hidden + s.intermediate
+    if stage == "extraction":  # one layer at a time; each head's T × T scores, reduced as computed
+        rows, tokens = w.get("batch", 1), w["tokens"]
+        return {"activations": rows * tokens * per_token, "scores": rows * s.heads * tokens * tokens}
+    if stage == "heads":  # every layer's input recorded, then heads patched in groups
+        rows, tokens = 2 * w["prompts"], w["tokens"]
+        return {"recorded": s.layers * rows * tokens * s.hidden, "activations": rows * tokens * per_token,
+                "scores": rows * s.heads * tokens * tokens}
+    if stage == "edge_scores":  # the receivers' gradients, the clean and corrupted recordings at the points
+        rows, tokens, points = w["batch"], w["tokens"], w["points_per_batch"]
+        return {"gradients": points * s.hidden * s.receivers(), "senders": 2 * points * s.recorded_per_point(),
+                "autograd": s.layers * rows * tokens * per_token}
+    if stage == "edge_circuit":  # every batch's corrupted recording, and one batch's senders' table
+        elsewhere = (w["prompts"] * w["tokens"] - w["points"]) * s.layers * s.outputs_per_token()
+        return {"recordings": w["points"] * s.recorded_per_point() + elsewhere,
+                "table": w["points_per_batch"] * s.hidden * (s.senders() + 2),
+                # one layer's query/key/value receivers' own inputs (layer 0's read the embeddings as they are)
+                "mixes": w["points_per_batch"] * s.hidden * (s.heads + 2 * s.kv_heads) * (s.layers > 1),
+                "activations": w["batch"] * w["tokens"] * per_token}
+    if stage == "generation":  # the KV cache, a step's activations and logits
+        rows, tokens = w["batch"], w["prompt_tokens"] + w["new_tokens"]
+        return {"kv_cache": rows * tokens * s.layers * 2 * s.kv_heads * s.head_dim,
+                "activations": rows * w["prompt_tokens"] * per_token, "logits": rows * s.vocab}
+    if stage == "lora_step":  # what the backward pass keeps, and the logits with their gradient
+        rows, tokens = w["batch"], w["tokens"]
+        return {"saved": s.layers * rows * tokens * per_token,
+                "scores": s.layers * rows * s.heads * tokens * tokens, "logits": rows * tokens * s.vocab}
+    raise ValueError(f"no cost model for stage {stage!r}")
+
+
+def work_units(stage: str, shape: Shape, work: dict) -> float:
+    """The stage's work in multiply-adds of the decoder (``WORK``), the unit its seconds are fitted
+    in: forward tokens × parameters per token, times the passes the stage takes."""
+    per_token = shape.layers * shape.layer_parameters() + shape.vocab * shape.hidden
+    if stage == "extraction":
+        return w_tokens(work) * per_token
+    if stage == "heads":  # one resumed pass per head at about a third of a forward (pruning_cost)
+        return 2 * work["prompts"] * work["tokens"] * per_token * (1 + shape.layers * shape.heads / 3)
+    if stage == "edge_scores":  # a recording forward and 5 forward-and-backwards (3 forwards each)
+        return work["prompts"] * work["tokens"] * per_token * 16 * work.get("chunks", 1)
+    if stage == "edge_circuit":
+        return work["prompts"] * work["tokens"] * per_token * 2
+    if stage == "generation":
+        return work["batch"] * (work["prompt_tokens"] + work["new_tokens"]) * per_token
+    if stage == "lora_step":
+        return work["batch"] * work["tokens"] * per_token * 3
+    raise ValueError(f"no cost model for stage {stage!r}")
+
+
+def w_tokens(work: dict) -> int:
+    return work.get("batch", 1) * work["tokens"]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A job's estimated peak memory (bytes) and seconds, and what they rest on."""
+
+    memory_bytes: float
+    weights_bytes: float
+    seconds: float | None
+    terms: dict
+
+    def describe(self) -> str:
+        terms = ", ".join(f"{name} {value / 1e9:.2f} GB" for name, value in self.terms.items())
+        time = "no runtime fit for this device" if self.seconds is None else f"{self.seconds / 60:.1f} min"
+        return (f"{self.memory_bytes / 1e9:.1f} GB (weights {self.weights_bytes / 1e9:.1f} GB; {terms}); {time}")
+
+
+def load_coefficients(path: Path = COEFFICIENTS) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def estimate(stage: str, config: dict, work: dict, dtype_bytes: int, device: str = "cpu",
+             coefficients: dict | None = None) -> Estimate | None:
+    """The job's peak memory and time on ``device`` ("cpu" or "cuda") with weights and activations
+    of ``dtype_bytes`` each, or None where the family or the stage has no fit."""
+    shape = Shape.of(config)
+    table = load_coefficients() if coefficients is None else coefficients
+    fitted = table.get("stages", {}).get(stage)
+    if shape is None or fitted is None:
+        return None
+    scale = dtype_bytes / fitted["dtype_bytes"]  # coefficients are per element at the measured dtype
+    counted = features(stage, shape, work)
+    if set(counted) - set(fitted["memory"]):  # a table fitted before a term was added: refit it
+        return None
+    terms = {name: fitted["memory"][name] * value * scale for name, value in counted.items()}
+    terms["constant"] = fitted["constant_bytes"]  # the interpreter's and the allocator's share
+    weights = shape.parameters() * dtype_bytes
+    per_unit = fitted.get("seconds_per_unit", {}).get(device)
+    seconds = None if per_unit is None else per_unit * work_units(stage, shape, work)
+    return Estimate(weights + sum(terms.values()), weights, seconds, terms)
+
+
+def described(stage: str, config: dict, work: dict, dtype_bytes: int, device: str) -> str:
+    """A log line: the stage's estimate for ``work``, or why there is none."""
+    found = estimate(stage, config, work, dtype_bytes, device)
+    if found is None:
+        return f"{stage}: no cost estimate (the fit has no family or coefficients for it)"
+    sizes = ", ".join(f"{key} {value}" for key, value in work.items())
+    return f"{stage} ({sizes}): estimated peak {found.describe()}"
