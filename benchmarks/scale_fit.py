@@ -1,14 +1,19 @@
 """Fit the cost table (``attnlab.config.cost``) to ``benchmarks/scale.py``'s measurements, and say
 how well it predicts each of them.
 
-    .venv/bin/python benchmarks/scale_fit.py [benchmarks/out/scale_cpu.json ...] [--write]
+    .venv/bin/python benchmarks/scale_fit.py [benchmarks/out/scale_cpu.json ...] [--write] [--markdown PATH]
+
+Given several results, a later file's measurement of the same model, depth, stage and workload
+replaces an earlier one (a stage measured again on a quiet machine).
 
 Memory: per stage, the bytes per element of each term of ``cost.features`` that is not counted
 exactly (``cost.EXACT``: one element each), and a constant, by non-negative least squares on the
 relative error (each measurement's row divided by its peak, so a 100 MB stage counts as much as
-a 10 GB one). Time: per stage and device kind, one factor in
-seconds per unit of ``cost.work_units``, the geometric mean of the measured ratios. Printed: every
-measurement beside its prediction; the largest memory error and time factor per stage.
+a 10 GB one). Time: per stage and device kind, seconds per unit of ``cost.work_units`` and per
+``cost.layer_passes``, by the same non-negative least squares. Printed: every measurement beside
+its prediction; the largest memory error and time factor per stage; the same for the deepest
+models when the fit leaves them out (its reach in depth); OLMo-7B's edge circuits projected to
+all 32 layers.
 ``--write``: the table into ``src/attnlab/config/cost_coefficients.json``.
 """
 
@@ -69,16 +74,18 @@ def fit(rows: list[dict]) -> dict:
         predicted = exact + design @ coefficients
         memory = {name: (mine[0]["dtype_bytes"] if name in cost.EXACT.get(stage, ())
                          else float(coefficients[1 + fitted_names.index(name)])) for name in names}
-        per_unit = {}
-        for device in sorted({row["device"] for row in mine}):
-            ratios = [row["seconds"] / cost.work_units(stage, row["shape"], row["work"])
-                      for row in mine if row["device"] == device]
-            per_unit[device] = math.exp(np.mean(np.log(ratios)))
-        times = [per_unit[row["device"]] * cost.work_units(stage, row["shape"], row["work"]) for row in mine]
+        per_unit, per_pass, times = {}, {}, np.zeros(len(mine))
+        for device in sorted({row["device"] for row in mine}):  # seconds = a · work + b · layer passes
+            at = [i for i, row in enumerate(mine) if row["device"] == device]
+            seconds = np.array([mine[i]["seconds"] for i in at])
+            design = np.array([[cost.work_units(stage, mine[i]["shape"], mine[i]["work"]),
+                                cost.layer_passes(stage, mine[i]["shape"], mine[i]["work"])] for i in at])
+            (per_unit[device], per_pass[device]), _ = nnls(design / seconds[:, None], np.ones(len(at)))
+            times[at] = design @ np.array([per_unit[device], per_pass[device]])
         table[stage] = {
             "dtype_bytes": mine[0]["dtype_bytes"],
             "memory": memory, "exact": list(cost.EXACT.get(stage, ())), "constant_bytes": float(coefficients[0]),
-            "seconds_per_unit": per_unit,
+            "seconds_per_unit": per_unit, "seconds_per_layer_pass": per_pass,
             "fit": {"measurements": len(mine),
                     "largest_memory_error": float(np.max(np.abs(predicted / peaks - 1))),
                     "largest_time_factor": float(max(max(t / r["seconds"], r["seconds"] / t) for t, r in zip(times, mine)))},
@@ -89,12 +96,12 @@ def fit(rows: list[dict]) -> dict:
     return table
 
 
-def extrapolated(table: dict, rows: list[dict], layers: int) -> dict[str, tuple[float, float]]:
+def extrapolated(table: dict, rows: list[dict], layers: int | None = None) -> dict[str, tuple[float, float]]:
     """{stage: (largest memory error, largest time factor)} of ``table``'s predictions at the
-    rows of ``layers`` layers."""
+    rows of ``layers`` layers (None: every row)."""
     out = {}
     for stage, fitted in table.items():
-        mine = [row for row in rows if row["stage"] == stage and row["layers"] == layers]
+        mine = [row for row in rows if row["stage"] == stage and layers in (None, row["layers"])]
         coefficients = {"stages": {stage: fitted}}
         errors, factors = [], []
         for row in mine:
@@ -113,19 +120,80 @@ def _config_of(row: dict) -> dict:
     return config
 
 
+def olmo_edges_at_full_depth(table: dict) -> list[str]:
+    """The fit's projection of OLMo-7B's edge circuits at all 32 layers in float32 on 64 IOI
+    prompts (the tokens and patched points per prompt of TASK_TOKENS): scoring at batches of 4
+    and 8, a circuit with every recording kept and with 6 GB kept."""
+    from attnlab.config.budget import TASK_TOKENS
+
+    config = json.loads((CONFIGS / MODELS["olmo-7b"]).read_text())
+    tokens, points, _ = TASK_TOKENS["ioi"]
+    coefficients, lines = {"stages": table}, []
+    for batch in (4, 8):
+        work = {"batch": batch, "tokens": tokens, "points_per_batch": round(batch * points), "prompts": 64}
+        found = cost.estimate("edge_scores", config, work, 4, "cpu", coefficients)
+        lines.append(f"OLMo-7B, 32 layers, EAP-IG scoring at batch {batch}: {found.describe()}")
+    work = {"batch": 8, "tokens": tokens, "points_per_batch": round(8 * points), "points": round(64 * points),
+            "prompts": 64}
+    found = cost.estimate("edge_circuit", config, work, 4, "cpu", coefficients)
+    lines.append(f"OLMo-7B, 32 layers, one circuit on 64 prompts, every recording kept: {found.describe()}")
+    kept = found.memory_bytes - found.terms["recordings"] + min(found.terms["recordings"], 6e9)
+    lines.append(f"  with cache_gb 6: {kept / 1e9:.1f} GB")
+    return lines
+
+
+def markdown(rows: list[dict], table: dict, reach: dict) -> str:
+    """Peak MiB above the model and seconds of every measurement, by stage and workload (columns:
+    model and layers), then each stage's fit."""
+    columns = sorted({(row["model"], row["layers"]) for row in rows}, key=lambda c: (list(MODELS).index(c[0]), c[1]))
+    head = "| stage | workload | " + " | ".join(f"{model} {layers}L" for model, layers in columns) + " |"
+    lines = [head, "|" + "---|" * (len(columns) + 2)]
+    cells = {(row["stage"], row["workload"], row["model"], row["layers"]): row for row in rows}
+    for stage, workload in dict.fromkeys((row["stage"], row["workload"]) for row in rows):
+        values = [cells.get((stage, workload, model, layers)) for model, layers in columns]
+        lines.append(f"| {stage} | {workload} | " + " | ".join(
+            "" if v is None else f"{v['peak'] / 2**20:,.0f} MiB, {v['seconds']:.0f} s" for v in values) + " |")
+    lines += ["", "| stage | memory: largest error (in-sample) | time: largest factor | fitted without the deepest, "
+              "predicting it: memory, time |", "|---|---|---|---|"]
+    for stage, fitted in table.items():
+        held = reach.get(stage)
+        lines.append(f"| {stage} | {fitted['fit']['largest_memory_error']:.0%} | "
+                     f"{fitted['fit']['largest_time_factor']:.2f} | "
+                     + ("" if held is None else f"{held[0]:.0%}, {held[1]:.2f}") + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results", nargs="*", default=[str(Path(__file__).parent / "out" / "scale_cpu.json")])
+    parser.add_argument("--check", nargs="*", default=[],
+                        help="results to predict with the fit, not fitted (e.g. another width)")
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--markdown", help="write the measurements and the fit as a markdown table here")
     args = parser.parse_args()
-    rows = [row for path in args.results for row in stage_rows(json.loads(Path(path).read_text()))]
+    # a later file's measurement of the same model, depth, stage and workload replaces an earlier one
+    merged = {}
+    for path in args.results:
+        for row in stage_rows(json.loads(Path(path).read_text())):
+            merged[(row["model"], row["layers"], row["stage"], row["workload"])] = row
+    rows = list(merged.values())
+    checked = [row for path in args.check for row in stage_rows(json.loads(Path(path).read_text()))]
     table = fit(rows)
     deepest = max(row["layers"] for row in rows)
     shallow = [row for row in rows if row["layers"] < deepest]
-    if shallow:  # the fit's reach: coefficients from the shallower models, errors at the deepest
+    reach = extrapolated(fit(shallow), rows, deepest) if shallow else {}
+    if reach:  # the fit's reach: coefficients from the shallower models, errors at the deepest
         print(f"fitted without the {deepest}-layer models, predicting them:")
-        for stage, fitted in extrapolated(fit(shallow), rows, deepest).items():
-            print(f"  {stage}: memory within {fitted[0]:.0%}, time within a factor {fitted[1]:.2f}")
+        for stage, (memory, time) in reach.items():
+            print(f"  {stage}: memory within {memory:.0%}, time within a factor {time:.2f}")
+    if checked:  # measurements the fit did not see (another width)
+        print(f"predicting {', '.join(sorted({row['model'] for row in checked}))} (not fitted):")
+        for stage, (memory, time) in extrapolated(table, checked).items():
+            print(f"  {stage}: memory within {memory:.0%}, time within a factor {time:.2f}")
+    if "edge_scores" in table and "edge_circuit" in table:
+        print("\n".join(olmo_edges_at_full_depth(table)))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows, table, reach))
     for stage, fitted in table.items():
         print(f"{stage}: memory within {fitted['fit']['largest_memory_error']:.0%}, time within a factor "
               f"{fitted['fit']['largest_time_factor']:.2f} over {fitted['fit']['measurements']} measurements")

@@ -9,8 +9,9 @@ recordings, the KV cache) take one element's bytes each; the others a coefficien
 element fitted by non-negative least squares to the peaks ``benchmarks/scale.py`` measured at
 the papers' models' width (``benchmarks/scale_fit.py`` writes ``cost_coefficients.json`` beside
 this module). Time: a
-coefficient in seconds per unit of the stage's work (``WORK``), fitted the same way, per device
-kind. A stage, model or device the table has no coefficients for has no estimate (None): the
+coefficient in seconds per unit of the stage's work (``work_units``), fitted the same way, per device
+kind, with one more per pass through a layer (``layer_passes``). A stage, model or device the
+table has no coefficients for has no estimate (None): the
 caller falls back to its own request and says so.
 """
 
@@ -122,7 +123,8 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
     if stage == "generation":  # the KV cache, a step's activations and logits
         rows, tokens = w["batch"], w["prompt_tokens"] + w["new_tokens"]
         return {"kv_cache": rows * tokens * s.layers * 2 * s.kv_heads * s.head_dim,
-                "activations": rows * w["prompt_tokens"] * per_token, "logits": rows * s.vocab}
+                "activations": rows * w["prompt_tokens"] * per_token,
+                "per_layer": s.layers * rows * w["prompt_tokens"] * s.hidden, "logits": rows * s.vocab}
     if stage == "lora_step":  # what the backward pass keeps, and the logits with their gradient
         rows, tokens = w["batch"], w["tokens"]
         return {"saved": s.layers * rows * tokens * per_token,
@@ -131,26 +133,47 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
 
 
 def work_units(stage: str, shape: Shape, work: dict) -> float:
-    """The stage's work in multiply-adds of the decoder (``WORK``), the unit its seconds are fitted
-    in: forward tokens × parameters per token, times the passes the stage takes."""
-    per_token = shape.layers * shape.layer_parameters() + shape.vocab * shape.hidden
-    if stage == "extraction":
-        return w_tokens(work) * per_token
-    if stage == "heads":  # one resumed pass per head at about a third of a forward (pruning_cost)
-        return 2 * work["prompts"] * work["tokens"] * per_token * (1 + shape.layers * shape.heads / 3)
-    if stage == "edge_scores":  # a recording forward and 5 forward-and-backwards (3 forwards each)
-        return work["prompts"] * work["tokens"] * per_token * 16 * work.get("chunks", 1)
-    if stage == "edge_circuit":
-        return work["prompts"] * work["tokens"] * per_token * 2
+    """The stage's work in multiply-adds, the unit its seconds are fitted in: tokens × the
+    decoder's weights per token (and the output head's where the stage computes every token's
+    logits: generation's steps, post-training), times the passes the stage takes. Extraction,
+    patching and edges read a few logits only (``logits_to_keep``)."""
+    decoder = shape.layers * shape.layer_parameters()
+    head = shape.vocab * shape.hidden
+    if stage == "extraction":  # the decoder, and each layer's T x T scores
+        tokens = work["tokens"]
+        return work.get("batch", 1) * tokens * (decoder + shape.layers * tokens * shape.heads * shape.head_dim)
+    if stage == "heads":  # a clean and a corrupted forward, then each head's pass resumed at its layer
+        layers = shape.layers
+        resumed = shape.heads * layers * (layers + 1) / 2  # layer passes: a head of layer l runs L - l layers
+        return 2 * work["prompts"] * work["tokens"] * shape.layer_parameters() * (layers + resumed)
+    if stage == "edge_scores":  # per chunk a recording forward and 5 forward-and-backwards (3 forwards each)
+        return work["prompts"] * work["tokens"] * decoder * 16 * work.get("chunks", 1)
+    if stage == "edge_circuit":  # the patched forward and, for the mixes, about another
+        return work["prompts"] * work["tokens"] * decoder * 2
     if stage == "generation":
-        return work["batch"] * (work["prompt_tokens"] + work["new_tokens"]) * per_token
-    if stage == "lora_step":
-        return work["batch"] * work["tokens"] * per_token * 3
+        return work["batch"] * (work["prompt_tokens"] + work["new_tokens"]) * (decoder + head)
+    if stage == "lora_step":  # forward and backward
+        return work["batch"] * work["tokens"] * (decoder + head) * 3
     raise ValueError(f"no cost model for stage {stage!r}")
 
 
-def w_tokens(work: dict) -> int:
-    return work.get("batch", 1) * work["tokens"]
+def layer_passes(stage: str, shape: Shape, work: dict) -> float:
+    """Passes through one layer the stage takes: each costs time beyond its multiply-adds (the
+    hooks and launches of a layer), which a small batch pays more often."""
+    layers, batches = shape.layers, -(-work.get("prompts", 1) // work.get("batch", work.get("prompts", 1)))
+    if stage == "extraction":
+        return layers
+    if stage == "heads":
+        return batches * (2 * layers + shape.heads * layers * (layers + 1) / 2)
+    if stage == "edge_scores":
+        return batches * work.get("chunks", 1) * 6 * layers
+    if stage == "edge_circuit":
+        return batches * layers
+    if stage == "generation":
+        return work["new_tokens"] * layers
+    if stage == "lora_step":
+        return 3 * layers
+    raise ValueError(f"no cost model for stage {stage!r}")
 
 
 @dataclass(frozen=True)
@@ -189,7 +212,9 @@ def estimate(stage: str, config: dict, work: dict, dtype_bytes: int, device: str
     terms["constant"] = fitted["constant_bytes"]  # the interpreter's and the allocator's share
     weights = shape.parameters() * dtype_bytes
     per_unit = fitted.get("seconds_per_unit", {}).get(device)
-    seconds = None if per_unit is None else per_unit * work_units(stage, shape, work)
+    per_pass = fitted.get("seconds_per_layer_pass", {}).get(device, 0.0)
+    seconds = None if per_unit is None else (per_unit * work_units(stage, shape, work)
+                                            + per_pass * layer_passes(stage, shape, work))
     return Estimate(weights + sum(terms.values()), weights, seconds, terms)
 
 

@@ -11,7 +11,7 @@ import pandas as pd
 from attnlab import io
 from attnlab.config.settings import Scoring, Sweep
 from attnlab.patching.mean_reference import Identity, TaskMeans, model_fingerprint, read_means, write_means
-from attnlab.steps.common import _batch_size, _seed_everything, log
+from attnlab.steps.common import _batch_size, _seed_everything, log, log_cost_estimate
 
 
 def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_paths: dict[str, str],
@@ -39,6 +39,8 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     batch = build_batch(subset(prompts, ranked_on), tokenizer)
     size = _batch_size(settings.batch_size, batch_size)
+    log_cost_estimate("heads", model_dir, {"prompts": min(size, len(batch.clean)), "tokens": int(batch.clean.shape[1])},
+                      torch.float32, model.device)
     means = None
     if "mean" in settings.ablations:
         if means_path is None:

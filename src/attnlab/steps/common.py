@@ -114,3 +114,12 @@ def log_replaced_rows(table: pd.DataFrame, out_path: str, keys: list[str]) -> No
                 log.warning("%s: this run (config %s) %s the row %s of the last table (config %s)", out_path,
                             label, kind, dict(zip(keys, key)), previous.loc[key].get("config", "?"))
     io.write_csv(table, last)
+
+
+def log_cost_estimate(stage: str, model_dir: str, work: dict, dtype, device) -> None:
+    """The cost fit's estimate of this job's peak memory and time (``attnlab.config.cost``; its
+    stages and workload sizes), in the log, so a cluster's request can be checked against it."""
+    from attnlab.config.cost import described
+
+    config = io.read_json(os.path.join(model_dir, "config.json"))
+    log.info("%s", described(stage, config, work, dtype.itemsize, device.type))

@@ -8,7 +8,7 @@ import time
 from attnlab import io
 from attnlab.circuits.curves import renamed_unit
 from attnlab.config.settings import EdgeSweep
-from attnlab.steps.common import _batch_size, _seed_everything, log
+from attnlab.steps.common import _batch_size, _seed_everything, log, log_cost_estimate
 
 
 def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, scoring_path: str,
@@ -47,7 +47,7 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
              "others are recorded again at each evaluation", *circuits.recordings_kept, settings.cache_gb)
     log.info("%s: %d edges scored in %.0f s; clean metric %.3f, corrupted %.3f on %d counted prompts", task,
              len(edges), scored_s, clean, corrupted, len(counted.clean))
-    _log_estimates(model_dir, circuits, settings, size, model.device.type, scoring=False)
+    _log_estimates(model_dir, circuits, settings, size, scoring=False)
     bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
     started = time.perf_counter()
     count = _swept_count(circuits, edges.sort_values("rank").index.to_numpy(), settings, bootstrap, counted_on)
@@ -75,31 +75,29 @@ def _scored_edges(model, model_dir: str, batch, settings, size: int):
     from attnlab.patching.edges import EdgeCircuits, ranked_edges
 
     ranking = EdgeCircuits(model, batch, size, score_chunk=settings.score_chunk)
-    _log_estimates(model_dir, ranking, settings, size, model.device.type)
+    _log_estimates(model_dir, ranking, settings, size)
     started = time.perf_counter()
     edges = ranked_edges(ranking.graph, ranking.scores(settings.steps))
     return edges, time.perf_counter() - started
 
 
-def _log_estimates(model_dir: str, circuits, settings, batch_size: int, device: str, scoring: bool = True) -> None:
-    """The cost fit's estimate of this part's peak memory (attnlab.config.cost), in the log beside
-    the peak it reached (on CUDA)."""
+def _log_estimates(model_dir: str, circuits, settings, batch_size: int, scoring: bool = True) -> None:
+    """The cost fit's estimate of scoring's or the circuits' peak (attnlab.config.cost) in the log,
+    beside the peak reached so far on CUDA."""
     import torch
 
-    from attnlab.config.cost import described
-
     batch = circuits.batch
-    rows = batch.whole_prompts(batch_size)
+    rows, tokens = batch.whole_prompts(batch_size), int(batch.clean.shape[1])
     per_batch = max(len(batch.differing_points(chunk)) for chunk in batch.chunks(batch_size))
     if scoring:
         chunk = min(per_batch, settings.score_chunk or per_batch)
-        work, stage = {"batch": rows, "tokens": int(batch.clean.shape[1]), "points_per_batch": chunk}, "edge_scores"
+        work = {"batch": rows, "tokens": tokens, "points_per_batch": chunk, "prompts": len(batch.clean),
+                "chunks": -(-per_batch // max(chunk, 1))}
     else:
-        work = {"batch": rows, "tokens": int(batch.clean.shape[1]), "points_per_batch": per_batch,
-                "points": len(batch.differing_points(slice(0, len(batch.clean)))), "prompts": len(batch.clean)}
-        stage = "edge_circuit"
-    log.info("%s", described(stage, io.read_json(f"{model_dir}/config.json"), work, 4, device))
-    if device == "cuda":
+        work = {"batch": rows, "tokens": tokens, "points_per_batch": per_batch, "prompts": len(batch.clean),
+                "points": len(batch.differing_points(slice(0, len(batch.clean))))}
+    log_cost_estimate("edge_scores" if scoring else "edge_circuit", model_dir, work, torch.float32, circuits.device)
+    if circuits.device.type == "cuda":
         log.info("CUDA peak so far: %.1f GB", torch.cuda.max_memory_allocated() / 1e9)
 
 
