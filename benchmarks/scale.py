@@ -30,7 +30,7 @@ allocation); the model's own bytes are reported beside it. Each stage runs at tw
   and o as config/paper.yaml's OLMo-7B copy) on 2 sequences of 128 and 256 tokens.
 
 The JSON (benchmarks/out/scale_<device>.json) holds one row per model, layers, stage and
-workload; ``attnlab.config.cost`` fits its coefficients from them.
+workload; ``benchmarks/scale_fit.py`` fits ``attnlab.config.cost``'s coefficients to them.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _edge_scores(model, tokenizer, batch: int) -> dict:
     circuits = EdgeCircuits(model, ioi_batch(tokenizer, 8), batch)
     circuits.scores(5)
     points = len(circuits.batch.differing_points(slice(0, batch)))
-    return {"prompts": 8, "batch": batch, "points_per_batch": points, "edges": circuits.graph.n_edges,
+    return {"prompts": 8, "batch": batch, "steps": 5, "points_per_batch": points, "edges": circuits.graph.n_edges,
             "senders": circuits.graph.n_senders, "receivers": circuits.graph.n_receivers,
             "tokens": int(circuits.batch.clean.shape[1])}
 

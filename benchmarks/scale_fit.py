@@ -122,23 +122,24 @@ def _config_of(row: dict) -> dict:
 
 def olmo_edges_at_full_depth(table: dict) -> list[str]:
     """The fit's projection of OLMo-7B's edge circuits at all 32 layers in float32 on 64 IOI
-    prompts (the tokens and patched points per prompt of TASK_TOKENS): scoring at batches of 4
-    and 8, a circuit with every recording kept and with 6 GB kept."""
-    from attnlab.config.budget import TASK_TOKENS
+    prompts (the tokens and patched points per prompt of TASK_TOKENS), at batches of 4 and 8:
+    scoring, a circuit with every recording kept, and one with 6 GB kept (``budget``: the rest
+    recorded again one mini-batch at a time)."""
+    from attnlab.config.budget import TASK_TOKENS, within_cache
 
     config = json.loads((CONFIGS / MODELS["olmo-7b"]).read_text())
     tokens, points, _ = TASK_TOKENS["ioi"]
     coefficients, lines = {"stages": table}, []
     for batch in (4, 8):
-        work = {"batch": batch, "tokens": tokens, "points_per_batch": round(batch * points), "prompts": 64}
+        per_batch, everything = round(batch * points), round(64 * points)
+        work = {"batch": batch, "tokens": tokens, "points_per_batch": per_batch, "prompts": 64}
         found = cost.estimate("edge_scores", config, work, 4, "cpu", coefficients)
-        lines.append(f"OLMo-7B, 32 layers, EAP-IG scoring at batch {batch}: {found.describe()}")
-    work = {"batch": 8, "tokens": tokens, "points_per_batch": round(8 * points), "points": round(64 * points),
-            "prompts": 64}
-    found = cost.estimate("edge_circuit", config, work, 4, "cpu", coefficients)
-    lines.append(f"OLMo-7B, 32 layers, one circuit on 64 prompts, every recording kept: {found.describe()}")
-    kept = found.memory_bytes - found.terms["recordings"] + min(found.terms["recordings"], 6e9)
-    lines.append(f"  with cache_gb 6: {kept / 1e9:.1f} GB")
+        lines.append(f"OLMo-7B, 32 layers, batch {batch}, EAP-IG scoring: {found.describe()}")
+        work.update(points=everything)
+        found = cost.estimate("edge_circuit", config, work, 4, "cpu", coefficients)
+        lines.append(f"OLMo-7B, 32 layers, batch {batch}, one circuit, every recording kept: {found.describe()}")
+        kept = within_cache(found, 6, per_batch / everything)
+        lines.append(f"OLMo-7B, 32 layers, batch {batch}, one circuit, cache_gb 6: {kept.describe()}")
     return lines
 
 

@@ -79,13 +79,14 @@ def _coefficients(memory: dict, stage: str = "edge_circuit") -> dict:
 def test_an_estimate_is_the_weights_plus_each_term_and_none_for_an_unknown_family():
     config = json.loads((CONFIGS / "olmo-7b.json").read_text())
     work = {"prompts": 8, "tokens": 20, "points": 128, "points_per_batch": 128, "batch": 8}
-    table = _coefficients({"recordings": 4, "table": 4, "mixes": 4, "activations": 10})
+    table = _coefficients({"recordings": 4, "table": 4, "mixes": 4, "per_layer": 4, "activations": 10})
     found = cost.estimate("edge_circuit", config, work, 4, "cpu", table)
     shape = cost.Shape.of(config)
     terms = cost.features("edge_circuit", shape, work)
     assert found.weights_bytes == shape.parameters() * 4
     assert found.memory_bytes == pytest.approx(found.weights_bytes + 4 * terms["recordings"] + 4 * terms["table"]
-                                               + 4 * terms["mixes"] + 10 * terms["activations"])
+                                               + 4 * terms["mixes"] + 4 * terms["per_layer"]
+                                               + 10 * terms["activations"])
     stale = _coefficients({"recordings": 4, "table": 4, "activations": 10})  # fitted before "mixes"
     assert cost.estimate("edge_circuit", config, work, 4, "cpu", stale) is None
     assert cost.estimate("edge_circuit", config, work, 2, "cpu", table).weights_bytes == shape.parameters() * 2
@@ -147,3 +148,27 @@ def _validated(config: dict) -> dict:
 
     check(config, models_dir="/nonexistent")
     return config
+
+
+def test_the_budget_counts_the_papers_olmo_edge_circuit_term_by_term():
+    """config/paper.yaml's OLMo-7B IOI edge circuit (256 prompts, half ranked on, batch 4, 5
+    steps, cache_gb 6): scoring holds 4 prompts' 57 patched points of gradients (3,105 receivers)
+    and twice the recordings; the circuits keep 6 GB of recordings plus one mini-batch's."""
+    config = _validated(yaml.safe_load((REPO / "config/paper.yaml").read_text()))
+    olmo = json.loads((CONFIGS / "olmo-7b.json").read_text())
+    shape = cost.Shape.of(olmo)
+    pruning = config["pruning"]
+    tokens, points, _ = budget.TASK_TOKENS["ioi"]
+    scoring = cost.estimate("edge_scores", olmo, {"batch": 4, "tokens": tokens, "points_per_batch": 4 * points,
+                                                  "prompts": 128, "steps": 5, "chunks": 1}, 4, "cuda")
+    assert scoring.terms["gradients"] == pytest.approx(4 * points * 4096 * 3105 * 4)
+    assert scoring.terms["senders"] == pytest.approx(2 * 4 * points * shape.recorded_per_point() * 4)
+    found = budget.edge_estimate(olmo, "ioi", pruning)
+    every = cost.features("edge_circuit", shape, {"batch": 4, "tokens": tokens, "points_per_batch": 4 * points,
+                                                  "points": 128 * points, "prompts": 128})["recordings"] * 4
+    circuit = budget.within_cache(cost.estimate("edge_circuit", olmo, {
+        "batch": 4, "tokens": tokens, "points_per_batch": 4 * points, "points": 128 * points, "prompts": 128},
+        4, "cuda"), 6, 4 / 128)
+    assert circuit.terms["recordings"] == pytest.approx(6e9 + every * 4 / 128)
+    assert found.memory_bytes == pytest.approx(max(scoring.memory_bytes, circuit.memory_bytes))
+    assert 30e9 < found.memory_bytes < 45e9  # weights 27.6 GB and a few GB of edges

@@ -249,3 +249,7 @@ def test_circuits_with_the_corrupted_recordings_recorded_again_equal_those_kept(
         for kept, expected in zip(masks, want):
             np.testing.assert_allclose(circuits.per_prompt(kept)[1], expected, rtol=0, atol=1e-12)
     assert kept_all.recordings_kept == (2, 2)
+    # one mini-batch of six: the shared table viewed at other shapes gives the same metrics
+    whole = EdgeCircuits(model, batch, batch_size=6)
+    for kept, expected in zip(masks, want):
+        np.testing.assert_allclose(whole.per_prompt(kept)[1], expected, rtol=0, atol=1e-9)

@@ -62,8 +62,9 @@ CHOSEN = selections(config)  # what runs: attention and MLP datasets, composite 
 # A declared GPU memory (--resources gpu_mem_gb=80): every planned job the cost fit can estimate
 # must fit it, before any job runs (attnlab.config.budget).
 try:
-    check_gpu_memory(estimates(config, CHOSEN, SPARSE_BASES, Path("resources/models")),
-                     gpu_memory_limit(workflow.global_resources.get("gpu_mem_gb")))
+    _GPU_MEMORY = gpu_memory_limit(workflow.global_resources.get("gpu_mem_gb"))
+    if _GPU_MEMORY is not None:  # nothing to read otherwise (every job parses this file again)
+        check_gpu_memory(estimates(config, CHOSEN, SPARSE_BASES, Path("resources/models")), _GPU_MEMORY)
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
 ATTENTION = config["attention"]

@@ -31,7 +31,7 @@ from attnlab.config.sources import source_config
 # digit: ten rows per prompt, one per first digit)
 TASK_TOKENS = {"ioi": (20, 14.3, 1), "ioi_long": (47, 13.0, 1), "greater_than": (18, 9.0, 10),
                "docstring": (71, 45.0, 1), "program": (16, 16.0, 1)}
-FLOAT32, BFLOAT16 = 4, 2
+FLOAT32 = 4  # edge circuits load every model in float32
 
 
 def gpu_memory_limit(value) -> float | None:
@@ -82,38 +82,47 @@ def model_config(name: str, models: dict, models_dir: Path, bases: dict) -> dict
         return None
 
 
-def _edge_estimates(config: dict, model: str, task: str, pruning: dict) -> cost.Estimate | None:
-    """The larger of EAP-IG scoring and circuit evaluation (float32 weights)."""
+def edge_estimate(config: dict, task: str, pruning: dict) -> cost.Estimate | None:
+    """The larger of EAP-IG scoring and circuit evaluation (float32 weights), on the prompts the
+    head sweep ranks on and counts on (``patching.tasks.split_for_ranking``'s sizes)."""
     edges, (tokens, points, rows_per_prompt) = pruning["edges"], TASK_TOKENS[task]
-    n = pruning["tasks"][task]["n"]
-    ranked = max(1, round(n * pruning["rank_share"]))
-    counted = edges["n_counted"] or n - ranked
+    n, share = pruning["tasks"][task]["n"], pruning["rank_share"]
+    ranked = n if share == 0 else min(n - 1, max(1, round(share * n)))
+    counted = n if share == 0 else n - ranked
+    counted = min(counted, edges["n_counted"] or counted)
     rows = max(1, edges["batch_size"] // rows_per_prompt) * rows_per_prompt  # TaskBatch.whole_prompts
     per_batch = rows * points
     chunk = min(per_batch, edges["score_chunk"] or per_batch)
     scores = cost.estimate("edge_scores", config, {"batch": rows, "tokens": tokens, "points_per_batch": chunk,
-                                                   "prompts": ranked * rows_per_prompt,
+                                                   "prompts": ranked * rows_per_prompt, "steps": edges["steps"],
                                                    "chunks": math.ceil(per_batch / chunk)}, FLOAT32, "cuda")
     circuit = cost.estimate("edge_circuit", config, {"batch": rows, "tokens": tokens, "points_per_batch": per_batch,
                                                      "points": counted * rows_per_prompt * points,
                                                      "prompts": counted * rows_per_prompt}, FLOAT32, "cuda")
     if scores is None or circuit is None:
         return None
-    if edges["cache_gb"] is not None:  # the recordings kept stop at the budget
-        terms = dict(circuit.terms, recordings=min(circuit.terms["recordings"], edges["cache_gb"] * 1e9))
-        circuit = cost.Estimate(circuit.weights_bytes + sum(terms.values()), circuit.weights_bytes,
-                                circuit.seconds, terms)
-    return max(scores, circuit, key=lambda e: e.memory_bytes)
+    return max(scores, within_cache(circuit, edges["cache_gb"], per_batch / (counted * rows_per_prompt * points)),
+               key=lambda e: e.memory_bytes)
+
+
+def within_cache(circuit: cost.Estimate, cache_gb: float | None, batch_share: float) -> cost.Estimate:
+    """The circuits' estimate with the recordings kept stopped at ``cache_gb``: past it, one
+    mini-batch's recording (``batch_share`` of them all) is made again while the others stay."""
+    recordings = circuit.terms["recordings"]
+    if cache_gb is None or recordings <= cache_gb * 1e9:
+        return circuit
+    terms = dict(circuit.terms, recordings=cache_gb * 1e9 + min(1.0, batch_share) * recordings)
+    return cost.Estimate(circuit.weights_bytes + sum(terms.values()), circuit.weights_bytes, circuit.seconds, terms)
 
 
 def estimates(config: dict, chosen: dict, bases: dict, models_dir: Path) -> list[JobEstimate]:
-    """Every planned edge-circuit and head-scoring job's estimate on a GPU."""
+    """Every planned edge-circuit job's estimate on a GPU (the only stage estimated at parse time so far)."""
     pruning, out = config["pruning"], []
     edge_tasks = [task for task in pruning["edges"]["tasks"] if task in pruning["tasks"]]
     for model in chosen.get("edge_models") or []:
         model_json = model_config(model, config["models"], models_dir, bases)
         for task in edge_tasks:
-            estimate = None if model_json is None else _edge_estimates(model_json, model, task, pruning)
+            estimate = None if model_json is None else edge_estimate(model_json, task, pruning)
             out.append(JobEstimate("edge_circuit", model, task, estimate,
                                    "its config.json is not at hand before it is prepared" if model_json is None
                                    else "the cost fit has no family or stage for it",

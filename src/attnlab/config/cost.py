@@ -8,11 +8,10 @@ allocates as counted (``EXACT``: edge attribution's gradients and senders, the c
 recordings, the KV cache) take one element's bytes each; the others a coefficient in bytes per
 element fitted by non-negative least squares to the peaks ``benchmarks/scale.py`` measured at
 the papers' models' width (``benchmarks/scale_fit.py`` writes ``cost_coefficients.json`` beside
-this module). Time: a
-coefficient in seconds per unit of the stage's work (``work_units``), fitted the same way, per device
-kind, with one more per pass through a layer (``layer_passes``). A stage, model or device the
-table has no coefficients for has no estimate (None): the
-caller falls back to its own request and says so.
+this module). Time: seconds per multiply-add of the stage (``work_units``) and per pass through
+a layer (``layer_passes``), fitted the same way for each device kind measured. A family or stage
+the table has no coefficients for has no estimate (None), and the caller says so in its log; a
+device without a time fit has a memory estimate and no time (``Estimate.seconds`` None).
 """
 
 from __future__ import annotations
@@ -29,6 +28,9 @@ COEFFICIENTS = Path(__file__).with_name("cost_coefficients.json")
 # split one sum between them at random)
 EXACT = {"edge_scores": ("gradients", "senders"), "edge_circuit": ("recordings", "table"),
          "generation": ("kv_cache",)}
+# model types whose transformers config ties the output head to the embeddings when config.json
+# does not say (a resolved Gemma-3 text config leaves the key out)
+TIED_BY_DEFAULT = frozenset({"gpt2", "gemma", "gemma2", "gemma3", "gemma3_text"})
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Shape:
             return cls(layers=int(config[fields["layers"]]), hidden=hidden, heads=heads, kv_heads=kv_heads,
                        head_dim=int(config.get("head_dim") or hidden // heads), intermediate=intermediate,
                        vocab=int(config["vocab_size"]), gated_mlp=family.gated_mlp,
-                       tied=bool(config.get("tie_word_embeddings", family.name == "gpt2")),
+                       tied=bool(config.get("tie_word_embeddings", config.get("model_type") in TIED_BY_DEFAULT)),
                        post_norms=family.norm_places != "pre")
         except (KeyError, TypeError, ValueError):
             return None
@@ -119,6 +121,7 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
                 "table": w["points_per_batch"] * s.hidden * (s.senders() + 2),
                 # one layer's query/key/value receivers' own inputs (layer 0's read the embeddings as they are)
                 "mixes": w["points_per_batch"] * s.hidden * (s.heads + 2 * s.kv_heads) * (s.layers > 1),
+                "per_layer": s.layers * w["points_per_batch"] * s.hidden,  # each layer's inputs at the points
                 "activations": w["batch"] * w["tokens"] * per_token}
     if stage == "generation":  # the KV cache, a step's activations and logits
         rows, tokens = w["batch"], w["prompt_tokens"] + w["new_tokens"]
@@ -146,8 +149,8 @@ def work_units(stage: str, shape: Shape, work: dict) -> float:
         layers = shape.layers
         resumed = shape.heads * layers * (layers + 1) / 2  # layer passes: a head of layer l runs L - l layers
         return 2 * work["prompts"] * work["tokens"] * shape.layer_parameters() * (layers + resumed)
-    if stage == "edge_scores":  # per chunk a recording forward and 5 forward-and-backwards (3 forwards each)
-        return work["prompts"] * work["tokens"] * decoder * 16 * work.get("chunks", 1)
+    if stage == "edge_scores":  # per chunk a recording forward and `steps` forward-and-backwards (3 forwards each)
+        return work["prompts"] * work["tokens"] * decoder * (1 + 3 * work.get("steps", 5)) * work.get("chunks", 1)
     if stage == "edge_circuit":  # the patched forward and, for the mixes, about another
         return work["prompts"] * work["tokens"] * decoder * 2
     if stage == "generation":
@@ -166,7 +169,7 @@ def layer_passes(stage: str, shape: Shape, work: dict) -> float:
     if stage == "heads":
         return batches * (2 * layers + shape.heads * layers * (layers + 1) / 2)
     if stage == "edge_scores":
-        return batches * work.get("chunks", 1) * 6 * layers
+        return batches * work.get("chunks", 1) * (1 + work.get("steps", 5)) * layers
     if stage == "edge_circuit":
         return batches * layers
     if stage == "generation":
@@ -187,7 +190,7 @@ class Estimate:
 
     def describe(self) -> str:
         terms = ", ".join(f"{name} {value / 1e9:.2f} GB" for name, value in self.terms.items())
-        time = "no runtime fit for this device" if self.seconds is None else f"{self.seconds / 60:.1f} min"
+        time = "no time fit for this device" if self.seconds is None else f"{self.seconds / 60:.1f} min"
         return (f"{self.memory_bytes / 1e9:.1f} GB (weights {self.weights_bytes / 1e9:.1f} GB; {terms}); {time}")
 
 
@@ -224,4 +227,4 @@ def described(stage: str, config: dict, work: dict, dtype_bytes: int, device: st
     if found is None:
         return f"{stage}: no cost estimate (the fit has no family or coefficients for it)"
     sizes = ", ".join(f"{key} {value}" for key, value in work.items())
-    return f"{stage} ({sizes}): estimated peak {found.describe()}"
+    return f"{stage} ({sizes}): estimated peak and time of this workload {found.describe()}"

@@ -93,9 +93,10 @@ class EdgeCircuits:
         self._kept, self._corrupted_metrics, held = [], [], 0
         for rows in self._chunks():
             recording, metric = self._record(self.batch.corrupted, rows, self.batch.differing_points(rows))
-            held += recording_bytes(recording)
+            held += recording_bytes(recording)  # a prefix is kept: past the first that does not fit, none
             self._kept.append(recording if self.cache_bytes is None or held <= self.cache_bytes else None)
             self._corrupted_metrics.append(metric)
+            del recording  # one not kept is freed before the next is recorded
 
     def corrupted_run(self, index: int) -> Recording:
         """Mini-batch ``index``'s corrupted recording: the kept one, or recorded again."""
@@ -161,20 +162,22 @@ class EdgeCircuits:
     def per_prompt(self, kept: torch.Tensor | None = None) -> tuple[float, np.ndarray]:
         """The mean metric and each prompt's with only the ``kept`` edges carrying the clean
         activations (None: the clean forward, unpatched)."""
-        values = []
         plan = None if kept is None else Plan.of(self.graph, kept)  # one for every batch
         with torch.no_grad():
-            for index, rows in enumerate(self._chunks()):
-                if kept is None:
-                    patch = EdgePatch(self.graph)
-                else:
-                    corrupted = self._with_table(self.corrupted_run(index))
-                    patch = EdgePatch(self.graph, kept=kept, corrupted=corrupted, plan=plan)
-                values.append(self.batch.metric(self._logits(rows, patch, ids=self.batch.clean),
-                                                self.batch.prompts_of(rows)))
-                if kept is not None:
-                    corrupted.table = None  # the shared table: the next batch's
+            values = [self._batch_metric(index, rows, kept, plan) for index, rows in enumerate(self._chunks())]
         return sum(float(v.sum()) for v in values) / self.batch.n_prompts, torch.cat(values).double().cpu().numpy()
+
+    def _batch_metric(self, index: int, rows: slice, kept: torch.Tensor | None, plan: Plan | None) -> torch.Tensor:
+        """Mini-batch ``index``'s metric with the ``kept`` edges (its own frame: a recording made
+        again for it is freed before the next mini-batch's is made)."""
+        if kept is None:
+            return self.batch.metric(self._logits(rows, EdgePatch(self.graph), ids=self.batch.clean),
+                                     self.batch.prompts_of(rows))
+        corrupted = self._with_table(self.corrupted_run(index))
+        patch = EdgePatch(self.graph, kept=kept, corrupted=corrupted, plan=plan)
+        metric = self.batch.metric(self._logits(rows, patch, ids=self.batch.clean), self.batch.prompts_of(rows))
+        corrupted.table = None  # the shared table: the next batch's
+        return metric
 
     def _with_table(self, corrupted: Recording) -> Recording:
         """``corrupted`` given a view of the one senders' table every batch's patched pass uses in
@@ -182,7 +185,8 @@ class EdgeCircuits:
         senders, points, hidden = corrupted.senders.shape
         size = (senders + 2) * points * hidden
         if self._table is None or self._table.numel() < size or self._table.dtype != corrupted.senders.dtype:
-            # NaN until written, so a sum reading a row no pass wrote shows in the metrics
+            # NaN until first written, so that a sum reading a row no pass wrote shows in the first
+            # metrics (after that the rows hold an earlier pass's values: the rule stands)
             self._table = corrupted.senders.new_full((size,), float("nan"))
         corrupted.table = self._table[:size].view(senders + 2, points, hidden)
         return corrupted

@@ -11,6 +11,7 @@ import sys
 import pandas as pd
 
 from attnlab import io
+from attnlab.config.cost import described
 from attnlab.config.settings import Extraction, MlpAnalysis
 
 
@@ -119,7 +120,5 @@ def log_replaced_rows(table: pd.DataFrame, out_path: str, keys: list[str]) -> No
 def log_cost_estimate(stage: str, model_dir: str, work: dict, dtype, device) -> None:
     """The cost fit's estimate of this job's peak memory and time (``attnlab.config.cost``; its
     stages and workload sizes), in the log, so a cluster's request can be checked against it."""
-    from attnlab.config.cost import described
-
     config = io.read_json(os.path.join(model_dir, "config.json"))
     log.info("%s", described(stage, config, work, dtype.itemsize, device.type))

@@ -92,7 +92,7 @@ def _log_estimates(model_dir: str, circuits, settings, batch_size: int, scoring:
     if scoring:
         chunk = min(per_batch, settings.score_chunk or per_batch)
         work = {"batch": rows, "tokens": tokens, "points_per_batch": chunk, "prompts": len(batch.clean),
-                "chunks": -(-per_batch // max(chunk, 1))}
+                "chunks": -(-per_batch // max(chunk, 1)), "steps": settings.steps}
     else:
         work = {"batch": rows, "tokens": tokens, "points_per_batch": per_batch, "prompts": len(batch.clean),
                 "points": len(batch.differing_points(slice(0, len(batch.clean))))}
