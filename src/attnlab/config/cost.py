@@ -37,7 +37,7 @@ TIED_BY_DEFAULT = frozenset({"gpt2", "gemma", "gemma2", "gemma3", "gemma3_text"}
 class Shape:
     """The sizes a stage's memory and time depend on."""
 
-    layers: int
+    depth: int  # decoder layers
     hidden: int
     heads: int
     kv_heads: int
@@ -61,7 +61,7 @@ class Shape:
             hidden, heads = int(config[fields["hidden"]]), int(config[fields["heads"]])
             kv_heads = int(config.get(fields["kv_heads"]) or heads)
             intermediate = int(config.get("intermediate_size") or config.get("n_inner") or 4 * hidden)
-            return cls(layers=int(config[fields["layers"]]), hidden=hidden, heads=heads, kv_heads=kv_heads,
+            return cls(depth=int(config[fields["layers"]]), hidden=hidden, heads=heads, kv_heads=kv_heads,
                        head_dim=int(config.get("head_dim") or hidden // heads), intermediate=intermediate,
                        vocab=int(config["vocab_size"]), gated_mlp=family.gated_mlp,
                        tied=bool(config.get("tie_word_embeddings", config.get("model_type") in TIED_BY_DEFAULT)),
@@ -76,22 +76,22 @@ class Shape:
 
     def parameters(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return embeddings + self.layers * self.layer_parameters()
+        return embeddings + self.depth * self.layer_parameters()
 
     # the edge graph (attnlab.interventions.edges.Graph)
     def senders(self) -> int:
-        return 1 + self.layers * (self.heads + 1)
+        return 1 + self.depth * (self.heads + 1)
 
     def receivers(self) -> int:
-        return 1 + self.layers * (self.heads + 2 * self.kv_heads + 1)
+        return 1 + self.depth * (self.heads + 2 * self.kv_heads + 1)
 
     def recorded_per_point(self) -> int:
         """Elements a ``Recording`` holds per point: every sender's contribution, each layer's
         input and its MLP's input, the final norm's input; where no norm follows the attention,
         also its heads' outputs and the attention's output (what a patched pass adds back)."""
-        recorded = self.hidden * (self.senders() + 2 * self.layers + 1)
+        recorded = self.hidden * (self.senders() + 2 * self.depth + 1)
         if not self.post_norms:
-            recorded += self.layers * (self.heads * self.head_dim + self.hidden)
+            recorded += self.depth * (self.heads * self.head_dim + self.hidden)
         return recorded
 
     def outputs_per_token(self) -> int:
@@ -109,29 +109,29 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
         return {"activations": rows * tokens * per_token, "scores": rows * s.heads * tokens * tokens}
     if stage == "heads":  # every layer's input recorded, then heads patched in groups
         rows, tokens = 2 * w["prompts"], w["tokens"]
-        return {"recorded": s.layers * rows * tokens * s.hidden, "activations": rows * tokens * per_token,
+        return {"recorded": s.depth * rows * tokens * s.hidden, "activations": rows * tokens * per_token,
                 "scores": rows * s.heads * tokens * tokens}
     if stage == "edge_scores":  # the receivers' gradients, the clean and corrupted recordings at the points
         rows, tokens, points = w["batch"], w["tokens"], w["points_per_batch"]
         return {"gradients": points * s.hidden * s.receivers(), "senders": 2 * points * s.recorded_per_point(),
-                "autograd": s.layers * rows * tokens * per_token}
+                "autograd": s.depth * rows * tokens * per_token}
     if stage == "edge_circuit":  # every batch's corrupted recording, and one batch's senders' table
-        elsewhere = (w["prompts"] * w["tokens"] - w["points"]) * s.layers * s.outputs_per_token()
+        elsewhere = (w["prompts"] * w["tokens"] - w["points"]) * s.depth * s.outputs_per_token()
         return {"recordings": w["points"] * s.recorded_per_point() + elsewhere,
                 "table": w["points_per_batch"] * s.hidden * (s.senders() + 2),
                 # one layer's query/key/value receivers' own inputs (layer 0's read the embeddings as they are)
-                "mixes": w["points_per_batch"] * s.hidden * (s.heads + 2 * s.kv_heads) * (s.layers > 1),
-                "per_layer": s.layers * w["points_per_batch"] * s.hidden,  # each layer's inputs at the points
+                "mixes": w["points_per_batch"] * s.hidden * (s.heads + 2 * s.kv_heads) * (s.depth > 1),
+                "per_layer": s.depth * w["points_per_batch"] * s.hidden,  # each layer's inputs at the points
                 "activations": w["batch"] * w["tokens"] * per_token}
     if stage == "generation":  # the KV cache, a step's activations and logits
         rows, tokens = w["batch"], w["prompt_tokens"] + w["new_tokens"]
-        return {"kv_cache": rows * tokens * s.layers * 2 * s.kv_heads * s.head_dim,
+        return {"kv_cache": rows * tokens * s.depth * 2 * s.kv_heads * s.head_dim,
                 "activations": rows * w["prompt_tokens"] * per_token,
-                "per_layer": s.layers * rows * w["prompt_tokens"] * s.hidden, "logits": rows * s.vocab}
+                "per_layer": s.depth * rows * w["prompt_tokens"] * s.hidden, "logits": rows * s.vocab}
     if stage == "lora_step":  # what the backward pass keeps, and the logits with their gradient
         rows, tokens = w["batch"], w["tokens"]
-        return {"saved": s.layers * rows * tokens * per_token,
-                "scores": s.layers * rows * s.heads * tokens * tokens, "logits": rows * tokens * s.vocab}
+        return {"saved": s.depth * rows * tokens * per_token,
+                "scores": s.depth * rows * s.heads * tokens * tokens, "logits": rows * tokens * s.vocab}
     raise ValueError(f"no cost model for stage {stage!r}")
 
 
@@ -140,13 +140,13 @@ def work_units(stage: str, shape: Shape, work: dict) -> float:
     decoder's weights per token (and the output head's where the stage computes every token's
     logits: generation's steps, post-training), times the passes the stage takes. Extraction,
     patching and edges read a few logits only (``logits_to_keep``)."""
-    decoder = shape.layers * shape.layer_parameters()
+    decoder = shape.depth * shape.layer_parameters()
     head = shape.vocab * shape.hidden
     if stage == "extraction":  # the decoder, and each layer's T x T scores
         tokens = work["tokens"]
-        return work.get("batch", 1) * tokens * (decoder + shape.layers * tokens * shape.heads * shape.head_dim)
+        return work.get("batch", 1) * tokens * (decoder + shape.depth * tokens * shape.heads * shape.head_dim)
     if stage == "heads":  # a clean and a corrupted forward, then each head's pass resumed at its layer
-        layers = shape.layers
+        layers = shape.depth
         resumed = shape.heads * layers * (layers + 1) / 2  # layer passes: a head of layer l runs L - l layers
         return 2 * work["prompts"] * work["tokens"] * shape.layer_parameters() * (layers + resumed)
     if stage == "edge_scores":  # per chunk a recording forward and `steps` forward-and-backwards (3 forwards each)
@@ -163,7 +163,7 @@ def work_units(stage: str, shape: Shape, work: dict) -> float:
 def layer_passes(stage: str, shape: Shape, work: dict) -> float:
     """Passes through one layer the stage takes: each costs time beyond its multiply-adds (the
     hooks and launches of a layer), which a small batch pays more often."""
-    layers, batches = shape.layers, -(-work.get("prompts", 1) // work.get("batch", work.get("prompts", 1)))
+    layers, batches = shape.depth, -(-work.get("prompts", 1) // work.get("batch", work.get("prompts", 1)))
     if stage == "extraction":
         return layers
     if stage == "heads":
