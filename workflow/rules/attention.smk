@@ -17,8 +17,7 @@ rule extract_attention:
     resources:
         gpu=1,
         batch_size=extraction_batch,
-        mem_mb=model_memory(16000),
-        runtime=lambda wildcards, attempt: 60 * attempt,
+        **fitted("extract_attention", extraction_batch),
     conda:
         "../../envs/attnlab.yaml"
     script:

@@ -21,8 +21,7 @@ rule edge_circuit:
         "results/benchmarks/edge_circuit/{model}/{task}.tsv"
     resources:
         gpu=1,
-        mem_mb=model_memory(16000),
-        runtime=lambda wildcards, attempt: 60 * attempt,
+        **fitted("edge_circuit", edge_batch),
         batch_size=edge_batch,
     conda:
         "../../envs/attnlab.yaml"

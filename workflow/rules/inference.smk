@@ -16,8 +16,7 @@ rule generate:
     resources:
         gpu=1,
         batch_size=generation_batch,
-        mem_mb=model_memory(16000),
-        runtime=lambda wildcards, attempt: 120 * attempt,
+        **fitted("generate", generation_batch),
     conda:
         "../../envs/attnlab.yaml"
     script:

@@ -22,8 +22,7 @@ rule score_heads:
         "results/benchmarks/score_heads/{model}/{task}.tsv"
     resources:
         gpu=1,
-        mem_mb=model_memory(16000),
-        runtime=lambda wildcards, attempt: 60 * attempt * len(ABLATIONS),  # one job scores every ablation
+        **fitted("score_heads", pruning_batch),  # one job scores every ablation: minutes for each
         batch_size=pruning_batch,
     conda:
         "../../envs/attnlab.yaml"

@@ -1,6 +1,7 @@
 from attnlab import steps
 
 steps.setup_logging(snakemake.log[0])
+steps.log_request("edge_circuit", snakemake)
 steps.edge_circuit(
     model_dir=snakemake.input.model,
     task=snakemake.wildcards.task,

@@ -1,6 +1,7 @@
 from attnlab import steps
 
 steps.setup_logging(snakemake.log[0])
+steps.log_request("score_heads", snakemake)
 steps.score_heads(
     model_dir=snakemake.input.model,
     task=snakemake.wildcards.task,

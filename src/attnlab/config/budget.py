@@ -7,9 +7,10 @@ A GPU memory is declared as a Snakemake resource, beside the executor's other cl
 config: it belongs to the cluster, not to the experiment. Each job whose model's config.json can
 be read (a prepared folder; a source's own: a local folder, a hub model in the local cache; a
 sparse copy's base) is estimated; the others are left to run (``estimates`` says which and
-why), never refused. Only edge-circuit jobs are estimated so far (EAP-IG scoring, then circuits
-with the corrupted recordings kept up to ``cache_gb``); the other stages have fitted
-coefficients (cost_coefficients.json) but no workload read from the config yet. Token counts
+why), never refused. Only edge-circuit jobs are checked here, at parse time (EAP-IG scoring, then
+circuits with the corrupted recordings kept up to ``cache_gb``): the other fitted stages'
+workloads depend on the prompts' lengths, known only once make_prompts has run; their jobs'
+requests and estimates come from ``attnlab.config.requests`` when they start. Token counts
 per prompt are the tasks' under SmolLM2's tokenizer (``TASK_TOKENS``): another tokenizer's
 differ by a few tokens, and Greater-Than's digit-by-digit rows (ten per prompt) are more than a
 tokenizer with two-digit tokens (GPT-2, OLMo) needs: its estimate is an upper bound there.
@@ -82,27 +83,44 @@ def model_config(name: str, models: dict, models_dir: Path, bases: dict) -> dict
         return None
 
 
-def edge_estimate(config: dict, task: str, pruning: dict) -> cost.Estimate | None:
-    """The larger of EAP-IG scoring and circuit evaluation (float32 weights), on the prompts the
-    head sweep ranks on and counts on (``patching.tasks.split_for_ranking``'s sizes)."""
-    edges, (tokens, points, rows_per_prompt) = pruning["edges"], TASK_TOKENS[task]
+def prompt_split(pruning: dict, task: str) -> tuple[int, int]:
+    """How many of ``task``'s prompts heads (and edges) are ranked on and counted on: the sizes of
+    ``patching.tasks.split_for_ranking``'s split."""
     n, share = pruning["tasks"][task]["n"], pruning["rank_share"]
     ranked = n if share == 0 else min(n - 1, max(1, round(share * n)))
-    counted = n if share == 0 else n - ranked
+    return ranked, n if share == 0 else n - ranked
+
+
+def edge_estimate(config: dict, task: str, pruning: dict, device: str = "cuda") -> cost.Estimate | None:
+    """An edge-circuit job on ``device``: the memory of the larger of EAP-IG scoring and circuit
+    evaluation (float32 weights), the time of both, on the prompts the head sweep ranks on and
+    counts on."""
+    edges, (tokens, points, rows_per_prompt) = pruning["edges"], TASK_TOKENS[task]
+    ranked, counted = prompt_split(pruning, task)
     counted = min(counted, edges["n_counted"] or counted)
     rows = max(1, edges["batch_size"] // rows_per_prompt) * rows_per_prompt  # TaskBatch.whole_prompts
     per_batch = rows * points
     chunk = min(per_batch, edges["score_chunk"] or per_batch)
     scores = cost.estimate("edge_scores", config, {"batch": rows, "tokens": tokens, "points_per_batch": chunk,
                                                    "prompts": ranked * rows_per_prompt, "steps": edges["steps"],
-                                                   "chunks": math.ceil(per_batch / chunk)}, FLOAT32, "cuda")
+                                                   "chunks": math.ceil(per_batch / chunk)}, FLOAT32, device)
     circuit = cost.estimate("edge_circuit", config, {"batch": rows, "tokens": tokens, "points_per_batch": per_batch,
                                                      "points": counted * rows_per_prompt * points,
-                                                     "prompts": counted * rows_per_prompt}, FLOAT32, "cuda")
+                                                     "prompts": counted * rows_per_prompt}, FLOAT32, device)
     if scores is None or circuit is None:
         return None
-    return max(scores, within_cache(circuit, edges["cache_gb"], per_batch / (counted * rows_per_prompt * points)),
-               key=lambda e: e.memory_bytes)
+    circuit = within_cache(circuit, edges["cache_gb"], per_batch / (counted * rows_per_prompt * points))
+    larger = max(scores, circuit, key=lambda e: e.memory_bytes)
+    # one circuit's time: the sweep evaluates one per edge count (EdgeSweep's counts)
+    seconds = None if scores.seconds is None else scores.seconds + circuit.seconds * _edge_counts({**pruning, **edges})
+    return cost.Estimate(larger.memory_bytes, larger.weights_bytes, seconds, larger.terms)
+
+
+def _edge_counts(settings: dict) -> int:
+    """About how many circuits an edge sweep evaluates: its grid (the coarse one under
+    bisection), the points refined near the threshold, and those spent on the interval's ends."""
+    grid = settings["coarse_points"] if settings["search"] == "bisection" else settings["log_points"]
+    return grid + settings["refine_points"] + settings["interval_points"]
 
 
 def within_cache(circuit: cost.Estimate, cache_gb: float | None, batch_share: float) -> cost.Estimate:

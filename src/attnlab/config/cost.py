@@ -107,8 +107,8 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
     if stage == "extraction":  # one layer at a time; each head's T × T scores, reduced as computed
         rows, tokens = w.get("batch", 1), w["tokens"]
         return {"activations": rows * tokens * per_token, "scores": rows * s.heads * tokens * tokens}
-    if stage == "heads":  # every layer's input recorded, then heads patched in groups
-        rows, tokens = 2 * w["prompts"], w["tokens"]
+    if stage == "heads":  # every layer's input recorded, then heads patched in groups, a batch at a time
+        rows, tokens = 2 * min(w["prompts"], w.get("batch", w["prompts"])), w["tokens"]
         return {"recorded": s.depth * rows * tokens * s.hidden, "activations": rows * tokens * per_token,
                 "scores": rows * s.heads * tokens * tokens}
     if stage == "edge_scores":  # the receivers' gradients, the clean and corrupted recordings at the points
@@ -221,10 +221,13 @@ def estimate(stage: str, config: dict, work: dict, dtype_bytes: int, device: str
     return Estimate(weights + sum(terms.values()), weights, seconds, terms)
 
 
-def described(stage: str, config: dict, work: dict, dtype_bytes: int, device: str) -> str:
-    """A log line: the stage's estimate for ``work``, or why there is none."""
+def described(stage: str, config: dict, work: dict, dtype_bytes: int, device: str, repeats: int = 1) -> str:
+    """A log line: the stage's estimate for ``work`` done ``repeats`` times, or why there is none."""
     found = estimate(stage, config, work, dtype_bytes, device)
     if found is None:
         return f"{stage}: no cost estimate (the fit has no family or coefficients for it)"
+    if repeats > 1 and found.seconds is not None:
+        found = Estimate(found.memory_bytes, found.weights_bytes, found.seconds * repeats, found.terms)
     sizes = ", ".join(f"{key} {value}" for key, value in work.items())
-    return f"{stage} ({sizes}): estimated peak and time of this workload {found.describe()}"
+    times = f", {repeats} times" if repeats > 1 else ""
+    return f"{stage} ({sizes}{times}): estimated peak and time of this workload {found.describe()}"

@@ -10,7 +10,7 @@ from attnlab.steps.analysis import (extract_attention, lambda_summary, mlp_activ
                                     plot_attention_figure, plot_attention_head, rank_attention_heads)
 from attnlab.steps.circuits import (heads_vs_density, plot_pruning, plot_sparsify, score_heads,
                                     sparsify_model, sweep_heads)
-from attnlab.steps.common import LATER_COLUMNS, setup_logging
+from attnlab.steps.common import LATER_COLUMNS, log_request, setup_logging
 from attnlab.steps.edges import edge_circuit, plot_circuit
 from attnlab.steps.groundtruth import groundtruth_score, groundtruth_table
 from attnlab.steps.inputs import make_prompts, prepare_dataset, prepare_fewshot, prepare_model
@@ -21,7 +21,7 @@ from attnlab.steps.reasoning import (accuracy_paired, accuracy_table, generate, 
 __all__ = [
     "LATER_COLUMNS", "accuracy_paired", "accuracy_table", "edge_circuit", "extract_attention", "generate", "grade",
     "groundtruth_score", "groundtruth_table",
-    "heads_vs_density", "lambda_summary", "make_prompts", "mediate_condition", "mediation_table", "mlp_activations",
+    "heads_vs_density", "lambda_summary", "log_request", "make_prompts", "mediate_condition", "mediation_table", "mlp_activations",
     "mlp_summary", "plot_mediation",
     "placement_table", "plot_accuracy", "plot_attention_figure", "plot_attention_head",
     "plot_circuit", "plot_length_sweep", "plot_placement", "plot_pruning",

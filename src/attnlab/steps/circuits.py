@@ -39,8 +39,8 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     batch = build_batch(subset(prompts, ranked_on), tokenizer)
     size = _batch_size(settings.batch_size, batch_size)
-    log_cost_estimate("heads", model_dir, {"prompts": min(size, len(batch.clean)), "tokens": int(batch.clean.shape[1])},
-                      torch.float32, model.device)
+    log_cost_estimate("heads", model_dir, {"prompts": len(batch.clean), "batch": size, "tokens": int(batch.clean.shape[1])},
+                      torch.float32, model.device, repeats=len(settings.ablations))
     means = None
     if "mean" in settings.ablations:
         if means_path is None:

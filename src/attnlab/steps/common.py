@@ -117,8 +117,21 @@ def log_replaced_rows(table: pd.DataFrame, out_path: str, keys: list[str]) -> No
     io.write_csv(table, last)
 
 
-def log_cost_estimate(stage: str, model_dir: str, work: dict, dtype, device) -> None:
+def log_request(rule: str, smk) -> None:
+    """What this job asked the scheduler for (its resources) and what that rests on: the cost fit,
+    or its rule's request where the fit cannot estimate it (``attnlab.config.requests``)."""
+    from attnlab.config.requests import job_request
+    from attnlab.config.sources import sparse_bases
+
+    resources = smk.resources
+    asked = job_request(rule, smk.config, dict(smk.wildcards.items()), {"prompts": getattr(smk.input, "prompts", None)},
+                        attempt=1, local=True, batch=resources.batch_size, bases=sparse_bases(smk.config["models"]))
+    log.info("%s asked for mem_mb=%s and runtime=%s min: %s", rule, resources.get("mem_mb"), resources.get("runtime"),
+             asked.basis)
+
+
+def log_cost_estimate(stage: str, model_dir: str, work: dict, dtype, device, repeats: int = 1) -> None:
     """The cost fit's estimate of this job's peak memory and time (``attnlab.config.cost``; its
     stages and workload sizes), in the log, so a cluster's request can be checked against it."""
     config = io.read_json(os.path.join(model_dir, "config.json"))
-    log.info("%s", described(stage, config, work, dtype.itemsize, device.type))
+    log.info("%s", described(stage, config, work, dtype.itemsize, device.type, repeats))

@@ -1,0 +1,155 @@
+"""What each GPU rule's job asks the scheduler for (``mem_mb``, ``runtime`` in minutes), and what
+it should hold on the card, from the cost fit (``attnlab.config.cost``).
+
+Snakemake evaluates a rule's resources when it builds the plan (a dry run), and again just before
+the job starts, once its inputs exist: the prepared model's config.json and, for generation and
+extraction, the prompts' lengths. Where either is missing, or the cost fit has no family or
+stage for the model (``cost.estimate`` None), the job asks what it asked before the fit
+(``plan.model_memory_mb``'s weights rule and the rule's own minutes) and its ``basis`` says so.
+
+- Host memory (``mem_mb``). On the CPU the whole estimate, with ``MEMORY_MARGIN`` for the fit's
+  error; on a GPU the activations are on the card, and the host holds the weights while they
+  load, so the weights rule stands. Never less than the weights rule: the fit was measured at the
+  papers' 7-8B width and over-estimates small models (GPT-2 by up to 3.9x), so it only ever
+  raises a request.
+- Minutes (``runtime``). On the CPU the fitted seconds times ``TIME_MARGIN``, times each repeat
+  of the workload in one job (the ablations of ``score_heads``). No GPU time has been measured,
+  so a job on a GPU keeps its rule's minutes, and says so.
+- The GPU estimate: the same fit at the job's dtype on "cuda" (memory coefficients measured on
+  the CPU: no CUDA context, no caching allocator's slack), written in the job's log.
+
+The fitted rules: generate, extract_attention, score_heads and edge_circuit (``FITTED``). The
+others (sweep_heads, mediate, mlp_activations, sparsify_model, the ground-truth jobs) keep their
+rule's request: their stages have no fit (post-training's fit covers one LoRA step, not the
+dense control beside it nor full fine-tuning's optimiser state).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from attnlab.config import cost
+from pathlib import Path
+
+from attnlab.config.budget import TASK_TOKENS, edge_estimate, model_config, prompt_split
+from attnlab.config.plan import cell_generation, model_memory_mb, pruning_ablations, weights_bytes
+
+MEMORY_MARGIN = 1.3  # the fit's largest in-sample memory error is 21% (benchmarks/README.md)
+TIME_MARGIN = 2.5  # its largest time factor is 1.95 in sample, 2.06 on the 4-layer models held out
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FITTED = {"generate": "generation", "extract_attention": "extraction", "score_heads": "heads",
+          "edge_circuit": "edges"}
+# each fitted rule's request before the fit: memory beside the weights rule, minutes (score_heads':
+# per ablation); a job asks at least this
+FLOORS = {"generate": (16000, 120), "extract_attention": (16000, 60), "score_heads": (16000, 60),
+          "edge_circuit": (16000, 60)}
+
+
+@dataclass(frozen=True)
+class Request:
+    mem_mb: int
+    runtime: int  # minutes
+    device: str
+    estimate: cost.Estimate | None  # the job's estimate on its device
+    basis: str  # what the request rests on
+
+    def line(self) -> str:
+        found = "no estimate" if self.estimate is None else f"estimated {self.estimate.describe()}"
+        return (f"asks mem_mb={self.mem_mb}, runtime={self.runtime} min on the {self.device}: {self.basis}; "
+                f"{found}")
+
+
+def job_device(setting: str, local: bool) -> str:
+    """The device a GPU rule's job will run on: its section's ``device``; under "auto", a GPU
+    where the job is sent to a cluster (every GPU rule declares ``gpu=1``) or where this machine
+    has NVIDIA's driver loaded, else the CPU."""
+    if setting in ("cpu", "cuda"):
+        return setting
+    return "cuda" if not local or os.path.exists("/proc/driver/nvidia/version") else "cpu"
+
+
+def dtype_bytes(setting: str, device: str) -> int:
+    """Bytes per element of a section's ``dtype``; "auto" is bfloat16 on CUDA, float32 on the CPU."""
+    if setting in DTYPE_BYTES:
+        return DTYPE_BYTES[setting]
+    return 2 if device == "cuda" else 4
+
+
+def prompt_tokens(path: str) -> int | None:
+    """The longest prompt of a prompts parquet (its ``n_prompt_tokens``), None before it exists
+    or where pyarrow is not importable (Snakemake run outside the project's environment)."""
+    try:
+        import pyarrow.parquet as parquet
+
+        column = parquet.read_table(path, columns=["n_prompt_tokens"]).column("n_prompt_tokens")
+        return int(max(column.to_pylist(), default=0)) or None
+    except Exception:  # noqa: BLE001 - not written yet, unreadable, or no pyarrow: the rule's request
+        return None
+
+
+def heads_work(pruning: dict, task: str, batch: int) -> tuple[dict, int]:
+    """score_heads' workload: the prompts heads are ranked on in mini-batches of ``batch`` rows,
+    and how many times it runs (once per ablation)."""
+    tokens, _, rows_per_prompt = TASK_TOKENS[task]
+    ranked, _ = prompt_split(pruning, task)
+    prompts = ranked * rows_per_prompt
+    return {"prompts": prompts, "batch": min(batch, prompts), "tokens": tokens}, len(pruning_ablations(pruning))
+
+
+def job_request(rule: str, config: dict, wildcards: dict, inputs: dict, *, attempt: int, local: bool, batch: int,
+                bases: dict, models_dir: str = "resources/models") -> Request:
+    """What ``rule``'s job for ``wildcards`` asks for (a rule in ``FITTED``), its inputs
+    (``inputs``: name -> path) read where they exist, at ``batch`` rows (the attempt's)."""
+    model = wildcards["model"]
+    model_json = model_config(model, config["models"], Path(models_dir), bases)
+    weights = weights_bytes(f"{models_dir}/{model}") or weights_bytes(f"{models_dir}/{bases.get(model, model)}")
+    stage, section, work, repeats = _workload(rule, config, wildcards, inputs, batch)
+    device = job_device(section.get("device", "auto"), local)
+    element_bytes = 4 if stage in ("heads", "edges") else dtype_bytes(section.get("dtype", "auto"), device)
+    if stage == "edges":
+        work = {"task": wildcards["task"], "pruning": config["pruning"]}
+    least_mb, least_min = FLOORS[rule]
+    return request(stage, model_json, work, device=device, element_bytes=element_bytes, weights=weights,
+                   least_mb=least_mb, least_min=least_min * repeats, attempt=attempt, repeats=repeats)
+
+
+def _workload(rule: str, config: dict, wildcards: dict, inputs: dict, batch: int) -> tuple[str, dict, dict | None, int]:
+    """``rule``'s stage, settings section, workload (None before its inputs tell its size) and repeats."""
+    stage = FITTED[rule]
+    if stage == "generation":
+        section = cell_generation(config, wildcards["model"], wildcards["dataset"])
+        tokens = prompt_tokens(inputs["prompts"])
+        return stage, section, tokens and {"batch": batch, "new_tokens": section["max_new_tokens"],
+                                           "prompt_tokens": tokens}, 1
+    if stage == "extraction":
+        tokens = prompt_tokens(inputs["prompts"])
+        return stage, config["attention"], tokens and {"batch": batch, "tokens": tokens}, 1
+    work, repeats = heads_work(config["pruning"], wildcards["task"], batch) if stage == "heads" else (None, 1)
+    return stage, config["pruning"], work, repeats
+
+
+def request(stage: str, model_json: dict | None, work: dict | None, *, device: str, element_bytes: int,
+            weights: int, least_mb: int, least_min: int, attempt: int, repeats: int = 1) -> Request:
+    """The job's request for ``stage``'s ``work`` (``repeats`` times in one job), or its rule's
+    (``least_mb`` beside the weights, ``least_min``) where it cannot be estimated."""
+    before = model_memory_mb(weights, least_mb, attempt)
+    found = None
+    if model_json is not None and work is not None:
+        found = (edge_estimate(model_json, work["task"], work["pruning"], device) if stage == "edges"
+                 else cost.estimate(stage, model_json, work, element_bytes, device))
+    if found is None:
+        why = ("its config.json is not at hand yet" if model_json is None else
+               "its workload is not known before its inputs exist" if work is None else
+               "the cost fit has no family or stage for it")
+        return Request(before, least_min * attempt, device, None, f"the rule's request ({why})")
+    if device == "cuda":
+        return Request(before, least_min * attempt, device, found,
+                       "host memory: the weights rule (activations are on the card); minutes: the rule's "
+                       "(no GPU time fit yet)")
+    memory_mb = math.ceil(found.memory_bytes * MEMORY_MARGIN / 1e6) * attempt
+    minutes = math.ceil(found.seconds * repeats * TIME_MARGIN / 60) * attempt
+    return Request(max(before, memory_mb), max(least_min * attempt, minutes), device, found,
+                   f"the cost fit x{MEMORY_MARGIN} memory and x{TIME_MARGIN} time"
+                   f"{f' for {repeats} runs' if repeats > 1 else ''}, at least the rule's request")

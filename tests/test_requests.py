@@ -1,0 +1,140 @@
+"""What GPU rules' jobs ask the scheduler for (attnlab.config.requests): the cost fit's estimate
+with its margins on the CPU, the weights rule on a GPU, the rule's old request where nothing can
+be estimated, and the values Snakemake's plan shows."""
+
+import json
+import math
+import re
+
+import pandas as pd
+import pytest
+import yaml
+
+from attnlab.config import cost, requests
+from attnlab.config.plan import model_memory_mb
+from conftest import REPO, dry_run
+from test_cost import CONFIGS, _big_model_config, _validated
+
+OLMO = json.loads((CONFIGS / "olmo-7b.json").read_text())
+GENERATION = {"batch": 64, "new_tokens": 2048, "prompt_tokens": 302}
+
+
+def _request(model_json, work, device="cpu", attempt=1, repeats=1, element_bytes=4, weights=0):
+    return requests.request("generation", model_json, work, device=device, element_bytes=element_bytes,
+                            weights=weights, least_mb=16000, least_min=120, attempt=attempt, repeats=repeats)
+
+
+def test_on_the_cpu_a_job_asks_the_fits_estimate_with_its_margins():
+    """OLMo-7B generating 2,048 tokens after 302 at batch 64 in float32: the weights (6.888e9
+    parameters) and the KV cache (64 rows x 2,350 tokens x 32 layers x keys and values x 4,096)
+    alone are 105 GB; the request is the whole estimate x 1.3, its minutes x 2.5, both doubled
+    on the second attempt."""
+    weights_and_cache = 6.888e9 * 4 + 64 * 2350 * 32 * 2 * 4096 * 4
+    found = cost.estimate("generation", OLMO, GENERATION, 4, "cpu")
+    asked = _request(OLMO, GENERATION)
+    assert asked.mem_mb == math.ceil(found.memory_bytes * 1.3 / 1e6)
+    assert asked.mem_mb > 1.3 * weights_and_cache / 1e6
+    assert asked.runtime == math.ceil(found.seconds * 2.5 / 60)
+    again = _request(OLMO, GENERATION, attempt=2)
+    assert (again.mem_mb, again.runtime) == (2 * asked.mem_mb, 2 * asked.runtime)
+    assert "the cost fit x1.3 memory and x2.5 time" in asked.line()
+
+
+def test_a_small_workload_never_asks_less_than_its_rules_request():
+    """A few tokens: the estimate is under the rule's 16 GB and 120 min, which stand."""
+    asked = _request(OLMO, {"batch": 1, "new_tokens": 1, "prompt_tokens": 4}, weights=int(27.6e9))
+    assert asked.mem_mb == model_memory_mb(int(27.6e9), 16000) == int(1.25 * 27.6e3) + 4000
+    assert asked.runtime >= 120
+
+
+def test_on_a_gpu_the_host_asks_the_weights_rule_and_the_estimate_is_at_the_jobs_dtype():
+    asked = _request(OLMO, GENERATION, device="cuda", element_bytes=2, weights=int(13.8e9))
+    assert (asked.mem_mb, asked.runtime) == (int(1.25 * 13.8e3) + 4000, 120)
+    assert asked.estimate.weights_bytes == pytest.approx(6.888e9 * 2, rel=1e-3)
+    assert asked.estimate.terms["kv_cache"] == 64 * 2350 * 32 * 2 * 4096 * 2
+    assert "no GPU time fit" in asked.basis
+
+
+@pytest.mark.parametrize("model_json, work, why", [
+    (None, GENERATION, "its config.json is not at hand yet"),
+    ({"model_type": "bert", "hidden_size": 8}, GENERATION, "the cost fit has no family or stage for it"),
+    (OLMO, None, "its workload is not known before its inputs exist"),
+])
+def test_a_job_the_fit_cannot_estimate_asks_its_rules_request_and_says_why(model_json, work, why):
+    asked = _request(model_json, work, attempt=2, weights=int(1e9))
+    assert (asked.mem_mb, asked.runtime) == (2 * 16000, 240)
+    assert asked.estimate is None and why in asked.basis and "the rule's request" in asked.basis
+
+
+def _config_with_olmo(tmp_path):
+    config = _validated(_big_model_config(tmp_path))
+    config["models"]["olmo-shaped"]["datasets"] = list(config["datasets"])[:1]
+    return config
+
+
+def test_generation_reads_the_longest_prompt_once_the_prompts_exist(tmp_path):
+    config = _config_with_olmo(tmp_path)
+    dataset = config["models"]["olmo-shaped"]["datasets"][0]
+    prompts = tmp_path / "prompts.parquet"
+    wildcards = {"model": "olmo-shaped", "dataset": dataset, "condition": "none"}
+
+    def asked():
+        return requests.job_request("generate", config, wildcards, {"prompts": str(prompts)}, attempt=1,
+                                    local=True, batch=8, bases={}, models_dir=str(tmp_path / "models"))
+    assert "not known before its inputs exist" in asked().basis  # the plan, before make_prompts
+    pd.DataFrame({"n_prompt_tokens": [10, 300, 20]}).to_parquet(prompts)
+    settings = {**config["generation"], **config["datasets"][dataset].get("generation", {})}
+    work = {"batch": 8, "new_tokens": settings["max_new_tokens"], "prompt_tokens": 300}
+    device = requests.job_device(settings["device"], True)
+    assert asked().estimate == cost.estimate("generation", OLMO, work, requests.dtype_bytes("auto", device), device)
+
+
+def test_scoring_asks_minutes_for_each_ablation(tmp_path):
+    """Two ablations: each scores every head on the ranked prompts, so twice the fitted time."""
+    config = _config_with_olmo(tmp_path)
+    config["pruning"]["ablation"] = ["corrupted", "zero"]
+
+    def asked(pruning):
+        return requests.job_request("score_heads", {**config, "pruning": pruning}, {"model": "olmo-shaped", "task": "ioi"},
+                                    {}, attempt=1, local=True, batch=2, bases={}, models_dir=str(tmp_path / "m"))
+    two, one = asked(config["pruning"]), asked({**config["pruning"], "ablation": "corrupted"})
+    if two.device == "cpu":
+        assert two.runtime == math.ceil(two.estimate.seconds * 2 * 2.5 / 60) > one.runtime
+    assert two.estimate == one.estimate
+    # every layer's input of the clean and corrupted rows of one mini-batch of 2 (of 4 ranked prompts)
+    ranked, _ = requests.prompt_split(config["pruning"], "ioi")
+    fitted = cost.load_coefficients()["stages"]["heads"]["memory"]["recorded"]
+    assert two.estimate.terms["recorded"] == pytest.approx(fitted * 32 * 2 * 2 * 20 * 4096) and ranked == 4
+
+
+def test_the_plan_shows_each_fitted_jobs_request(tmp_path):
+    """A dry run of the tiny workflow with an OLMo-7B-shaped local model planned for IOI edge
+    circuits: its score_heads and edge_circuit jobs show the requests the library gives; the
+    embedded model's generate jobs, whose prompts do not exist yet, the rule's 16 GB."""
+    config = _big_model_config(tmp_path)
+    planned = dry_run(tmp_path, config)
+    assert planned.returncode == 0, planned.stdout[-3000:]
+    shown = _resources_by_job(planned.stdout)
+    validated = _validated(yaml.safe_load(yaml.safe_dump(config)))
+    for rule, wildcards, batch in (("score_heads", {"model": "olmo-shaped", "task": "ioi"},
+                                    validated["pruning"]["batch_size"]),
+                                   ("edge_circuit", {"model": "olmo-shaped", "task": "ioi"},
+                                    validated["pruning"]["edges"]["batch_size"])):
+        expected = requests.job_request(rule, validated, wildcards, {}, attempt=1, local=True, batch=batch,
+                                        bases={}, models_dir=str(tmp_path / "resources/models"))
+        assert expected.estimate is not None
+        assert shown[(rule, "olmo-shaped")] == (expected.mem_mb, expected.runtime)
+    assert shown[("score_heads", "olmo-shaped")][0] > 30_000  # 27.6 GB of float32 weights and more
+    assert any(rule == "generate" and memory == 16000 for (rule, _), (memory, _) in shown.items())
+
+
+def _resources_by_job(output: str) -> dict:
+    """(rule, model) -> (mem_mb, runtime) of each job a dry run prints."""
+    shown = {}
+    for block in output.split("\nrule ")[1:]:
+        rule = block.split(":", 1)[0]
+        model = re.search(r"wildcards: .*?model=([^,\n]+)", block)
+        resources = re.search(r"resources: .*?runtime=(\d+).*?mem_mb=(\d+)", block)
+        if model and resources:
+            shown[(rule, model.group(1))] = (int(resources.group(2)), int(resources.group(1)))
+    return shown
