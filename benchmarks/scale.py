@@ -2,7 +2,7 @@
 each grows with layers, tokens and prompts.
 
     .venv/bin/python benchmarks/scale.py [--models olmo-7b llama3.1-8b ...] [--layers 1 2 4]
-                                         [--stages extraction heads edges generation lora_step]
+                                         [--stages extraction heads edges mediation generation lora_step]
                                          [--device auto] [--dtype auto]
 
 The models are random weights in the shapes of the papers' models: their real ``config.json``
@@ -24,6 +24,8 @@ allocation); the model's own bytes are reported beside it. Each stage runs at tw
 - heads: exact one-head patching of every head on 4 and 8 IOI prompts, then a sweep of 5 k;
 - edges: EAP-IG (5 steps) on 8 IOI prompts in batches of 4 and 8, then one circuit (1% of the
   edges kept) on 8 and 16 prompts with every corrupted recording kept;
+- mediation: an inserted span's effect mediated (exact heads, each layer's MLP and residual
+  stream, both directions) on 2 and 4 random items of 96 + 32 prompt tokens and 16 scored ones;
 - generation: greedy, 16 new tokens after 64-token prompts, batches of 2 and 4, each engine
   (``static``, ``static_cache``);
 - lora_step: one sparse post-training step (gates, density penalty, CE; LoRA rank 64 on q, k, v
@@ -54,10 +56,12 @@ from common import OUT, add_device_arguments, device_and_dtype, embedded_model, 
 CONFIGS = Path(__file__).parent / "model_configs"
 MODELS = {"olmo-7b": "olmo-7b.json", "llama3.1-8b": "llama3.1-8b.json", "qwen2.5-math-7b": "qwen2.5-math-7b.json",
           "gemma3-4b": "gemma3-4b-it.text_config.resolved.json", "gpt2": "gpt2.json"}
-STAGES = ("extraction", "heads", "edges", "generation", "lora_step")
+STAGES = ("extraction", "heads", "edges", "mediation", "generation", "lora_step")
 WORKLOADS = {"extraction": {"tokens": (1024, 2048)}, "heads": {"prompts": (4, 8)},
-             "edges": {"batch": (4, 8), "circuit_prompts": (8, 16)}, "generation": {"batch": (2, 4)},
-             "lora_step": {"tokens": (128, 256)}}
+             "edges": {"batch": (4, 8), "circuit_prompts": (8, 16)}, "mediation": {"items": (2, 4)},
+             "generation": {"batch": (2, 4)}, "lora_step": {"tokens": (128, 256)}}
+# a mediation item: a baseline prompt, the treated one with a span inserted, the scored continuation
+MEDIATION_TOKENS = {"baseline": 96, "inserted": 32, "continuation": 16}
 
 
 def model_config(name: str, layers: int | None):
@@ -133,6 +137,8 @@ def stage_runs(stage: str, model, tokenizer, device: torch.device, dtype: torch.
         runs.update({f"circuit prompts={n}": lambda n=n: _edge_circuit(model, tokenizer, n)
                      for n in WORKLOADS[stage]["circuit_prompts"]})
         return runs
+    if stage == "mediation":
+        return {f"items={n}": lambda n=n: _mediation(model, n) for n in WORKLOADS[stage]["items"]}
     if stage == "generation":
         return {f"{engine} batch={b}": lambda b=b, engine=engine: _generation(model, tokenizer, b, engine)
                 for engine in ("static", "static_cache") for b in WORKLOADS[stage]["batch"]}
@@ -187,6 +193,22 @@ def _edge_circuit(model, tokenizer, n: int) -> dict:
             "points": len(circuits.batch.differing_points(slice(0, n))),
             "points_per_batch": len(circuits.batch.differing_points(slice(0, 8))),
             "tokens": int(circuits.batch.clean.shape[1])}
+
+
+def _mediation(model, n: int) -> dict:
+    """Mediation of an inserted span on ``n`` random items in one batch (mediate's defaults: exact
+    heads, every layer's MLP and residual stream, both directions; no ARM seeds)."""
+    from attnlab.mechanism.mediation import mediate
+    from attnlab.mechanism.mediation.alignment import Item
+
+    sizes = MEDIATION_TOKENS
+    items = []
+    for i, ids in enumerate(_random_ids(n, sizes["baseline"] + sizes["inserted"] + sizes["continuation"])):
+        baseline, inserted = ids[:sizes["baseline"]], ids[sizes["baseline"]:-sizes["continuation"]]
+        treated = baseline[:16] + inserted + baseline[16:]
+        items.append(Item.of(f"i{i}", baseline, treated, (16, 16 + len(inserted)), ids[-sizes["continuation"]:]))
+    result = mediate(model, items, n)
+    return {"items": n, "batch": n, **sizes, "effects": len(result["effects"])}
 
 
 def _generation(model, tokenizer, batch: int, engine: str) -> dict:

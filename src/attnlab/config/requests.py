@@ -7,12 +7,14 @@ extraction, the prompts' lengths. Where either is missing, or the cost fit has n
 stage for the model (``cost.estimate`` None), the job asks what it asked before the fit
 (``plan.model_memory_mb``'s weights rule and the rule's own minutes) and its ``basis`` says so.
 
-- Host memory (``mem_mb``). On the CPU the whole estimate, with ``MEMORY_MARGIN`` for the fit's
-  error; on a GPU the activations are on the card, and the host holds the weights while they
+- Host memory (``mem_mb``). On the CPU the weights, the stage's estimate above them widened by
+  the fit's largest relative error on that stage (``margins``), and the process's own
+  ``PROCESS_BYTES``; on a GPU the activations are on the card, and the host holds the weights while they
   load, so the weights rule stands. Never less than the weights rule: the fit was measured at the
   papers' 7-8B width and over-estimates small models (GPT-2 by up to 3.9x), so it only ever
   raises a request.
-- Minutes (``runtime``). On the CPU the fitted seconds times ``TIME_MARGIN``, times each repeat
+- Minutes (``runtime``). On the CPU the fitted seconds times the fit's largest time factor on
+  that stage, times each repeat
   of the workload in one job (the ablations of ``score_heads``). No GPU time has been measured,
   so a job on a GPU keeps its rule's minutes, and says so.
 - The GPU estimate: the same fit at the job's dtype on "cuda" (memory coefficients measured on
@@ -36,8 +38,9 @@ from pathlib import Path
 from attnlab.config.budget import TASK_TOKENS, edge_estimate, model_config, prompt_split
 from attnlab.config.plan import cell_generation, model_memory_mb, pruning_ablations, weights_bytes
 
-MEMORY_MARGIN = 1.3  # the fit's largest in-sample memory error is 21% (benchmarks/README.md)
-TIME_MARGIN = 2.5  # its largest time factor is 1.95 in sample, 2.06 on the 4-layer models held out
+# the process before it loads a model (Python, torch, transformers, attnlab's stages imported:
+# 521 MiB here), rounded up: the fit measures each stage above what the process held
+PROCESS_BYTES = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FITTED = {"generate": "generation", "extract_attention": "extraction", "score_heads": "heads",
           "edge_circuit": "edges"}
@@ -148,8 +151,20 @@ def request(stage: str, model_json: dict | None, work: dict | None, *, device: s
         return Request(before, least_min * attempt, device, found,
                        "host memory: the weights rule (activations are on the card); minutes: the rule's "
                        "(no GPU time fit yet)")
-    memory_mb = math.ceil(found.memory_bytes * MEMORY_MARGIN / 1e6) * attempt
-    minutes = math.ceil(found.seconds * repeats * TIME_MARGIN / 60) * attempt
+    memory_margin, time_factor = margins(stage)
+    above = found.memory_bytes - found.weights_bytes
+    memory_mb = math.ceil((found.weights_bytes + above * (1 + memory_margin) + PROCESS_BYTES) / 1e6) * attempt
+    minutes = math.ceil(found.seconds * repeats * time_factor / 60) * attempt
     return Request(max(before, memory_mb), max(least_min * attempt, minutes), device, found,
-                   f"the cost fit x{MEMORY_MARGIN} memory and x{TIME_MARGIN} time"
-                   f"{f' for {repeats} runs' if repeats > 1 else ''}, at least the rule's request")
+                   f"the cost fit: the stage's estimate above the weights x{1 + memory_margin:.2f} and its time "
+                   f"x{time_factor:.2f} (its largest errors){f' for {repeats} runs' if repeats > 1 else ''}, "
+                   f"at least the rule's request")
+
+
+def margins(stage: str) -> tuple[float, float]:
+    """The cost fit's largest relative memory error (above the weights) and time factor on
+    ``stage``'s measurements (an edge job: the larger of scoring's and the circuits')."""
+    fitted = cost.load_coefficients()["stages"]
+    names = ("edge_scores", "edge_circuit") if stage == "edges" else (stage,)
+    return (max(fitted[name]["fit"]["largest_memory_error"] for name in names),
+            max(fitted[name]["fit"]["largest_time_factor"] for name in names))
