@@ -208,7 +208,8 @@ def _mediation(model, n: int) -> dict:
         treated = baseline[:16] + inserted + baseline[16:]
         items.append(Item.of(f"i{i}", baseline, treated, (16, 16 + len(inserted)), ids[-sizes["continuation"]:]))
     result = mediate(model, items, n)
-    return {"items": n, "batch": n, **sizes, "effects": len(result["effects"])}
+    return {"items": n, "prompts": n, "batch": n, "tokens": sum(sizes.values()), **sizes,
+            "effects": len(result["effects"])}
 
 
 def _generation(model, tokenizer, batch: int, engine: str) -> dict:

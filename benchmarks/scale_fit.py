@@ -28,7 +28,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from attnlab.config import cost
-from scale import CONFIGS, MODELS
+from scale import CONFIGS, MEDIATION_TOKENS, MODELS
 
 
 def stage_rows(result: dict) -> list[dict]:
@@ -55,6 +55,8 @@ def _cost_stage(stage: str, name: str, measured: dict, stages: dict) -> tuple[st
     if stage == "edges":  # rows measured before scale.py recorded a batch's points: the scores' batch of 8
         scored = stages["edges"].get("score batch=8", {})
         return "edge_circuit", {"points_per_batch": scored.get("points_per_batch"), **measured}
+    if stage == "mediation":  # rows measured before scale.py recorded the treated sequence's length
+        return stage, {"prompts": measured["items"], "tokens": sum(measured[k] for k in MEDIATION_TOKENS), **measured}
     return stage, measured
 
 
@@ -114,6 +116,25 @@ def extrapolated(table: dict, rows: list[dict], layers: int | None = None) -> di
     return out
 
 
+def held_out_families(rows: list[dict]) -> dict[str, dict[str, tuple[float, float]]]:
+    """{model: {stage: (largest memory error, largest time factor)}}: each model's measurements
+    predicted by a fit to the other models' (how the fit carries to a family it has not seen)."""
+    models = sorted({row["model"] for row in rows})
+    return {model: extrapolated(fit([row for row in rows if row["model"] != model]),
+                                [row for row in rows if row["model"] == model]) for model in models}
+
+
+def with_held_out(table: dict, held_out: dict) -> dict:
+    """``table`` with each stage's worst held-out-family errors and the model types fitted (a
+    job's request widens an estimate by these for a family the fit has not seen)."""
+    for stage, fitted in table.items():
+        errors = [found[stage] for found in held_out.values() if stage in found]
+        if errors:
+            fitted["fit"]["held_out_family"] = {"largest_memory_error": max(e[0] for e in errors),
+                                                "largest_time_factor": max(e[1] for e in errors)}
+    return table
+
+
 def _config_of(row: dict) -> dict:
     config = json.loads((CONFIGS / MODELS[row["model"]]).read_text())
     config["n_layer" if config.get("model_type") == "gpt2" else "num_hidden_layers"] = row["layers"]
@@ -155,12 +176,14 @@ def markdown(rows: list[dict], table: dict, reach: dict) -> str:
         lines.append(f"| {stage} | {workload} | " + " | ".join(
             "" if v is None else f"{v['peak'] / 2**20:,.0f} MiB, {v['seconds']:.0f} s" for v in values) + " |")
     lines += ["", "| stage | memory: largest error (in-sample) | time: largest factor | fitted without the deepest, "
-              "predicting it: memory, time |", "|---|---|---|---|"]
+              "predicting it: memory, time | each family fitted without it: memory, time |", "|---|---|---|---|---|"]
     for stage, fitted in table.items():
-        held = reach.get(stage)
+        held, family = reach.get(stage), fitted["fit"].get("held_out_family")
         lines.append(f"| {stage} | {fitted['fit']['largest_memory_error']:.0%} | "
                      f"{fitted['fit']['largest_time_factor']:.2f} | "
-                     + ("" if held is None else f"{held[0]:.0%}, {held[1]:.2f}") + " |")
+                     + ("" if held is None else f"{held[0]:.0%}, {held[1]:.2f}") + " | "
+                     + ("" if family is None else f"{family['largest_memory_error']:.0%}, "
+                        f"{family['largest_time_factor']:.2f}") + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -191,10 +214,16 @@ def main() -> None:
         print(f"predicting {', '.join(sorted({row['model'] for row in checked}))} (not fitted):")
         for stage, (memory, time) in extrapolated(table, checked).items():
             print(f"  {stage}: memory within {memory:.0%}, time within a factor {time:.2f}")
-    if "edge_scores" in table and "edge_circuit" in table:
-        print("\n".join(olmo_edges_at_full_depth(table)))
+    held_out = held_out_families(rows) if len({row["model"] for row in rows}) > 1 else {}
+    for model, found in held_out.items():  # how the fit carries to a family it has not seen
+        print(f"fitted without {model}, predicting it:")
+        for stage, (memory, time) in found.items():
+            print(f"  {stage}: memory within {memory:.0%}, time within a factor {time:.2f}")
+    table = with_held_out(table, held_out)
     if args.markdown:
         Path(args.markdown).write_text(markdown(rows, table, reach))
+    if "edge_scores" in table and "edge_circuit" in table:
+        print("\n".join(olmo_edges_at_full_depth(table)))
     for stage, fitted in table.items():
         print(f"{stage}: memory within {fitted['fit']['largest_memory_error']:.0%}, time within a factor "
               f"{fitted['fit']['largest_time_factor']:.2f} over {fitted['fit']['measurements']} measurements")
@@ -205,7 +234,9 @@ def main() -> None:
     if args.write:
         stages = {stage: {key: value for key, value in fitted.items() if key != "rows"}
                   for stage, fitted in table.items()}
-        out = {"fitted_from": [Path(path).name for path in args.results], "stages": stages}
+        model_types = sorted({json.loads((CONFIGS / MODELS[row["model"]]).read_text())["model_type"] for row in rows})
+        out = {"fitted_from": [Path(path).name for path in args.results], "model_types": model_types,
+               "stages": stages}
         cost.COEFFICIENTS.write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {cost.COEFFICIENTS}")
 

@@ -63,6 +63,28 @@ def test_the_recordings_term_equals_a_recordings_bytes_at_two_depths(arch):
         assert recording_bytes(circuits.corrupted_run(0)) == counted, layers
 
 
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
+def test_scorings_exact_terms_equal_what_one_scoring_pass_allocates(arch, monkeypatch):
+    """EAP-IG over one mini-batch of 6 prompts: the receivers' gradients (ReceiverGradients'
+    groups) and the clean and corrupted recordings at the points, measured on a tiny model,
+    against ``cost.features``' gradients and senders terms."""
+    from attnlab.patching import edges
+
+    made = {"gradients": [], "recordings": []}
+    for name, kind, real in (("ReceiverGradients", "gradients", edges.ReceiverGradients),
+                             ("Recording", "recordings", edges.Recording)):
+        monkeypatch.setattr(edges, name, lambda real=real, kind=kind, **kw: made[kind].append(real(**kw)) or made[kind][-1])
+    model = TINY[arch]().requires_grad_(False)
+    batch = _batch(padding=_pads(arch))
+    EdgeCircuits(model, batch, batch_size=6).scores(2)
+    points = len(batch.differing_points(slice(0, 6)))
+    counted = cost.features("edge_scores", _shape(model), {"batch": 6, "tokens": int(batch.clean.shape[1]),
+                                                           "points_per_batch": points})
+    (gradients,), recordings = made["gradients"], made["recordings"]
+    assert sum(t.numel() * t.element_size() for t in gradients.groups.values()) == counted["gradients"] * 4
+    assert len(recordings) == 2 and sum(map(recording_bytes, recordings)) == counted["senders"] * 4
+
+
 def _with_layers(config: dict, layers: int) -> dict:
     key = "n_layer" if config["model_type"] == "gpt2" else "num_hidden_layers"
     config = config | {key: layers}

@@ -40,7 +40,7 @@ def test_on_the_cpu_a_job_asks_the_fits_estimate_with_its_margins():
     assert asked.runtime == math.ceil(found.seconds * fit["largest_time_factor"] / 60)
     again = _request(OLMO, GENERATION, attempt=2)
     assert (again.mem_mb, again.runtime) == (2 * asked.mem_mb, 2 * asked.runtime)
-    assert f"x{fit['largest_time_factor']:.2f} (its largest errors)" in asked.line()
+    assert f"x{fit['largest_time_factor']:.2f} (its largest errors" in asked.line()
 
 
 def test_a_small_workload_never_asks_less_than_its_rules_request():
@@ -142,3 +142,53 @@ def _resources_by_job(output: str) -> dict:
         if model and resources:
             shown[(rule, model.group(1))] = (int(resources.group(2)), int(resources.group(1)))
     return shown
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
+def test_mediations_recorded_term_counts_what_a_run_records(arch):
+    """cost.features' mediation "recorded" (both conditions) is twice what one real Run holds:
+    every layer's head inputs and MLP output, and the residual stream of each patched layer."""
+    from attnlab.mechanism.mediation.effects import record, recorded_parts
+    from attnlab.mechanism.mediation.runs import directions
+    from test_attention import TINY
+    from test_mediation import _items
+
+    model = TINY[arch]()
+    items = _items()
+    treated = directions(items)[1].recipient
+    for layers, patched in ((None, 3), ([2], 2)):  # every layer; layer 2 (and layer 0, always)
+        run = record(model, treated, len(items), recorded_parts(model, layers))
+        held = sum(t.numel() for t in run.head_inputs) + sum(t.numel() for t in run.outputs.values())
+        work = {"prompts": len(items), "tokens": int(treated.clean.shape[1]), "patched": patched}
+        assert cost.features("mediation", cost.Shape.of(model.config.to_dict()), work)["recorded"] == 2 * held
+
+
+def test_mediation_reads_its_items_prompts_and_generations(tmp_path):
+    """mediate's workload: the treated prompts' items (max_items of them), the longest prompt plus
+    the longest generation, the patched layers (0 always) and the ARM seeds."""
+    section = {"max_items": 3, "arm_seeds": [0, 1], "patched_layers": [5, 9]}
+    treated, generations = tmp_path / "treated.parquet", tmp_path / "generations.parquet"
+    assert requests.mediation_work(section, {"treated": str(treated), "generations": str(generations)}, 8) is None
+    pd.DataFrame({"n_prompt_tokens": [40, 52, 47, 50]}).to_parquet(treated)
+    pd.DataFrame({"n_new_tokens": [100, 7, 300, 12]}).to_parquet(generations)
+    work = requests.mediation_work(section, {"treated": str(treated), "generations": str(generations)}, 8)
+    assert work == {"prompts": 3, "batch": 3, "tokens": 352, "arm_seeds": 2, "patched": 3}
+    assert requests.mediation_work({**section, "patched_layers": None, "max_items": None},
+                                   {"treated": str(treated), "generations": str(generations)}, 2) == {
+        "prompts": 4, "batch": 2, "tokens": 352, "arm_seeds": 2}
+
+
+def test_a_family_the_fit_has_not_seen_is_widened_by_its_held_out_errors():
+    """Llama was fitted: its own largest errors. Mistral was not: the worst errors of a fit
+    without each measured family, predicting it (for edges the larger of scoring's and the circuits')."""
+    table = json.loads(cost.COEFFICIENTS.read_text())
+    assert "llama" in table["model_types"] and "mistral" not in table["model_types"]
+    fits = {stage: table["stages"][stage]["fit"] for stage in ("heads", "edge_scores", "edge_circuit")}
+    assert requests.margins("heads", "llama") == (fits["heads"]["largest_memory_error"],
+                                                  fits["heads"]["largest_time_factor"])
+    held = {stage: fit["held_out_family"] for stage, fit in fits.items()}
+    assert requests.margins("heads", "mistral") == (held["heads"]["largest_memory_error"],
+                                                    held["heads"]["largest_time_factor"])
+    assert requests.margins("edges", "mistral") == (
+        max(held["edge_scores"]["largest_memory_error"], held["edge_circuit"]["largest_memory_error"]),
+        max(held["edge_scores"]["largest_time_factor"], held["edge_circuit"]["largest_time_factor"]))

@@ -143,7 +143,8 @@ def _check_edge_circuits(workdir):
         assert summary["score_chunk"] == 20 and summary["recordings_kept"] == [1, 2]  # sparse_tiny.yaml
         logged = (workdir / f"results/logs/edge_circuit/{name}/ioi.log").read_text()
         for part in ("edge_scores (batch 2, tokens", "points_per_batch 20, prompts 4, chunks 2, steps 2): estimated peak",
-                     "edge_circuit (batch 2,", "corrupted recordings kept between evaluations: 1 of 2"):
+                     "edge_circuit (batch 2,", "corrupted recordings kept between evaluations: 1 of 2",
+                     "edge_circuit asked for mem_mb=", "min: the cost fit: the stage's estimate"):
             assert part in logged, (part, logged[-2000:])  # the cost fit's estimate, the cache's use
         assert sorted(edges["rank"]) == list(range(1, len(edges) + 1))
         assert curve["explained_effect"].iloc[0] == 0 and curve["explained_effect"].iloc[-1] == 1

@@ -21,7 +21,7 @@ from attnlab.config.sources import sparse_bases
 from attnlab.config.schema import check_unique_keys
 from attnlab.config.validate import ConfigError, check, rebuild_requests
 from attnlab.config.budget import check_gpu_memory, estimates, gpu_memory_limit
-from attnlab.config.requests import job_request
+from attnlab.config.requests import READ_INPUTS, job_request
 
 
 def check_local_dataset(name, spec):
@@ -163,7 +163,7 @@ def fitted(rule, batch):
     """``mem_mb`` and ``runtime`` of a GPU rule whose job the cost fit estimates, at the attempt's
     ``batch`` (attnlab.config.requests: the rule's old request where it cannot estimate)."""
     def asked(wildcards, input, attempt):
-        inputs = {"prompts": getattr(input, "prompts", None)}
+        inputs = {name: getattr(input, name, None) for name in READ_INPUTS}
         return job_request(rule, config, dict(wildcards.items()), inputs, attempt=attempt, local=workflow.local_exec,
                            batch=batch(wildcards, attempt), bases=SPARSE_BASES)
     return {"mem_mb": lambda wildcards, input, attempt: asked(wildcards, input, attempt).mem_mb,

@@ -18,8 +18,7 @@ rule mediate:
     resources:
         gpu=1,
         batch_size=mediation_batch,
-        mem_mb=model_memory(16000),
-        runtime=lambda wildcards, attempt: 120 * attempt,
+        **fitted("mediate", mediation_batch),
     conda:
         "../../envs/attnlab.yaml"
     script:

@@ -1,6 +1,7 @@
 from attnlab import steps
 
 steps.setup_logging(snakemake.log[0])
+steps.log_request("mediate", snakemake)
 steps.mediate_condition(
     model_dir=snakemake.input.model,
     inputs={key: snakemake.input[key] for key in ("baseline", "treated", "generations", "grades")},

@@ -114,7 +114,10 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
     if stage == "edge_scores":  # the receivers' gradients, the clean and corrupted recordings at the points
         rows, tokens, points = w["batch"], w["tokens"], w["points_per_batch"]
         return {"gradients": points * s.hidden * s.receivers(), "senders": 2 * points * s.recorded_per_point(),
-                "autograd": s.depth * rows * tokens * per_token}
+                "autograd": s.depth * rows * tokens * per_token,
+                # one layer's attention projections' size, whatever the depth (the 1-layer peaks
+                # of OLMo-7B, Llama and Qwen exceed the other terms by about this: a per-layer copy)
+                "projections": s.hidden * s.head_dim * (2 * s.heads + 2 * s.kv_heads)}
     if stage == "edge_circuit":  # every batch's corrupted recording, and one batch's senders' table
         elsewhere = (w["prompts"] * w["tokens"] - w["points"]) * s.depth * s.outputs_per_token()
         return {"recordings": w["points"] * s.recorded_per_point() + elsewhere,
@@ -123,6 +126,13 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
                 "mixes": w["points_per_batch"] * s.hidden * (s.heads + 2 * s.kv_heads) * (s.depth > 1),
                 "per_layer": s.depth * w["points_per_batch"] * s.hidden,  # each layer's inputs at the points
                 "activations": w["batch"] * w["tokens"] * per_token}
+    if stage == "mediation":  # both conditions' recordings of every item; a batch's resumed layer inputs, one pass
+        rows, tokens = min(w["prompts"], w.get("batch", w["prompts"])), w["tokens"]
+        patched = w.get("patched", s.depth)  # layers whose MLP and residual stream are patched one at a time
+        return {"recorded": 2 * w["prompts"] * tokens * (s.depth * (s.heads * s.head_dim + s.hidden)
+                                                         + patched * s.hidden),
+                "resumed": s.depth * rows * tokens * s.hidden, "activations": rows * tokens * per_token,
+                "scores": rows * s.heads * tokens * tokens}
     if stage == "generation":  # the KV cache, a step's activations and logits
         rows, tokens = w["batch"], w["prompt_tokens"] + w["new_tokens"]
         return {"kv_cache": rows * tokens * s.depth * 2 * s.kv_heads * s.head_dim,
@@ -149,6 +159,11 @@ def work_units(stage: str, shape: Shape, work: dict) -> float:
         layers = shape.depth
         resumed = shape.heads * layers * (layers + 1) / 2  # layer passes: a head of layer l runs L - l layers
         return 2 * work["prompts"] * work["tokens"] * shape.layer_parameters() * (layers + resumed)
+    if stage == "mediation":
+        layers = shape.depth
+        resumed = shape.heads * layers * (layers + 1) / 2
+        return work["prompts"] * work["tokens"] * shape.layer_parameters() * (
+            2 * resumed + _mediation_forwards(layers, work) * layers)
     if stage == "edge_scores":  # per chunk a recording forward and `steps` forward-and-backwards (3 forwards each)
         return work["prompts"] * work["tokens"] * decoder * (1 + 3 * work.get("steps", 5)) * work.get("chunks", 1)
     if stage == "edge_circuit":  # the patched forward and, for the mixes, about another
@@ -168,6 +183,8 @@ def layer_passes(stage: str, shape: Shape, work: dict) -> float:
         return layers
     if stage == "heads":
         return batches * (2 * layers + shape.heads * layers * (layers + 1) / 2)
+    if stage == "mediation":
+        return batches * (2 * shape.heads * layers * (layers + 1) / 2 + _mediation_forwards(layers, work) * layers)
     if stage == "edge_scores":
         return batches * work.get("chunks", 1) * (1 + work.get("steps", 5)) * layers
     if stage == "edge_circuit":
@@ -177,6 +194,13 @@ def layer_passes(stage: str, shape: Shape, work: dict) -> float:
     if stage == "lora_step":
         return 3 * layers
     raise ValueError(f"no cost model for stage {stage!r}")
+
+
+def _mediation_forwards(layers: int, work: dict) -> int:
+    """Mediation's whole forwards besides the heads' resumed passes: each condition recorded, one
+    per ARM seed, and in each direction two per patched layer (its MLP, its residual stream) and
+    three groups (layer 0's attention, the top heads, every head with every MLP)."""
+    return 2 + work.get("arm_seeds", 0) + 2 * (2 * work.get("patched", layers) + 3)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ stage for the model (``cost.estimate`` None), the job asks what it asked before 
 (``plan.model_memory_mb``'s weights rule and the rule's own minutes) and its ``basis`` says so.
 
 - Host memory (``mem_mb``). On the CPU the weights, the stage's estimate above them widened by
-  the fit's largest relative error on that stage (``margins``), and the process's own
+  the fit's largest relative error on that stage (``margins``: in its measurements of the
+  model's family, or with each family left out for a family it has not seen), and the process's own
   ``PROCESS_BYTES``; on a GPU the activations are on the card, and the host holds the weights while they
   load, so the weights rule stands. Never less than the weights rule: the fit was measured at the
   papers' 7-8B width and over-estimates small models (GPT-2 by up to 3.9x), so it only ever
@@ -20,8 +21,8 @@ stage for the model (``cost.estimate`` None), the job asks what it asked before 
 - The GPU estimate: the same fit at the job's dtype on "cuda" (memory coefficients measured on
   the CPU: no CUDA context, no caching allocator's slack), written in the job's log.
 
-The fitted rules: generate, extract_attention, score_heads and edge_circuit (``FITTED``). The
-others (sweep_heads, mediate, mlp_activations, sparsify_model, the ground-truth jobs) keep their
+The fitted rules: generate, extract_attention, score_heads, edge_circuit and mediate (``FITTED``).
+The others (sweep_heads, mlp_activations, sparsify_model, the ground-truth jobs) keep their
 rule's request: their stages have no fit (post-training's fit covers one LoRA step, not the
 dense control beside it nor full fine-tuning's optimiser state).
 """
@@ -43,11 +44,14 @@ from attnlab.config.plan import cell_generation, model_memory_mb, pruning_ablati
 PROCESS_BYTES = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FITTED = {"generate": "generation", "extract_attention": "extraction", "score_heads": "heads",
-          "edge_circuit": "edges"}
+          "edge_circuit": "edges", "mediate": "mediation"}
+# the inputs whose sizes a workload reads (generation and extraction: the prompts; mediation: the
+# treated prompts and their generations)
+READ_INPUTS = ("prompts", "treated", "generations")
 # each fitted rule's request before the fit: memory beside the weights rule, minutes (score_heads':
 # per ablation); a job asks at least this
 FLOORS = {"generate": (16000, 120), "extract_attention": (16000, 60), "score_heads": (16000, 60),
-          "edge_circuit": (16000, 60)}
+          "edge_circuit": (16000, 60), "mediate": (16000, 120)}
 
 
 @dataclass(frozen=True)
@@ -80,16 +84,36 @@ def dtype_bytes(setting: str, device: str) -> int:
     return 2 if device == "cuda" else 4
 
 
-def prompt_tokens(path: str) -> int | None:
-    """The longest prompt of a prompts parquet (its ``n_prompt_tokens``), None before it exists
-    or where pyarrow is not importable (Snakemake run outside the project's environment)."""
+def column(path: str | None, name: str) -> list | None:
+    """A parquet file's column, None before the file exists or where pyarrow is not importable
+    (Snakemake run outside the project's environment)."""
     try:
         import pyarrow.parquet as parquet
 
-        column = parquet.read_table(path, columns=["n_prompt_tokens"]).column("n_prompt_tokens")
-        return int(max(column.to_pylist(), default=0)) or None
+        return parquet.read_table(path, columns=[name]).column(name).to_pylist()
     except Exception:  # noqa: BLE001 - not written yet, unreadable, or no pyarrow: the rule's request
         return None
+
+
+def prompt_tokens(path: str | None) -> int | None:
+    """The longest prompt of a prompts parquet (its ``n_prompt_tokens``), None where unread."""
+    return int(max(column(path, "n_prompt_tokens") or [0])) or None
+
+
+def mediation_work(section: dict, inputs: dict, batch: int) -> dict | None:
+    """mediate's workload: the treated prompts' items (``max_items`` of them at most), each its
+    longest prompt and the longest generation after it (the continuation is cut at the answer:
+    an upper bound), the layers patched one at a time and the ARM seeds."""
+    prompts, generated = column(inputs.get("treated"), "n_prompt_tokens"), column(inputs.get("generations"),
+                                                                                    "n_new_tokens")
+    if not prompts or not generated:
+        return None
+    items = min(len(prompts), section["max_items"] or len(prompts))
+    work = {"prompts": items, "batch": min(batch, items), "tokens": int(max(prompts)) + int(max(generated)),
+            "arm_seeds": len(section["arm_seeds"])}
+    if section["patched_layers"] is not None:
+        work["patched"] = len({0, *section["patched_layers"]})
+    return work
 
 
 def heads_work(pruning: dict, task: str, batch: int) -> tuple[dict, int]:
@@ -129,6 +153,8 @@ def _workload(rule: str, config: dict, wildcards: dict, inputs: dict, batch: int
     if stage == "extraction":
         tokens = prompt_tokens(inputs["prompts"])
         return stage, config["attention"], tokens and {"batch": batch, "tokens": tokens}, 1
+    if stage == "mediation":
+        return stage, config["mediation"], mediation_work(config["mediation"], inputs, batch), 1
     work, repeats = heads_work(config["pruning"], wildcards["task"], batch) if stage == "heads" else (None, 1)
     return stage, config["pruning"], work, repeats
 
@@ -151,20 +177,24 @@ def request(stage: str, model_json: dict | None, work: dict | None, *, device: s
         return Request(before, least_min * attempt, device, found,
                        "host memory: the weights rule (activations are on the card); minutes: the rule's "
                        "(no GPU time fit yet)")
-    memory_margin, time_factor = margins(stage)
+    memory_margin, time_factor = margins(stage, cost.text_config(model_json).get("model_type", ""))
     above = found.memory_bytes - found.weights_bytes
     memory_mb = math.ceil((found.weights_bytes + above * (1 + memory_margin) + PROCESS_BYTES) / 1e6) * attempt
     minutes = math.ceil(found.seconds * repeats * time_factor / 60) * attempt
     return Request(max(before, memory_mb), max(least_min * attempt, minutes), device, found,
                    f"the cost fit: the stage's estimate above the weights x{1 + memory_margin:.2f} and its time "
-                   f"x{time_factor:.2f} (its largest errors){f' for {repeats} runs' if repeats > 1 else ''}, "
+                   f"x{time_factor:.2f} (its largest errors for this family, or for a family it has not seen)"
+                   f"{f' for {repeats} runs' if repeats > 1 else ''}, "
                    f"at least the rule's request")
 
 
-def margins(stage: str) -> tuple[float, float]:
+def margins(stage: str, model_type: str) -> tuple[float, float]:
     """The cost fit's largest relative memory error (above the weights) and time factor on
-    ``stage``'s measurements (an edge job: the larger of scoring's and the circuits')."""
-    fitted = cost.load_coefficients()["stages"]
+    ``stage`` (an edge job: the larger of scoring's and the circuits'): in its own measurements for
+    a family it was fitted to, else the worst with each family left out of the fit and predicted."""
+    table = cost.load_coefficients()
     names = ("edge_scores", "edge_circuit") if stage == "edges" else (stage,)
-    return (max(fitted[name]["fit"]["largest_memory_error"] for name in names),
-            max(fitted[name]["fit"]["largest_time_factor"] for name in names))
+    seen = model_type in table.get("model_types", ())
+    fits = [table["stages"][name]["fit"] for name in names]
+    fits = [fit if seen else fit.get("held_out_family", fit) for fit in fits]
+    return max(fit["largest_memory_error"] for fit in fits), max(fit["largest_time_factor"] for fit in fits)

@@ -120,11 +120,12 @@ def log_replaced_rows(table: pd.DataFrame, out_path: str, keys: list[str]) -> No
 def log_request(rule: str, smk) -> None:
     """What this job asked the scheduler for (its resources) and what that rests on: the cost fit,
     or its rule's request where the fit cannot estimate it (``attnlab.config.requests``)."""
-    from attnlab.config.requests import job_request
+    from attnlab.config.requests import READ_INPUTS, job_request
     from attnlab.config.sources import sparse_bases
 
     resources = smk.resources
-    asked = job_request(rule, smk.config, dict(smk.wildcards.items()), {"prompts": getattr(smk.input, "prompts", None)},
+    inputs = {name: getattr(smk.input, name, None) for name in READ_INPUTS}
+    asked = job_request(rule, smk.config, dict(smk.wildcards.items()), inputs,
                         attempt=1, local=True, batch=resources.batch_size, bases=sparse_bases(smk.config["models"]))
     log.info("%s asked for mem_mb=%s and runtime=%s min: %s", rule, resources.get("mem_mb"), resources.get("runtime"),
              asked.basis)

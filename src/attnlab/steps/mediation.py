@@ -6,7 +6,7 @@ import pandas as pd
 
 from attnlab import io
 from attnlab.config.settings import Mediation
-from attnlab.steps.common import _batch_size, log, log_replaced_rows
+from attnlab.steps.common import _batch_size, log, log_cost_estimate, log_replaced_rows
 
 
 def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summary: str, settings: dict,
@@ -36,6 +36,11 @@ def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summar
         raise ValueError(f"mediation.patched_layers {settings.patched_layers}: {keys['model']} has layers 0..{n_layers - 1}; "
                          "name layers it has, or null for every layer")
     arm_settings = ArmSettings(**arm) if arm else None
+    work = {"prompts": len(items), "batch": _batch_size(settings.batch_size, batch_size),
+            "tokens": max(item.treated_length for item in items), "arm_seeds": len(settings.arm_seeds) if arm else 0}
+    if settings.patched_layers is not None:
+        work["patched"] = len({0, *settings.patched_layers})
+    log_cost_estimate("mediation", model_dir, work, next(model.parameters()).dtype, device)
     result = mediate(model, items, _batch_size(settings.batch_size, batch_size), arm_settings,
                      tuple(settings.arm_seeds) if arm_settings else (), settings.heads, settings.patched_layers)
     effects = result["effects"].merge(result["totals"], on="id")
