@@ -192,3 +192,10 @@ def test_a_family_the_fit_has_not_seen_is_widened_by_its_held_out_errors():
     assert requests.margins("edges", "mistral") == (
         max(held["edge_scores"]["largest_memory_error"], held["edge_circuit"]["largest_memory_error"]),
         max(held["edge_scores"]["largest_time_factor"], held["edge_circuit"]["largest_time_factor"]))
+
+
+def test_a_logged_estimate_beyond_the_measured_depth_says_it_is_extrapolated():
+    work = {"batch": 1, "tokens": 64}
+    assert "extrapolated: the fit measured 1 to 4 layers" in cost.described("extraction", OLMO, work, 4, "cpu")
+    shallow = OLMO | {"num_hidden_layers": 4}
+    assert "extrapolated" not in cost.described("extraction", shallow, work, 4, "cpu")

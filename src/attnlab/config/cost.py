@@ -5,7 +5,7 @@ Memory: the weights (counted from the config: embeddings, each layer's q/k/v/o a
 head where it is not tied) plus, per stage, a sum of terms each a product of the model's shape
 and the workload (``features``: the elements a stage holds at its peak). Terms the code
 allocates as counted (``EXACT``: edge attribution's gradients and senders, the corrupted
-recordings, the KV cache) take one element's bytes each; the others a coefficient in bytes per
+recordings, the KV cache, mediation's two recorded runs) take one element's bytes each; the others a coefficient in bytes per
 element fitted by non-negative least squares to the peaks ``benchmarks/scale.py`` measured at
 the papers' models' width (``benchmarks/scale_fit.py`` writes ``cost_coefficients.json`` beside
 this module). Time: seconds per multiply-add of the stage (``work_units``) and per pass through
@@ -23,11 +23,12 @@ from pathlib import Path
 from attnlab.anatomy.families import BY_MODEL_TYPE, CONFIG_FIELDS, text_config
 
 COEFFICIENTS = Path(__file__).with_name("cost_coefficients.json")
+MEASURED_DEPTH = 4  # benchmarks/scale.py measured models of 1, 2 and 4 layers
 # Terms counted exactly as the code allocates them: one element of the stage's dtype each, not
 # fitted (fitting them beside terms that grow in step with them in every measurement would
 # split one sum between them at random)
 EXACT = {"edge_scores": ("gradients", "senders"), "edge_circuit": ("recordings", "table"),
-         "generation": ("kv_cache",)}
+         "generation": ("kv_cache",), "mediation": ("recorded",)}
 # model types whose transformers config ties the output head to the embeddings when config.json
 # does not say (a resolved Gemma-3 text config leaves the key out)
 TIED_BY_DEFAULT = frozenset({"gpt2", "gemma", "gemma2", "gemma3", "gemma3_text"})
@@ -254,4 +255,7 @@ def described(stage: str, config: dict, work: dict, dtype_bytes: int, device: st
         found = Estimate(found.memory_bytes, found.weights_bytes, found.seconds * repeats, found.terms)
     sizes = ", ".join(f"{key} {value}" for key, value in work.items())
     times = f", {repeats} times" if repeats > 1 else ""
-    return f"{stage} ({sizes}{times}): estimated peak and time of this workload {found.describe()}"
+    reach = ("" if Shape.of(config).depth <= MEASURED_DEPTH else
+             f" (extrapolated: the fit measured 1 to {MEASURED_DEPTH} layers; a deep narrow model's time can be "
+             f"over-estimated many times, benchmarks/README.md)")
+    return f"{stage} ({sizes}{times}): estimated peak and time of this workload {found.describe()}{reach}"
