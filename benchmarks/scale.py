@@ -50,8 +50,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from common import OUT, add_device_arguments, device_and_dtype, embedded_model, held_mib, peak_mib, reset_peak, \
-    run_fields, synchronize, write_result
+from common import add_device_arguments, device_and_dtype, embedded_model, held_mib, peak_mib, reset_peak, \
+    synchronize, write_result
 
 CONFIGS = Path(__file__).parent / "model_configs"
 MODELS = {"olmo-7b": "olmo-7b.json", "llama3.1-8b": "llama3.1-8b.json", "qwen2.5-math-7b": "qwen2.5-math-7b.json",

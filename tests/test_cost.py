@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from attnlab.config import budget, cost

@@ -12,7 +12,7 @@ import yaml
 
 from attnlab.config import cost, requests
 from attnlab.config.plan import model_memory_mb
-from conftest import REPO, dry_run
+from conftest import dry_run
 from test_cost import CONFIGS, _big_model_config, _validated
 
 OLMO = json.loads((CONFIGS / "olmo-7b.json").read_text())

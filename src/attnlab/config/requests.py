@@ -11,9 +11,8 @@ stage for the model (``cost.estimate`` None), the job asks what it asked before 
   the fit's largest relative error on that stage (``margins``: in its measurements of the
   model's family, or with each family left out for a family it has not seen), and the process's own
   ``PROCESS_BYTES``; on a GPU the activations are on the card, and the host holds the weights while they
-  load, so the weights rule stands. Never less than the weights rule: the fit was measured at the
-  papers' 7-8B width and over-estimates small models (GPT-2 by up to 3.9x), so it only ever
-  raises a request.
+  load, so the weights rule stands. Never less than the weights rule (and the rule's floor): the
+  fit was measured on models of 1 to 4 layers, so it only ever raises a request.
 - Minutes (``runtime``). On the CPU the fitted seconds times the fit's largest time factor on
   that stage, times each repeat
   of the workload in one job (the ablations of ``score_heads``). No GPU time has been measured,
@@ -32,10 +31,10 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-
-from attnlab.config import cost
 from pathlib import Path
 
+from attnlab.anatomy.families import text_config
+from attnlab.config import cost
 from attnlab.config.budget import TASK_TOKENS, edge_estimate, model_config, prompt_split
 from attnlab.config.plan import cell_generation, model_memory_mb, pruning_ablations, weights_bytes
 
@@ -177,10 +176,10 @@ def request(stage: str, model_json: dict | None, work: dict | None, *, device: s
         return Request(before, least_min * attempt, device, found,
                        "host memory: the weights rule (activations are on the card); minutes: the rule's "
                        "(no GPU time fit yet)")
-    memory_margin, time_factor = margins(stage, cost.text_config(model_json).get("model_type", ""))
+    memory_margin, time_factor = margins(stage, text_config(model_json).get("model_type", ""))
     above = found.memory_bytes - found.weights_bytes
     memory_mb = math.ceil((found.weights_bytes + above * (1 + memory_margin) + PROCESS_BYTES) / 1e6) * attempt
-    minutes = math.ceil(found.seconds * repeats * time_factor / 60) * attempt
+    minutes = 0 if found.seconds is None else math.ceil(found.seconds * repeats * time_factor / 60) * attempt
     return Request(max(before, memory_mb), max(least_min * attempt, minutes), device, found,
                    f"the cost fit: the stage's estimate above the weights x{1 + memory_margin:.2f} and its time "
                    f"x{time_factor:.2f} (its largest errors for this family, or for a family it has not seen)"
