@@ -16,6 +16,7 @@ device without a time fit has a memory estimate and no time (``Estimate.seconds`
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,7 +220,10 @@ class Estimate:
         return (f"{self.memory_bytes / 1e9:.1f} GB (weights {self.weights_bytes / 1e9:.1f} GB; {terms}); {time}")
 
 
+@functools.lru_cache(maxsize=4)
 def load_coefficients(path: Path = COEFFICIENTS) -> dict:
+    """The fitted table (read once per process: Snakemake asks every planned job's resources).
+    Callers read it and never change it."""
     return json.loads(path.read_text()) if path.exists() else {}
 
 

@@ -100,18 +100,24 @@ def prompt_tokens(path: str | None) -> int | None:
 
 
 def mediation_work(section: dict, inputs: dict, batch: int) -> dict | None:
-    """mediate's workload: the treated prompts' items (``max_items`` of them at most), each its
-    longest prompt and the longest generation after it (the continuation is cut at the answer:
-    an upper bound), the layers patched one at a time and the ARM seeds."""
+    """mediate's workload before it runs: the treated prompts' items (``max_items`` of them at
+    most), each its longest prompt and the longest generation after it (the continuation is cut
+    at the answer: an upper bound), None before those files exist."""
     prompts, generated = column(inputs.get("treated"), "n_prompt_tokens"), column(inputs.get("generations"),
                                                                                     "n_new_tokens")
     if not prompts or not generated:
         return None
     items = min(len(prompts), section["max_items"] or len(prompts))
-    work = {"prompts": items, "batch": min(batch, items), "tokens": int(max(prompts)) + int(max(generated)),
-            "arm_seeds": len(section["arm_seeds"])}
-    if section["patched_layers"] is not None:
-        work["patched"] = len({0, *section["patched_layers"]})
+    return mediation_sizes(items, batch, int(max(prompts)) + int(max(generated)), len(section["arm_seeds"]),
+                           section["patched_layers"])
+
+
+def mediation_sizes(items: int, batch: int, tokens: int, arm_seeds: int, patched_layers: list[int] | None) -> dict:
+    """cost's mediation workload: ``items`` in batches of ``batch`` rows of up to ``tokens``, the
+    ARM seeds run, and the layers patched one at a time (layer 0 always; None: every layer)."""
+    work = {"prompts": items, "batch": min(batch, items), "tokens": tokens, "arm_seeds": arm_seeds}
+    if patched_layers is not None:
+        work["patched"] = len({0, *patched_layers})
     return work
 
 
@@ -134,8 +140,6 @@ def job_request(rule: str, config: dict, wildcards: dict, inputs: dict, *, attem
     stage, section, work, repeats = _workload(rule, config, wildcards, inputs, batch)
     device = job_device(section.get("device", "auto"), local)
     element_bytes = 4 if stage in ("heads", "edges") else dtype_bytes(section.get("dtype", "auto"), device)
-    if stage == "edges":
-        work = {"task": wildcards["task"], "pruning": config["pruning"]}
     least_mb, least_min = FLOORS[rule]
     return request(stage, model_json, work, device=device, element_bytes=element_bytes, weights=weights,
                    least_mb=least_mb, least_min=least_min * repeats, attempt=attempt, repeats=repeats)
@@ -154,7 +158,9 @@ def _workload(rule: str, config: dict, wildcards: dict, inputs: dict, batch: int
         return stage, config["attention"], tokens and {"batch": batch, "tokens": tokens}, 1
     if stage == "mediation":
         return stage, config["mediation"], mediation_work(config["mediation"], inputs, batch), 1
-    work, repeats = heads_work(config["pruning"], wildcards["task"], batch) if stage == "heads" else (None, 1)
+    if stage == "edges":  # budget.edge_estimate reads the task's sizes and the edge settings itself
+        return stage, config["pruning"], {"task": wildcards["task"], "pruning": config["pruning"]}, 1
+    work, repeats = heads_work(config["pruning"], wildcards["task"], batch)
     return stage, config["pruning"], work, repeats
 
 
@@ -163,10 +169,8 @@ def request(stage: str, model_json: dict | None, work: dict | None, *, device: s
     """The job's request for ``stage``'s ``work`` (``repeats`` times in one job), or its rule's
     (``least_mb`` beside the weights, ``least_min``) where it cannot be estimated."""
     before = model_memory_mb(weights, least_mb, attempt)
-    found = None
-    if model_json is not None and work is not None:
-        found = (edge_estimate(model_json, work["task"], work["pruning"], device) if stage == "edges"
-                 else cost.estimate(stage, model_json, work, element_bytes, device))
+    found = None if model_json is None or work is None else stage_estimate(stage, model_json, work, element_bytes,
+                                                                           device)
     if found is None:
         why = ("its config.json is not at hand yet" if model_json is None else
                "its workload is not known before its inputs exist" if work is None else
@@ -185,6 +189,14 @@ def request(stage: str, model_json: dict | None, work: dict | None, *, device: s
                    f"x{time_factor:.2f} (its largest errors for this family, or for a family it has not seen)"
                    f"{f' for {repeats} runs' if repeats > 1 else ''}, "
                    f"at least the rule's request")
+
+
+def stage_estimate(stage: str, model_json: dict, work: dict, element_bytes: int, device: str) -> cost.Estimate | None:
+    """``cost.estimate`` of a job's stage; an edge job's (its ``work``: the task and the pruning
+    settings) is scoring's and its circuits' together (``budget.edge_estimate``)."""
+    if stage == "edges":
+        return edge_estimate(model_json, work["task"], work["pruning"], device)
+    return cost.estimate(stage, model_json, work, element_bytes, device)
 
 
 def margins(stage: str, model_type: str) -> tuple[float, float]:

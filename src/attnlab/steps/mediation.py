@@ -18,6 +18,7 @@ def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summar
     from attnlab import anatomy
     from attnlab.interventions.mlp import ArmSettings
     from attnlab.mechanism.mediation import SHARE_DEFINITION, items_from_tables, mediate
+    from attnlab.config.requests import mediation_sizes
     from attnlab.models import load_model, pick_device, pick_dtype
     from attnlab.tokenization import load_tokenizer
 
@@ -36,10 +37,9 @@ def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summar
         raise ValueError(f"mediation.patched_layers {settings.patched_layers}: {keys['model']} has layers 0..{n_layers - 1}; "
                          "name layers it has, or null for every layer")
     arm_settings = ArmSettings(**arm) if arm else None
-    work = {"prompts": len(items), "batch": _batch_size(settings.batch_size, batch_size),
-            "tokens": max(item.treated_length for item in items), "arm_seeds": len(settings.arm_seeds) if arm else 0}
-    if settings.patched_layers is not None:
-        work["patched"] = len({0, *settings.patched_layers})
+    work = mediation_sizes(len(items), _batch_size(settings.batch_size, batch_size),
+                           max(item.treated_length for item in items), len(settings.arm_seeds) if arm else 0,
+                           settings.patched_layers)
     log_cost_estimate("mediation", model_dir, work, next(model.parameters()).dtype, device)
     result = mediate(model, items, _batch_size(settings.batch_size, batch_size), arm_settings,
                      tuple(settings.arm_seeds) if arm_settings else (), settings.heads, settings.patched_layers)
