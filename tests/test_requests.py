@@ -12,7 +12,7 @@ import yaml
 
 from attnlab.config import cost, requests
 from attnlab.config.plan import model_memory_mb
-from conftest import dry_run
+from conftest import REPO, dry_run
 from test_cost import CONFIGS, _big_model_config, _validated
 
 OLMO = json.loads((CONFIGS / "olmo-7b.json").read_text())
@@ -199,3 +199,42 @@ def test_a_logged_estimate_beyond_the_measured_depth_says_it_is_extrapolated():
     assert "extrapolated: the fit measured 1 to 4 layers" in cost.described("extraction", OLMO, work, 4, "cpu")
     shallow = OLMO | {"num_hidden_layers": 4}
     assert "extrapolated" not in cost.described("extraction", shallow, work, 4, "cpu")
+
+
+def test_an_edge_jobs_time_is_its_scoring_and_one_circuit_per_count_of_its_sweep():
+    """config/paper.yaml's OLMo-7B IOI edge job on the CPU: EAP-IG once, then the sweep's circuits
+    (under bisection: its coarse grid, the refined points and the interval's points)."""
+    from attnlab.config import budget
+
+    config = _validated(yaml.safe_load((REPO / "config/paper.yaml").read_text()))
+    pruning = config["pruning"]
+    settings = {**pruning, **pruning["edges"]}
+    counts = settings["refine_points"] + settings["interval_points"] + (
+        settings["coarse_points"] if settings["search"] == "bisection" else settings["log_points"])
+    tokens, points, _ = budget.TASK_TOKENS["ioi"]
+    ranked, counted = budget.prompt_split(pruning, "ioi")
+    scoring = cost.estimate("edge_scores", OLMO, {"batch": 4, "tokens": tokens, "points_per_batch": 4 * points,
+                                                  "prompts": ranked, "steps": settings["steps"], "chunks": 1}, 4, "cpu")
+    circuit = cost.estimate("edge_circuit", OLMO, {"batch": 4, "tokens": tokens, "points_per_batch": 4 * points,
+                                                   "points": counted * points, "prompts": counted}, 4, "cpu")
+    found = budget.edge_estimate(OLMO, "ioi", pruning, "cpu")
+    assert found.seconds == pytest.approx(scoring.seconds + counts * circuit.seconds)
+
+
+def test_mediations_layer_passes_are_counted_by_hand():
+    """OLMo-7B (32 layers of 32 heads), one batch: each head resumed at its layer in both
+    directions (2 x 32 x 32 x 33 / 2 = 33,792 layer passes), then whole forwards: the two recorded
+    runs, one per ARM seed, and per direction two per patched layer and three groups."""
+    shape = cost.Shape.of(OLMO)
+    work = {"prompts": 4, "batch": 4, "tokens": 100}
+    assert cost.layer_passes("mediation", shape, work) == 33_792 + (2 + 2 * (2 * 32 + 3)) * 32
+    some = work | {"arm_seeds": 2, "patched": 3}
+    assert cost.layer_passes("mediation", shape, some) == 33_792 + (2 + 2 + 2 * (2 * 3 + 3)) * 32
+    assert cost.layer_passes("mediation", shape, some | {"prompts": 8}) == 2 * cost.layer_passes("mediation", shape, some)
+
+
+def test_a_logged_estimate_of_several_runs_gives_their_whole_time():
+    work = {"prompts": 8, "batch": 4, "tokens": 20}
+    once = cost.estimate("heads", OLMO, work, 4, "cpu")
+    logged = cost.described("heads", OLMO, work, 4, "cpu", repeats=3)
+    assert ", 3 times)" in logged and f"{3 * once.seconds / 60:.1f} min" in logged
