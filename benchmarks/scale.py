@@ -22,6 +22,8 @@ allocation); the model's own bytes are reported beside it. Each stage runs at tw
 - extraction: ``extract`` (received attention reduced per layer) over one prompt of 1,024 and
   2,048 random tokens (GPT-2, 1,024 positions: 512 and 1,024);
 - heads: exact one-head patching of every head on 4 and 8 IOI prompts, then a sweep of 5 k;
+- head_attribution: every head's attribution (gate gradients: a forward and a backward) on 4
+  and 8 IOI prompts, score_heads' other ranking;
 - edges: EAP-IG (5 steps) on 8 IOI prompts in batches of 4 and 8, then one circuit (1% of the
   edges kept) on 8 and 16 prompts with every corrupted recording kept;
 - mediation: an inserted span's effect mediated (exact heads, each layer's MLP and residual
@@ -56,8 +58,8 @@ from common import add_device_arguments, device_and_dtype, embedded_model, held_
 CONFIGS = Path(__file__).parent / "model_configs"
 MODELS = {"olmo-7b": "olmo-7b.json", "llama3.1-8b": "llama3.1-8b.json", "qwen2.5-math-7b": "qwen2.5-math-7b.json",
           "gemma3-4b": "gemma3-4b-it.text_config.resolved.json", "gpt2": "gpt2.json"}
-STAGES = ("extraction", "heads", "edges", "mediation", "generation", "lora_step")
-WORKLOADS = {"extraction": {"tokens": (1024, 2048)}, "heads": {"prompts": (4, 8)},
+STAGES = ("extraction", "heads", "head_attribution", "edges", "mediation", "generation", "lora_step")
+WORKLOADS = {"extraction": {"tokens": (1024, 2048)}, "heads": {"prompts": (4, 8)}, "head_attribution": {"prompts": (4, 8)},
              "edges": {"batch": (4, 8), "circuit_prompts": (8, 16)}, "mediation": {"items": (2, 4)},
              "generation": {"batch": (2, 4)}, "lora_step": {"tokens": (128, 256)}}
 # a mediation item: a baseline prompt, the treated one with a span inserted, the scored continuation
@@ -132,6 +134,9 @@ def stage_runs(stage: str, model, tokenizer, device: torch.device, dtype: torch.
         return {f"tokens={t}": lambda t=t: _extraction(model, t) for t in lengths}
     if stage == "heads":
         return {f"prompts={n}": lambda n=n: _heads(model, tokenizer, n) for n in WORKLOADS[stage]["prompts"]}
+    if stage == "head_attribution":
+        return {f"prompts={n}": lambda n=n: _head_attribution(model, tokenizer, n)
+                for n in WORKLOADS[stage]["prompts"]}
     if stage == "edges":
         runs = {f"score batch={b}": lambda b=b: _edge_scores(model, tokenizer, b) for b in WORKLOADS[stage]["batch"]}
         runs.update({f"circuit prompts={n}": lambda n=n: _edge_circuit(model, tokenizer, n)
@@ -168,7 +173,19 @@ def _heads(model, tokenizer, n: int) -> dict:
     order = [tuple(int(i) for i in np.unravel_index(j, scores.shape)) for j in np.argsort(-scores.flatten().numpy())]
     for k in np.unique(np.geomspace(1, len(order), 5).round().astype(int)):
         patcher.metric(patcher.kept(order, int(k)))
-    return {"prompts": n, "tokens": int(patcher.batch.clean.shape[1]), "heads": int(scores.numel())}
+    # whole forwards beside the resumed passes: the reference's, the recording's and the sweep's
+    return {"prompts": n, "tokens": int(patcher.batch.clean.shape[1]), "heads": int(scores.numel()),
+            "forwards": 2 + len(np.unique(np.geomspace(1, len(order), 5).round()))}
+
+
+def _head_attribution(model, tokenizer, n: int) -> dict:
+    """score_heads' other ranking: every head's gate gradient, one forward and backward of ``n``
+    IOI prompts (the corrupted references recorded first, as a Patcher does)."""
+    from attnlab.patching.heads import Patcher
+
+    batch = ioi_batch(tokenizer, n)
+    Patcher(model, batch, "corrupted", batch_size=n).attribution()
+    return {"prompts": n, "batch": n, "tokens": int(batch.clean.shape[1])}
 
 
 def _edge_scores(model, tokenizer, batch: int) -> dict:
@@ -208,7 +225,8 @@ def _mediation(model, n: int) -> dict:
         treated = baseline[:16] + inserted + baseline[16:]
         items.append(Item.of(f"i{i}", baseline, treated, (16, 16 + len(inserted)), ids[-sizes["continuation"]:]))
     result = mediate(model, items, n)
-    return {"items": n, "prompts": n, "batch": n, "tokens": sum(sizes.values()), **sizes,
+    return {"items": n, "prompts": n, "batch": n, "tokens": sum(sizes.values()), "scored": sizes["continuation"] + 1,
+            **sizes,
             "effects": len(result["effects"])}
 
 

@@ -1,16 +1,20 @@
 """Fit the cost table (``attnlab.config.cost``) to ``benchmarks/scale.py``'s measurements, and say
 how well it predicts each of them.
 
-    .venv/bin/python benchmarks/scale_fit.py [benchmarks/out/scale_cpu.json ...] [--write] [--markdown PATH]
+    .venv/bin/python benchmarks/scale_fit.py [benchmarks/out/scale_cpu.json ...] [--repeats REPEATED.json ...]
+                                             [--write] [--markdown PATH]
 
 Given several results, a later file's measurement of the same model, depth, stage and workload
-replaces an earlier one (a stage measured again on a quiet machine).
+replaces an earlier one (a stage measured again on a quiet machine). ``--repeats``: the same
+measurements taken again, each averaged with the first, and their differences printed: the
+measurement's own spread (a peak of tens of MiB above the model moves by tens of percent from
+one run to the next with what the allocator keeps).
 
 Memory: per stage, the bytes per element of each term of ``cost.features`` that is not counted
 exactly (``cost.EXACT``: one element each), and a constant, by non-negative least squares on the
 relative error (each measurement's row divided by its peak, so a 100 MB stage counts as much as
-a 10 GB one). Time: per stage and device kind, seconds per unit of ``cost.work_units`` and per
-``cost.layer_passes``, by the same non-negative least squares. Printed: every measurement beside
+a 10 GB one). Time: per stage and device kind, seconds per unit of each of ``cost.time_features``, by the
+same non-negative least squares. Printed: every measurement beside
 its prediction; the largest memory error and time factor per stage; the same for the deepest
 models when the fit leaves them out (its reach in depth); OLMo-7B's edge circuits projected to
 all 32 layers.
@@ -56,8 +60,34 @@ def _cost_stage(stage: str, name: str, measured: dict, stages: dict) -> tuple[st
         scored = stages["edges"].get("score batch=8", {})
         return "edge_circuit", {"points_per_batch": scored.get("points_per_batch"), **measured}
     if stage == "mediation":  # rows measured before scale.py recorded the treated sequence's length
-        return stage, {"prompts": measured["items"], "tokens": sum(measured[k] for k in MEDIATION_TOKENS), **measured}
+        return stage, {"prompts": measured["items"], "tokens": sum(measured[k] for k in MEDIATION_TOKENS),
+                       "scored": measured["continuation"] + 1, **measured}
+    if stage == "heads":  # rows measured before scale.py recorded its forwards: 2 and the sweep's 5
+        return stage, {"forwards": 7, **measured}
     return stage, measured
+
+
+def merged_rows(results: list[str], repeats: list[str]) -> tuple[list[dict], dict[str, tuple[float, float]]]:
+    """The measurements of ``results`` (a later file's measurement of the same model, depth, stage
+    and workload replaces an earlier one: measured again on a quiet machine), each averaged with
+    its repeat in ``repeats``; and per stage the largest difference between a measurement and its
+    repeat (peak: relative to the smaller; time: a factor)."""
+    merged, spread = {}, {}
+    for path in results:
+        for row in stage_rows(json.loads(Path(path).read_text())):
+            merged[(row["model"], row["layers"], row["stage"], row["workload"])] = row
+    for path in repeats:
+        for row in stage_rows(json.loads(Path(path).read_text())):
+            key = (row["model"], row["layers"], row["stage"], row["workload"])
+            first = merged.get(key)
+            if first is None:
+                continue
+            memory, time = spread.get(row["stage"], (0.0, 1.0))
+            spread[row["stage"]] = (max(memory, abs(first["peak"] - row["peak"]) / min(first["peak"], row["peak"])),
+                                    max(time, first["seconds"] / row["seconds"], row["seconds"] / first["seconds"]))
+            merged[key] = {**first, "peak": (first["peak"] + row["peak"]) / 2,
+                           "seconds": (first["seconds"] + row["seconds"]) / 2, "repeated": True}
+    return list(merged.values()), spread
 
 
 def fit(rows: list[dict]) -> dict:
@@ -76,18 +106,19 @@ def fit(rows: list[dict]) -> dict:
         predicted = exact + design @ coefficients
         memory = {name: (mine[0]["dtype_bytes"] if name in cost.EXACT.get(stage, ())
                          else float(coefficients[1 + fitted_names.index(name)])) for name in names}
-        per_unit, per_pass, times = {}, {}, np.zeros(len(mine))
-        for device in sorted({row["device"] for row in mine}):  # seconds = a · work + b · layer passes
+        seconds_per, times = {}, np.zeros(len(mine))
+        for device in sorted({row["device"] for row in mine}):  # seconds = sum of coefficient x time feature
             at = [i for i, row in enumerate(mine) if row["device"] == device]
             seconds = np.array([mine[i]["seconds"] for i in at])
-            design = np.array([[cost.work_units(stage, mine[i]["shape"], mine[i]["work"]),
-                                cost.layer_passes(stage, mine[i]["shape"], mine[i]["work"])] for i in at])
-            (per_unit[device], per_pass[device]), _ = nnls(design / seconds[:, None], np.ones(len(at)))
-            times[at] = design @ np.array([per_unit[device], per_pass[device]])
+            timed = [cost.time_features(stage, mine[i]["shape"], mine[i]["work"]) for i in at]
+            design = np.array([list(features.values()) for features in timed])
+            per_feature, _ = nnls(design / seconds[:, None], np.ones(len(at)))
+            seconds_per[device] = dict(zip(timed[0], map(float, per_feature)))
+            times[at] = design @ per_feature
         table[stage] = {
             "dtype_bytes": mine[0]["dtype_bytes"],
             "memory": memory, "exact": list(cost.EXACT.get(stage, ())), "constant_bytes": float(coefficients[0]),
-            "seconds_per_unit": per_unit, "seconds_per_layer_pass": per_pass,
+            "seconds": seconds_per,
             "fit": {"measurements": len(mine),
                     "largest_memory_error": float(np.max(np.abs(predicted / peaks - 1))),
                     # the same errors as a share of the whole peak, the model's own bytes included
@@ -196,15 +227,15 @@ def main() -> None:
     parser.add_argument("results", nargs="*", default=[str(Path(__file__).parent / "out" / "scale_cpu.json")])
     parser.add_argument("--check", nargs="*", default=[],
                         help="results to predict with the fit, not fitted (e.g. another width)")
+    parser.add_argument("--repeats", nargs="*", default=[],
+                        help="results measured again: each averaged with the same measurement of the results, and "
+                             "their differences printed (the measurements' own spread)")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--markdown", help="write the measurements and the fit as a markdown table here")
     args = parser.parse_args()
-    # a later file's measurement of the same model, depth, stage and workload replaces an earlier one
-    merged = {}
-    for path in args.results:
-        for row in stage_rows(json.loads(Path(path).read_text())):
-            merged[(row["model"], row["layers"], row["stage"], row["workload"])] = row
-    rows = list(merged.values())
+    rows, spread = merged_rows(args.results, args.repeats)
+    for stage, (memory, time) in spread.items():
+        print(f"{stage} measured twice: peaks differ by up to {memory:.0%}, times by a factor {time:.2f}")
     checked = [row for path in args.check for row in stage_rows(json.loads(Path(path).read_text()))]
     table = fit(rows)
     deepest = max(row["layers"] for row in rows)

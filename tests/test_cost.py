@@ -94,7 +94,7 @@ def _with_layers(config: dict, layers: int) -> dict:
 
 def _coefficients(memory: dict, stage: str = "edge_circuit") -> dict:
     return {"stages": {stage: {"dtype_bytes": 4, "memory": memory, "constant_bytes": 0.0,
-                               "seconds_per_unit": {"cpu": 1e-9}}}}
+                               "seconds": {"cpu": {"multiply_adds": 1e-9, "receiver_elements": 0.0, "runs": 0.5}}}}}
 
 
 def test_an_estimate_is_the_weights_plus_each_term_and_none_for_an_unknown_family():
@@ -111,7 +111,11 @@ def test_an_estimate_is_the_weights_plus_each_term_and_none_for_an_unknown_famil
     stale = _coefficients({"recordings": 4, "table": 4, "activations": 10})  # fitted before "mixes"
     assert cost.estimate("edge_circuit", config, work, 4, "cpu", stale) is None
     assert cost.estimate("edge_circuit", config, work, 2, "cpu", table).weights_bytes == shape.parameters() * 2
-    assert found.seconds == pytest.approx(1e-9 * cost.work_units("edge_circuit", shape, work))
+    timed = cost.time_features("edge_circuit", shape, work)
+    assert found.seconds == pytest.approx(1e-9 * timed["multiply_adds"] + 0.5)
+    untimed = _coefficients(table["stages"]["edge_circuit"]["memory"])
+    del untimed["stages"]["edge_circuit"]["seconds"]["cpu"]["runs"]  # fitted before a time feature was added
+    assert cost.estimate("edge_circuit", config, work, 4, "cpu", untimed).seconds is None
     assert cost.estimate("edge_circuit", config, work, 4, "cuda", table).seconds is None  # no fit for it
     assert cost.estimate("edge_circuit", {"model_type": "mamba", "hidden_size": 8}, work, 4, "cpu", table) is None
     assert cost.estimate("lora_step", config, work, 4, "cpu", table) is None

@@ -87,7 +87,8 @@ def test_generation_reads_the_longest_prompt_once_the_prompts_exist(tmp_path):
     assert "not known before its inputs exist" in asked().basis  # the plan, before make_prompts
     pd.DataFrame({"n_prompt_tokens": [10, 300, 20]}).to_parquet(prompts)
     settings = {**config["generation"], **config["datasets"][dataset].get("generation", {})}
-    work = {"batch": 8, "new_tokens": settings["max_new_tokens"], "prompt_tokens": 300}
+    # 3 prompts: one batch of 3 (every batch as long as the longest prompt)
+    work = {"prompts": 3, "batch": 3, "new_tokens": settings["max_new_tokens"], "prompt_tokens": 300}
     device = requests.job_device(settings["device"], True)
     assert asked().estimate == cost.estimate("generation", OLMO, work, requests.dtype_bytes("auto", device), device)
 
@@ -102,13 +103,19 @@ def test_scoring_asks_minutes_for_each_ablation(tmp_path):
                                     {}, attempt=1, local=True, batch=2, bases={}, models_dir=str(tmp_path / "m"))
     two, one = asked(config["pruning"]), asked({**config["pruning"], "ablation": "corrupted"})
     if two.device == "cpu":
-        factor = json.loads(cost.COEFFICIENTS.read_text())["stages"]["heads"]["fit"]["largest_time_factor"]
+        margin, factor = requests.margins("heads", OLMO["model_type"])  # the larger of attribution's and exact's
+        fits = [json.loads(cost.COEFFICIENTS.read_text())["stages"][name]["fit"] for name in ("heads", "head_attribution")]
+        assert (margin, factor) == (max(fit["largest_memory_error"] for fit in fits),
+                                    max(fit["largest_time_factor"] for fit in fits))
         assert two.runtime == math.ceil(two.estimate.seconds * 2 * factor / 60) > one.runtime
     assert two.estimate == one.estimate
-    # every layer's input of the clean and corrupted rows of one mini-batch of 2 (of 4 ranked prompts)
+    # exact patching: every layer's input of the clean and corrupted rows of one mini-batch of 2
+    # (of 4 ranked prompts)
     ranked, _ = requests.prompt_split(config["pruning"], "ioi")
+    work, _ = requests.heads_work(config["pruning"], "ioi", 2)
+    exact = cost.estimate("heads", OLMO, work, 4, "cpu")
     fitted = cost.load_coefficients()["stages"]["heads"]["memory"]["recorded"]
-    assert two.estimate.terms["recorded"] == pytest.approx(fitted * 32 * 2 * 2 * 20 * 4096) and ranked == 4
+    assert exact.terms["recorded"] == pytest.approx(fitted * 32 * 2 * 2 * 20 * 4096) and ranked == 4
 
 
 def test_the_plan_shows_each_fitted_jobs_request(tmp_path):
@@ -161,6 +168,9 @@ def test_mediations_recorded_term_counts_what_a_run_records(arch):
         held = sum(t.numel() for t in run.head_inputs) + sum(t.numel() for t in run.outputs.values())
         work = {"prompts": len(items), "tokens": int(treated.clean.shape[1]), "patched": patched}
         assert cost.features("mediation", cost.Shape.of(model.config.to_dict()), work)["recorded"] == 2 * held
+    # the positions whose every logit the metric reads: the workload's "scored"
+    sizes = requests.mediation_sizes(len(items), 4, 100, max(len(item.continuation) for item in items), 0, None)
+    assert treated.read_positions == sizes["scored"]
 
 
 def test_mediation_reads_its_items_prompts_and_generations(tmp_path):
@@ -172,10 +182,10 @@ def test_mediation_reads_its_items_prompts_and_generations(tmp_path):
     pd.DataFrame({"n_prompt_tokens": [40, 52, 47, 50]}).to_parquet(treated)
     pd.DataFrame({"n_new_tokens": [100, 7, 300, 12]}).to_parquet(generations)
     work = requests.mediation_work(section, {"treated": str(treated), "generations": str(generations)}, 8)
-    assert work == {"prompts": 3, "batch": 3, "tokens": 352, "arm_seeds": 2, "patched": 3}
+    assert work == {"prompts": 3, "batch": 3, "tokens": 352, "scored": 301, "arm_seeds": 2, "patched": 3}
     assert requests.mediation_work({**section, "patched_layers": None, "max_items": None},
                                    {"treated": str(treated), "generations": str(generations)}, 2) == {
-        "prompts": 4, "batch": 2, "tokens": 352, "arm_seeds": 2}
+        "prompts": 4, "batch": 2, "tokens": 352, "scored": 301, "arm_seeds": 2}
 
 
 def test_a_family_the_fit_has_not_seen_is_widened_by_its_held_out_errors():
@@ -183,12 +193,12 @@ def test_a_family_the_fit_has_not_seen_is_widened_by_its_held_out_errors():
     without each measured family, predicting it (for edges the larger of scoring's and the circuits')."""
     table = json.loads(cost.COEFFICIENTS.read_text())
     assert "llama" in table["model_types"] and "mistral" not in table["model_types"]
-    fits = {stage: table["stages"][stage]["fit"] for stage in ("heads", "edge_scores", "edge_circuit")}
-    assert requests.margins("heads", "llama") == (fits["heads"]["largest_memory_error"],
-                                                  fits["heads"]["largest_time_factor"])
+    fits = {stage: table["stages"][stage]["fit"] for stage in ("mediation", "edge_scores", "edge_circuit")}
+    assert requests.margins("mediation", "llama") == (fits["mediation"]["largest_memory_error"],
+                                                      fits["mediation"]["largest_time_factor"])
     held = {stage: fit["held_out_family"] for stage, fit in fits.items()}
-    assert requests.margins("heads", "mistral") == (held["heads"]["largest_memory_error"],
-                                                    held["heads"]["largest_time_factor"])
+    assert requests.margins("mediation", "mistral") == (held["mediation"]["largest_memory_error"],
+                                                        held["mediation"]["largest_time_factor"])
     assert requests.margins("edges", "mistral") == (
         max(held["edge_scores"]["largest_memory_error"], held["edge_circuit"]["largest_memory_error"]),
         max(held["edge_scores"]["largest_time_factor"], held["edge_circuit"]["largest_time_factor"]))
@@ -221,16 +231,79 @@ def test_an_edge_jobs_time_is_its_scoring_and_one_circuit_per_count_of_its_sweep
     assert found.seconds == pytest.approx(scoring.seconds + counts * circuit.seconds)
 
 
-def test_mediations_layer_passes_are_counted_by_hand():
-    """OLMo-7B (32 layers of 32 heads), one batch: each head resumed at its layer in both
-    directions (2 x 32 x 32 x 33 / 2 = 33,792 layer passes), then whole forwards: the two recorded
-    runs, one per ARM seed, and per direction two per patched layer and three groups."""
-    shape = cost.Shape.of(OLMO)
-    work = {"prompts": 4, "batch": 4, "tokens": 100}
-    assert cost.layer_passes("mediation", shape, work) == 33_792 + (2 + 2 * (2 * 32 + 3)) * 32
-    some = work | {"arm_seeds": 2, "patched": 3}
-    assert cost.layer_passes("mediation", shape, some) == 33_792 + (2 + 2 + 2 * (2 * 3 + 3)) * 32
-    assert cost.layer_passes("mediation", shape, some | {"prompts": 8}) == 2 * cost.layer_passes("mediation", shape, some)
+HAND = cost.Shape(depth=4, hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10, gated_mlp=True,
+                  tied=True)
+
+
+def _resumed_by_hand(shape) -> int:
+    """Parameters one row-token passes through when each head is ablated in turn, resumed at its
+    layer: its layer's o_proj and MLP, every layer above whole; the last layer's MLP runs at the
+    read positions only (none counted). Enumerated pass by pass."""
+    attention = shape.hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads)
+    o, mlp = shape.heads * shape.head_dim * shape.hidden, 3 * shape.hidden * shape.intermediate
+    last = shape.depth - 1
+    total = 0
+    for layer in range(shape.depth):
+        for _ in range(shape.heads):
+            total += o + (mlp if layer < last else 0)
+            total += sum(attention + (mlp if above < last else 0) for above in range(layer + 1, shape.depth))
+    return total
+
+
+def test_exact_patchings_time_features_are_counted_pass_by_pass():
+    """4 layers of 2 heads (attention 48, o_proj 16, MLP 96 parameters per layer): the whole
+    forwards and every head's resumed pass, 3 prompts of 5 tokens in one batch and in two."""
+    per_row_token = 2 * 4 * (48 + 96) + _resumed_by_hand(HAND)
+    assert _resumed_by_hand(HAND) == 2 * (4 * 16 + 3 * 96 + 6 * 48 + 3 * 96)
+    work = {"prompts": 3, "batch": 3, "tokens": 5, "forwards": 2}
+    assert cost.time_features("heads", HAND, work) == {"multiply_adds": 3 * 5 * per_row_token,
+                                                       "weights_read": per_row_token}
+    assert cost.time_features("heads", HAND, work | {"batch": 2})["weights_read"] == 2 * per_row_token
+
+
+def test_mediations_time_features_are_counted_pass_by_pass():
+    """Mediation on the same shape: every head resumed in both directions, the whole forwards (the
+    two recorded runs, one per ARM seed, and per direction a recording, two per patched layer and
+    three groups), each pass reading every token's logit (10 x 4 parameters) at the 3 scored
+    positions."""
+    work = {"prompts": 2, "batch": 2, "tokens": 7, "scored": 3, "arm_seeds": 1, "patched": 2}
+    forwards = 2 + 1 + 2 * (1 + 2 * 2 + 3)
+    passes = forwards + 2 * 2 * 4
+    per_row_token = forwards * 4 * (48 + 96) + 2 * _resumed_by_hand(HAND)
+    assert cost.time_features("mediation", HAND, work) == {
+        "multiply_adds": 2 * (7 * per_row_token + 3 * passes * 40), "weights_read": per_row_token + passes * 40}
+    every_layer = cost.time_features("mediation", HAND, work | {"patched": 4})["weights_read"]
+    assert every_layer - cost.time_features("mediation", HAND, work)["weights_read"] == 2 * 2 * 2 * (4 * 144 + 40)
+
+
+def test_generation_and_extraction_time_every_batch_of_the_job():
+    """A job of 10 prompts in batches of 4 runs 3 batches, each as long as the longest prompt."""
+    one = {"prompts": 4, "batch": 4, "prompt_tokens": 30, "new_tokens": 8}
+    job = one | {"prompts": 10}
+    for stage, first in (("generation", one), ("extraction", {"prompts": 4, "batch": 4, "tokens": 30})):
+        whole = cost.time_features(stage, HAND, first | {"prompts": 10})
+        for name, value in cost.time_features(stage, HAND, first).items():
+            assert whole[name] == (value if name == "runs" else 3 * value), (stage, name)
+    # generation: the prefill reads the last position's logits, each step every row's
+    assert cost.time_features("generation", HAND, job)["row_multiply_adds"] == 3 * 4 * 8 * (4 * 144 + 40)
+
+
+def test_a_head_scoring_job_is_attribution_then_exact_patching(tmp_path):
+    """score_heads ranks by attribution and (when asked for) exact patching, one after the other:
+    the larger peak, both times; attribution alone where exact is off."""
+    config = _config_with_olmo(tmp_path)
+
+    def asked(pruning):
+        return requests.job_request("score_heads", {**config, "pruning": pruning}, {"model": "olmo-shaped", "task": "ioi"},
+                                    {}, attempt=1, local=True, batch=2, bases={}, models_dir=str(tmp_path / "m"))
+    work, _ = requests.heads_work(config["pruning"] | {"exact": True}, "ioi", 2)
+    attribution = cost.estimate("head_attribution", OLMO, work, 4, "cpu")
+    exact = cost.estimate("heads", OLMO, work, 4, "cpu")
+    both = asked(config["pruning"] | {"exact": True, "ranking": "exact"}).estimate
+    assert both.seconds == pytest.approx(attribution.seconds + exact.seconds)
+    assert both.memory_bytes == max(attribution.memory_bytes, exact.memory_bytes)
+    alone = asked(config["pruning"] | {"exact": False, "ranking": "attribution"}).estimate
+    assert alone.seconds == pytest.approx(attribution.seconds) and alone.memory_bytes == attribution.memory_bytes
 
 
 def test_a_logged_estimate_of_several_runs_gives_their_whole_time():

@@ -110,10 +110,8 @@ def edge_estimate(config: dict, task: str, pruning: dict, device: str = "cuda") 
     if scores is None or circuit is None:
         return None
     circuit = within_cache(circuit, edges["cache_gb"], per_batch / (counted * rows_per_prompt * points))
-    larger = max(scores, circuit, key=lambda e: e.memory_bytes)
     # one circuit's time: the sweep evaluates one per edge count (EdgeSweep's counts)
-    seconds = None if scores.seconds is None else scores.seconds + circuit.seconds * _edge_counts({**pruning, **edges})
-    return cost.Estimate(larger.memory_bytes, larger.weights_bytes, seconds, larger.terms)
+    return cost.in_sequence(scores, circuit, _edge_counts({**pruning, **edges}))
 
 
 def _edge_counts(settings: dict) -> int:

@@ -8,8 +8,8 @@ allocates as counted (``EXACT``: edge attribution's gradients and senders, the c
 recordings, the KV cache, mediation's two recorded runs) take one element's bytes each; the others a coefficient in bytes per
 element fitted by non-negative least squares to the peaks ``benchmarks/scale.py`` measured at
 the papers' models' width (``benchmarks/scale_fit.py`` writes ``cost_coefficients.json`` beside
-this module). Time: seconds per multiply-add of the stage (``work_units``) and per pass through
-a layer (``layer_passes``), fitted the same way for each device kind measured. A family or stage
+this module). Time: seconds per unit of each of the stage's ``time_features`` (its multiply-adds,
+the weights its passes read, ...), fitted the same way for each device kind measured. A family or stage
 the table has no coefficients for has no estimate (None), and the caller says so in its log; a
 device without a time fit has a memory estimate and no time (``Estimate.seconds`` None).
 """
@@ -71,10 +71,15 @@ class Shape:
         except (KeyError, TypeError, ValueError):
             return None
 
+    def attention_parameters(self) -> int:
+        """One layer's q, k, v and o projections."""
+        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+
+    def mlp_parameters(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+
     def layer_parameters(self) -> int:
-        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
-        return attention + mlp
+        return self.attention_parameters() + self.mlp_parameters()
 
     def parameters(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
@@ -113,6 +118,10 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
         rows, tokens = 2 * min(w["prompts"], w.get("batch", w["prompts"])), w["tokens"]
         return {"recorded": s.depth * rows * tokens * s.hidden, "activations": rows * tokens * per_token,
                 "scores": rows * s.heads * tokens * tokens}
+    if stage == "head_attribution":  # a backward to the heads' gates: every layer's saved activations
+        rows, tokens = min(w["prompts"], w.get("batch", w["prompts"])), w["tokens"]
+        return {"autograd": s.depth * rows * tokens * per_token, "activations": rows * tokens * per_token,
+                "logits": rows * 2 * s.vocab}  # every token's logit at the last 2 positions (read="all")
     if stage == "edge_scores":  # the receivers' gradients, the clean and corrupted recordings at the points
         rows, tokens, points = w["batch"], w["tokens"], w["points_per_batch"]
         return {"gradients": points * s.hidden * s.receivers(), "senders": 2 * points * s.recorded_per_point(),
@@ -134,7 +143,10 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
         return {"recorded": 2 * w["prompts"] * tokens * (s.depth * (s.heads * s.head_dim + s.hidden)
                                                          + patched * s.hidden),
                 "resumed": s.depth * rows * tokens * s.hidden, "activations": rows * tokens * per_token,
-                "scores": rows * s.heads * tokens * tokens}
+                "scores": rows * s.heads * tokens * tokens,
+                # the metric's logits at the scored positions over the whole vocabulary, and their
+                # log-softmax in float64 (runs.continuation_metric)
+                "logits": rows * w.get("scored", 1) * s.vocab}
     if stage == "generation":  # the KV cache, a step's activations and logits
         rows, tokens = w["batch"], w["prompt_tokens"] + w["new_tokens"]
         return {"kv_cache": rows * tokens * s.depth * 2 * s.kv_heads * s.head_dim,
@@ -147,62 +159,81 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
     raise ValueError(f"no cost model for stage {stage!r}")
 
 
-def work_units(stage: str, shape: Shape, work: dict) -> float:
-    """The stage's work in multiply-adds, the unit its seconds are fitted in: tokens × the
-    decoder's weights per token (and the output head's where the stage computes every token's
-    logits: generation's steps, post-training), times the passes the stage takes. Extraction,
-    patching and edges read a few logits only (``logits_to_keep``)."""
-    decoder = shape.depth * shape.layer_parameters()
-    head = shape.vocab * shape.hidden
-    if stage == "extraction":  # the decoder, and each layer's T x T scores
-        tokens = work["tokens"]
-        return work.get("batch", 1) * tokens * (decoder + shape.depth * tokens * shape.heads * shape.head_dim)
-    if stage == "heads":  # a clean and a corrupted forward, then each head's pass resumed at its layer
-        layers = shape.depth
-        resumed = shape.heads * layers * (layers + 1) / 2  # layer passes: a head of layer l runs L - l layers
-        return 2 * work["prompts"] * work["tokens"] * shape.layer_parameters() * (layers + resumed)
-    if stage == "mediation":
-        layers = shape.depth
-        resumed = shape.heads * layers * (layers + 1) / 2
-        return work["prompts"] * work["tokens"] * shape.layer_parameters() * (
-            2 * resumed + _mediation_forwards(layers, work) * layers)
-    if stage == "edge_scores":  # per chunk a recording forward and `steps` forward-and-backwards (3 forwards each)
-        return work["prompts"] * work["tokens"] * decoder * (1 + 3 * work.get("steps", 5)) * work.get("chunks", 1)
-    if stage == "edge_circuit":  # the patched forward and, for the mixes, about another
-        return work["prompts"] * work["tokens"] * decoder * 2
-    if stage == "generation":
-        return work["batch"] * (work["prompt_tokens"] + work["new_tokens"]) * (decoder + head)
-    if stage == "lora_step":  # forward and backward
-        return work["batch"] * work["tokens"] * (decoder + head) * 3
+def time_features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
+    """What a stage's seconds are fitted on, for ``work``:
+
+    - ``multiply_adds``: the stage's multiply-adds in passes of many rows (every token of a
+      batch: prompts, recordings, backward passes; attention's T x T products);
+    - ``row_multiply_adds``: those of passes of a few rows (generation's steps: one token per
+      row; on a CPU a matrix times a few vectors runs many times slower per multiply-add);
+    - ``weights_read``: the parameters each pass reads, summed over the passes (a pass of few
+      rows costs about its weights, whatever its rows);
+    - ``receiver_elements``: edge attribution's per-receiver inputs and gradients, one element of
+      width per receiver and point (memory traffic, no multiply-adds);
+    - ``runs``: 1, a constant per run (building the batch, the first pass's setup), in the
+      stages of a few passes only: beside hundreds of passes it is not identifiable, and fitted
+      anyway it made a family left out of the fit many times worse (benchmarks/README.md).
+
+    A pass reads the logits the stage's metric reads: exact patching and edges a few tokens'
+    (``readout``), mediation every token's at its scored positions, generation every token's
+    at each step."""
+    s, w = shape, work
+    layer, head = s.layer_parameters(), s.vocab * s.hidden
+    decoder = s.depth * layer
+    batches = -(-w.get("prompts", w.get("batch", 1)) // w.get("batch", w.get("prompts", 1)))
+    if stage == "extraction":  # one forward per batch, and each layer's T x T scores (queries by keys, then values)
+        rows, tokens = w.get("batch", 1), w["tokens"]
+        scores = s.depth * s.heads * tokens * tokens * s.head_dim * 2
+        return {"multiply_adds": batches * rows * (tokens * decoder + scores), "weights_read": batches * decoder,
+                "runs": 1}
+    if stage in ("heads", "mediation"):
+        return _patching_time(stage, s, w, batches)
+    if stage == "head_attribution":  # the references' forward, then a forward and a backward (about two)
+        return {"multiply_adds": 4 * w["prompts"] * (w["tokens"] * decoder + 2 * head),
+                "weights_read": 4 * batches * (decoder + head), "runs": 1}
+    if stage == "edge_scores":  # per batch and chunk a recording forward and `steps` forward-and-backwards
+        passes = (1 + 3 * w.get("steps", 5)) * w.get("chunks", 1)
+        points = batches * w["points_per_batch"]
+        return {"multiply_adds": w["prompts"] * w["tokens"] * decoder * passes
+                + points * s.hidden * s.senders() * s.receivers(),  # the scores: differences x gradients
+                "weights_read": batches * passes * decoder,
+                "receiver_elements": points * s.hidden * s.receivers() * (1 + w.get("steps", 5))}
+    if stage == "edge_circuit":  # the corrupted recording, the patched forward and its receivers' mixes
+        return {"multiply_adds": 3 * w["prompts"] * w["tokens"] * decoder,
+                "receiver_elements": w["points"] * s.hidden * s.receivers(), "runs": 1}
+    if stage == "generation":  # a prefill (the last position's logits), then a step per new token
+        rows = w["batch"]
+        return {"multiply_adds": batches * rows * (w["prompt_tokens"] * decoder + head),
+                "row_multiply_adds": batches * rows * w["new_tokens"] * (decoder + head), "runs": 1}
+    if stage == "lora_step":  # forward and backward (about two forwards), every token's logits
+        rows, tokens = w["batch"], w["tokens"]
+        scores = s.depth * s.heads * tokens * tokens * s.head_dim * 2
+        return {"multiply_adds": 3 * rows * (tokens * (decoder + head) + scores), "weights_read": 3 * (decoder + head),
+                "runs": 1}
     raise ValueError(f"no cost model for stage {stage!r}")
 
 
-def layer_passes(stage: str, shape: Shape, work: dict) -> float:
-    """Passes through one layer the stage takes: each costs time beyond its multiply-adds (the
-    hooks and launches of a layer), which a small batch pays more often."""
-    layers, batches = shape.depth, -(-work.get("prompts", 1) // work.get("batch", work.get("prompts", 1)))
-    if stage == "extraction":
-        return layers
-    if stage == "heads":
-        return batches * (2 * layers + shape.heads * layers * (layers + 1) / 2)
-    if stage == "mediation":
-        return batches * (2 * shape.heads * layers * (layers + 1) / 2 + _mediation_forwards(layers, work) * layers)
-    if stage == "edge_scores":
-        return batches * work.get("chunks", 1) * (1 + work.get("steps", 5)) * layers
-    if stage == "edge_circuit":
-        return batches * layers
-    if stage == "generation":
-        return work["new_tokens"] * layers
-    if stage == "lora_step":
-        return 3 * layers
-    raise ValueError(f"no cost model for stage {stage!r}")
-
-
-def _mediation_forwards(layers: int, work: dict) -> int:
-    """Mediation's whole forwards besides the heads' resumed passes: each condition recorded, one
-    per ARM seed, and in each direction two per patched layer (its MLP, its residual stream) and
-    three groups (layer 0's attention, the top heads, every head with every MLP)."""
-    return 2 + work.get("arm_seeds", 0) + 2 * (2 * work.get("patched", layers) + 3)
+def _patching_time(stage: str, s: Shape, w: dict, batches: int) -> dict[str, float]:
+    """Exact head patching's (and mediation's, which patches every head in both directions and
+    then each layer's MLP and residual stream) time features: its whole forwards, and a resumed
+    pass per head (``patching.heads.Patcher.exact``: a head of layer l runs l's o_proj and MLP,
+    then the layers above; the last layer's MLP at the read positions only, counted as none)."""
+    depth, mlp, attention = s.depth, s.mlp_parameters(), s.attention_parameters()
+    o = s.heads * s.head_dim * s.hidden
+    resumed = s.heads * (depth * o + (depth - 1) * mlp + depth * (depth - 1) / 2 * attention
+                         + (depth - 1) * (depth - 2) / 2 * mlp)
+    head = s.vocab * s.hidden
+    if stage == "heads":  # the reference's and the recording's forwards (and any sweep's, attribution's)
+        forwards, head_passes, scored = w.get("forwards", 2), s.heads * depth, 0
+    else:  # both conditions recorded, ARM's seeds; per direction a recording, the parts and three groups
+        forwards = 2 + w.get("arm_seeds", 0) + 2 * (1 + 2 * w.get("patched", depth) + 3)
+        head_passes, scored, resumed = 2 * s.heads * depth, w.get("scored", 1), 2 * resumed
+    per_row_token = forwards * depth * s.layer_parameters() + resumed  # parameters, summed over the passes
+    passes = forwards + head_passes
+    # the LM head: every token's logit at mediation's scored positions (exact patching reads a few)
+    logits = passes * head if scored else 0
+    return {"multiply_adds": w["prompts"] * (w["tokens"] * per_row_token + scored * logits),
+            "weights_read": batches * (per_row_token + logits)}
 
 
 @dataclass(frozen=True)
@@ -218,6 +249,16 @@ class Estimate:
         terms = ", ".join(f"{name} {value / 1e9:.2f} GB" for name, value in self.terms.items())
         time = "no time fit for this device" if self.seconds is None else f"{self.seconds / 60:.1f} min"
         return (f"{self.memory_bytes / 1e9:.1f} GB (weights {self.weights_bytes / 1e9:.1f} GB; {terms}); {time}")
+
+
+def in_sequence(first: Estimate | None, then: Estimate | None, then_runs: int = 1) -> Estimate | None:
+    """One job's estimate of two stages run one after the other (``then`` ``then_runs`` times): the
+    larger peak (each frees what it held), the seconds of all (None where either has none)."""
+    if first is None or then is None:
+        return None
+    larger = max(first, then, key=lambda found: found.memory_bytes)
+    seconds = None if first.seconds is None or then.seconds is None else first.seconds + then.seconds * then_runs
+    return Estimate(larger.memory_bytes, larger.weights_bytes, seconds, larger.terms)
 
 
 @functools.lru_cache(maxsize=4)
@@ -243,10 +284,10 @@ def estimate(stage: str, config: dict, work: dict, dtype_bytes: int, device: str
     terms = {name: fitted["memory"][name] * value * scale for name, value in counted.items()}
     terms["constant"] = fitted["constant_bytes"]  # the interpreter's and the allocator's share
     weights = shape.parameters() * dtype_bytes
-    per_unit = fitted.get("seconds_per_unit", {}).get(device)
-    per_pass = fitted.get("seconds_per_layer_pass", {}).get(device, 0.0)
-    seconds = None if per_unit is None else (per_unit * work_units(stage, shape, work)
-                                            + per_pass * layer_passes(stage, shape, work))
+    per_feature = fitted.get("seconds", {}).get(device)
+    timed = time_features(stage, shape, work)
+    seconds = None if per_feature is None or set(timed) - set(per_feature) else sum(
+        per_feature[name] * value for name, value in timed.items())
     return Estimate(weights + sum(terms.values()), weights, seconds, terms)
 
 

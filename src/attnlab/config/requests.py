@@ -20,7 +20,10 @@ stage for the model (``cost.estimate`` None), the job asks what it asked before 
 - The GPU estimate: the same fit at the job's dtype on "cuda" (memory coefficients measured on
   the CPU: no CUDA context, no caching allocator's slack), written in the job's log.
 
-The fitted rules: generate, extract_attention, score_heads, edge_circuit and mediate (``FITTED``).
+The fitted rules: generate, extract_attention, score_heads (attribution, then exact patching
+where asked for: the larger peak, both times), edge_circuit (scoring, then the sweep's circuits)
+and mediate (``FITTED``). Generation and extraction are timed over every batch of the job's
+prompts, each as long as the longest.
 The others (sweep_heads, mlp_activations, sparsify_model, the ground-truth jobs) keep their
 rule's request: their stages have no fit (post-training's fit covers one LoRA step, not the
 dense control beside it nor full fine-tuning's optimiser state).
@@ -94,9 +97,11 @@ def column(path: str | None, name: str) -> list | None:
         return None
 
 
-def prompt_tokens(path: str | None) -> int | None:
-    """The longest prompt of a prompts parquet (its ``n_prompt_tokens``), None where unread."""
-    return int(max(column(path, "n_prompt_tokens") or [0])) or None
+def prompt_sizes(path: str | None) -> tuple[int, int] | None:
+    """(how many prompts, the longest's tokens) of a prompts parquet (its ``n_prompt_tokens``),
+    None where unread."""
+    lengths = column(path, "n_prompt_tokens")
+    return (len(lengths), int(max(lengths))) if lengths else None
 
 
 def mediation_work(section: dict, inputs: dict, batch: int) -> dict | None:
@@ -108,14 +113,17 @@ def mediation_work(section: dict, inputs: dict, batch: int) -> dict | None:
     if not prompts or not generated:
         return None
     items = min(len(prompts), section["max_items"] or len(prompts))
-    return mediation_sizes(items, batch, int(max(prompts)) + int(max(generated)), len(section["arm_seeds"]),
-                           section["patched_layers"])
+    return mediation_sizes(items, batch, int(max(prompts)) + int(max(generated)), int(max(generated)),
+                           len(section["arm_seeds"]), section["patched_layers"])
 
 
-def mediation_sizes(items: int, batch: int, tokens: int, arm_seeds: int, patched_layers: list[int] | None) -> dict:
+def mediation_sizes(items: int, batch: int, tokens: int, continuation: int, arm_seeds: int,
+                    patched_layers: list[int] | None) -> dict:
     """cost's mediation workload: ``items`` in batches of ``batch`` rows of up to ``tokens``, the
-    ARM seeds run, and the layers patched one at a time (layer 0 always; None: every layer)."""
-    work = {"prompts": items, "batch": min(batch, items), "tokens": tokens, "arm_seeds": arm_seeds}
+    longest continuation scored (its metric reads one position more), the ARM seeds run, and the
+    layers patched one at a time (layer 0 always; None: every layer)."""
+    work = {"prompts": items, "batch": min(batch, items), "tokens": tokens, "scored": continuation + 1,
+            "arm_seeds": arm_seeds}
     if patched_layers is not None:
         work["patched"] = len({0, *patched_layers})
     return work
@@ -123,11 +131,14 @@ def mediation_sizes(items: int, batch: int, tokens: int, arm_seeds: int, patched
 
 def heads_work(pruning: dict, task: str, batch: int) -> tuple[dict, int]:
     """score_heads' workload: the prompts heads are ranked on in mini-batches of ``batch`` rows,
-    and how many times it runs (once per ablation)."""
+    whether exact patching runs beside attribution, and how many times it runs (once per
+    ablation). Its whole forwards besides the resumed passes: the references', the recording's,
+    and the unpatched model's clean and corrupted metrics (once a job: counted in each run)."""
     tokens, _, rows_per_prompt = TASK_TOKENS[task]
     ranked, _ = prompt_split(pruning, task)
     prompts = ranked * rows_per_prompt
-    return {"prompts": prompts, "batch": min(batch, prompts), "tokens": tokens}, len(pruning_ablations(pruning))
+    return ({"prompts": prompts, "batch": min(batch, prompts), "tokens": tokens, "forwards": 4,
+             "exact": bool(pruning["exact"]) or pruning["ranking"] == "exact"}, len(pruning_ablations(pruning)))
 
 
 def job_request(rule: str, config: dict, wildcards: dict, inputs: dict, *, attempt: int, local: bool, batch: int,
@@ -148,14 +159,14 @@ def job_request(rule: str, config: dict, wildcards: dict, inputs: dict, *, attem
 def _workload(rule: str, config: dict, wildcards: dict, inputs: dict, batch: int) -> tuple[str, dict, dict | None, int]:
     """``rule``'s stage, settings section, workload (None before its inputs tell its size) and repeats."""
     stage = FITTED[rule]
+    sizes = prompt_sizes(inputs.get("prompts"))  # every batch as long as the longest prompt: an upper bound
     if stage == "generation":
         section = cell_generation(config, wildcards["model"], wildcards["dataset"])
-        tokens = prompt_tokens(inputs["prompts"])
-        return stage, section, tokens and {"batch": batch, "new_tokens": section["max_new_tokens"],
-                                           "prompt_tokens": tokens}, 1
+        return stage, section, sizes and {"prompts": sizes[0], "batch": min(batch, sizes[0]),
+                                          "new_tokens": section["max_new_tokens"], "prompt_tokens": sizes[1]}, 1
     if stage == "extraction":
-        tokens = prompt_tokens(inputs["prompts"])
-        return stage, config["attention"], tokens and {"batch": batch, "tokens": tokens}, 1
+        return stage, config["attention"], sizes and {"prompts": sizes[0], "batch": min(batch, sizes[0]),
+                                                      "tokens": sizes[1]}, 1
     if stage == "mediation":
         return stage, config["mediation"], mediation_work(config["mediation"], inputs, batch), 1
     if stage == "edges":  # budget.edge_estimate reads the task's sizes and the edge settings itself
@@ -193,18 +204,24 @@ def request(stage: str, model_json: dict | None, work: dict | None, *, device: s
 
 def stage_estimate(stage: str, model_json: dict, work: dict, element_bytes: int, device: str) -> cost.Estimate | None:
     """``cost.estimate`` of a job's stage; an edge job's (its ``work``: the task and the pruning
-    settings) is scoring's and its circuits' together (``budget.edge_estimate``)."""
+    settings) is scoring's and its circuits' together (``budget.edge_estimate``); a head-scoring
+    job's attribution's and exact patching's, one after the other."""
     if stage == "edges":
         return edge_estimate(model_json, work["task"], work["pruning"], device)
+    if stage == "heads":
+        attribution = cost.estimate("head_attribution", model_json, work, element_bytes, device)
+        if not work.get("exact", True):
+            return attribution
+        return cost.in_sequence(attribution, cost.estimate("heads", model_json, work, element_bytes, device))
     return cost.estimate(stage, model_json, work, element_bytes, device)
 
 
 def margins(stage: str, model_type: str) -> tuple[float, float]:
     """The cost fit's largest relative memory error (above the weights) and time factor on
-    ``stage`` (an edge job: the larger of scoring's and the circuits'): in its own measurements for
+    ``stage`` (an edge or head-scoring job: the larger of its two stages'): in its own measurements for
     a family it was fitted to, else the worst with each family left out of the fit and predicted."""
     table = cost.load_coefficients()
-    names = ("edge_scores", "edge_circuit") if stage == "edges" else (stage,)
+    names = {"edges": ("edge_scores", "edge_circuit"), "heads": ("head_attribution", "heads")}.get(stage, (stage,))
     seen = model_type in table.get("model_types", ())
     fits = [table["stages"][name]["fit"] for name in names]
     fits = [fit if seen else fit.get("held_out_family", fit) for fit in fits]

@@ -24,8 +24,8 @@ def extract_attention(model_dir: str, prompts_path: str, out_path: str, settings
     model, prompts, device, dtype, batch_size = _model_and_prompts(model_dir, prompts_path, settings,
                                                                    threads, batch_size)
     log.info("extracting %d prompts on %s (%s), batch size %d", len(prompts), device, dtype, batch_size)
-    log_cost_estimate("extraction", model_dir, {"batch": batch_size, "tokens": int(prompts["n_prompt_tokens"].max())},
-                      dtype, device)
+    log_cost_estimate("extraction", model_dir, {"prompts": len(prompts), "batch": min(batch_size, len(prompts)),
+                                                "tokens": int(prompts["n_prompt_tokens"].max())}, dtype, device)
     started = time.perf_counter()
     with intervened(model, arm=_arm(arm)):
         extraction = extract(model, prompts, batch_size, settings.full_map_layers)

@@ -39,8 +39,10 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     batch = build_batch(subset(prompts, ranked_on), tokenizer)
     size = _batch_size(settings.batch_size, batch_size)
-    log_cost_estimate("heads", model_dir, {"prompts": len(batch.clean), "batch": size, "tokens": int(batch.clean.shape[1])},
-                      torch.float32, model.device, repeats=len(settings.ablations))
+    work = {"prompts": len(batch.clean), "batch": size, "tokens": int(batch.clean.shape[1]), "forwards": 4}
+    exact = settings.exact or settings.ranking == "exact"  # as _scored_heads decides
+    for stage in ("head_attribution", "heads") if exact else ("head_attribution",):  # one after the other
+        log_cost_estimate(stage, model_dir, work, torch.float32, model.device, repeats=len(settings.ablations))
     means = None
     if "mean" in settings.ablations:
         if means_path is None:

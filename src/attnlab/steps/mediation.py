@@ -38,7 +38,8 @@ def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summar
                          "name layers it has, or null for every layer")
     arm_settings = ArmSettings(**arm) if arm else None
     work = mediation_sizes(len(items), _batch_size(settings.batch_size, batch_size),
-                           max(item.treated_length for item in items), len(settings.arm_seeds) if arm else 0,
+                           max(item.treated_length for item in items), max(len(item.continuation) for item in items),
+                           len(settings.arm_seeds) if arm else 0,
                            settings.patched_layers)
     log_cost_estimate("mediation", model_dir, work, next(model.parameters()).dtype, device)
     result = mediate(model, items, _batch_size(settings.batch_size, batch_size), arm_settings,

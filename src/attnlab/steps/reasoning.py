@@ -31,7 +31,8 @@ def generate(model_dir: str, prompts_path: str, out_path: str, generation: dict,
     dtype = pick_dtype(generation.dtype, device)
     log.info("device %s, dtype %s, batch size %d, greedy, %d new tokens at most",
              device, dtype, batch_size, generation.max_new_tokens)
-    log_cost_estimate("generation", model_dir, {"batch": batch_size, "new_tokens": generation.max_new_tokens,
+    log_cost_estimate("generation", model_dir, {"prompts": len(prompts), "batch": min(batch_size, len(prompts)),
+                                                "new_tokens": generation.max_new_tokens,
                                                 "prompt_tokens": int(prompts["n_prompt_tokens"].max())}, dtype, device)
     model = load_model(model_dir, device, dtype)
     tokenizer = load_tokenizer(model_dir)
