@@ -69,10 +69,14 @@ def test_scorings_exact_terms_equal_what_one_scoring_pass_allocates(arch, monkey
     against ``cost.features``' gradients and senders terms."""
     from attnlab.patching import edges
 
-    made = {"gradients": [], "recordings": []}
+    from attnlab import anatomy
+
+    made = {"gradients": [], "recordings": [], "weights": []}
     for name, kind, real in (("ReceiverGradients", "gradients", edges.ReceiverGradients),
                              ("Recording", "recordings", edges.Recording)):
         monkeypatch.setattr(edges, name, lambda real=real, kind=kind, **kw: made[kind].append(real(**kw)) or made[kind][-1])
+    heads_in = anatomy.heads_in  # the per-head weights the receivers' gradient hook reads (and copies)
+    monkeypatch.setattr(anatomy, "heads_in", lambda *a: made["weights"].append(heads_in(*a)) or made["weights"][-1])
     model = TINY[arch]().requires_grad_(False)
     batch = _batch(padding=_pads(arch))
     EdgeCircuits(model, batch, batch_size=6).scores(2)
@@ -82,6 +86,8 @@ def test_scorings_exact_terms_equal_what_one_scoring_pass_allocates(arch, monkey
     (gradients,), recordings = made["gradients"], made["recordings"]
     assert sum(t.numel() * t.element_size() for t in gradients.groups.values()) == counted["gradients"] * 4
     assert len(recordings) == 2 and sum(map(recording_bytes, recordings)) == counted["senders"] * 4
+    # the fitted "projections" term counts the largest of them, the query projection's
+    assert max(weight.numel() for weight in made["weights"]) == counted["projections"]
 
 
 def _with_layers(config: dict, layers: int) -> dict:

@@ -49,6 +49,7 @@ class Shape:
     gated_mlp: bool
     tied: bool
     post_norms: bool = False  # a norm after each sublayer (Gemma-3's sandwich, OLMo-2)
+    fused_qkv: bool = False  # one projection for q, k and v (GPT-2's c_attn, Phi-3, GPT-NeoX)
 
     @classmethod
     def of(cls, config: dict) -> "Shape | None":
@@ -67,7 +68,7 @@ class Shape:
                        head_dim=int(config.get("head_dim") or hidden // heads), intermediate=intermediate,
                        vocab=int(config["vocab_size"]), gated_mlp=family.gated_mlp,
                        tied=bool(config.get("tie_word_embeddings", config.get("model_type") in TIED_BY_DEFAULT)),
-                       post_norms=family.norm_places != "pre")
+                       post_norms=family.norm_places != "pre", fused_qkv=family.fused_qkv)
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -126,9 +127,12 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
         rows, tokens, points = w["batch"], w["tokens"], w["points_per_batch"]
         return {"gradients": points * s.hidden * s.receivers(), "senders": 2 * points * s.recorded_per_point(),
                 "autograd": s.depth * rows * tokens * per_token,
-                # one layer's attention projections' size, whatever the depth (the 1-layer peaks
-                # of OLMo-7B, Llama and Qwen exceed the other terms by about this: a per-layer copy)
-                "projections": s.hidden * s.head_dim * (2 * s.heads + 2 * s.kv_heads)}
+                # the receivers' gradient hook (interventions/edges/stand_ins._input_gradient): its
+                # copy of the largest projection's weight with the pre-norm's folded in (the query's;
+                # a fused q, k, v's whole), and each query head's input gradient at the points as it
+                # builds them (product, gather, scaling); found with torch's profiler on Llama, Gemma
+                "projections": (s.heads + 2 * s.kv_heads if s.fused_qkv else s.heads) * s.head_dim * s.hidden,
+                "hook": s.heads * points * s.hidden}
     if stage == "edge_circuit":  # every batch's corrupted recording, and one batch's senders' table
         elsewhere = (w["prompts"] * w["tokens"] - w["points"]) * s.depth * s.outputs_per_token()
         return {"recordings": w["points"] * s.recorded_per_point() + elsewhere,
