@@ -5,12 +5,13 @@ Memory: the weights (counted from the config: embeddings, each layer's q/k/v/o a
 head where it is not tied) plus, per stage, a sum of terms each a product of the model's shape
 and the workload (``features``: the elements a stage holds at its peak). Terms the code
 allocates as counted (``EXACT``: edge attribution's gradients and senders, the corrupted
-recordings, the KV cache, mediation's two recorded runs) take one element's bytes each; the others a coefficient in bytes per
-element fitted by non-negative least squares to the peaks ``benchmarks/scale.py`` measured at
-the papers' models' width (``benchmarks/scale_fit.py`` writes ``cost_coefficients.json`` beside
-this module). Time: seconds per unit of each of the stage's ``time_features`` (its multiply-adds,
-the weights its passes read, ...), fitted the same way for each device kind measured. A family or stage
-the table has no coefficients for has no estimate (None), and the caller says so in its log; a
+recordings, the KV cache, mediation's two recorded runs) take one element's bytes each; the
+others a coefficient in bytes per element fitted by non-negative least squares to the peaks
+``benchmarks/scale.py`` measured at the papers' models' width (``benchmarks/scale_fit.py``
+writes ``cost_coefficients.json`` beside this module). Time: seconds per unit of each of the
+stage's ``time_features`` (its multiply-adds, the weights its passes read, ...), fitted the same
+way for each device kind measured. A family or stage the table has no coefficients for has no
+estimate (None), and the caller says so in its log; a
 device without a time fit has a memory estimate and no time (``Estimate.seconds`` None).
 """
 
@@ -227,7 +228,7 @@ def _patching_time(stage: str, s: Shape, w: dict, batches: int) -> dict[str, flo
     resumed = s.heads * (depth * o + (depth - 1) * mlp + depth * (depth - 1) / 2 * attention
                          + (depth - 1) * (depth - 2) / 2 * mlp)
     head = s.vocab * s.hidden
-    if stage == "heads":  # the reference's and the recording's forwards (and any sweep's, attribution's)
+    if stage == "heads":  # the reference's and the recording's forwards (and any sweep's; attribution is its own stage)
         forwards, head_passes, scored = w.get("forwards", 2), s.heads * depth, 0
     else:  # both conditions recorded, ARM's seeds; per direction a recording, the parts and three groups
         forwards = 2 + w.get("arm_seeds", 0) + 2 * (1 + 2 * w.get("patched", depth) + 3)

@@ -138,7 +138,7 @@ def heads_work(pruning: dict, task: str, batch: int) -> tuple[dict, int]:
     ranked, _ = prompt_split(pruning, task)
     prompts = ranked * rows_per_prompt
     return ({"prompts": prompts, "batch": min(batch, prompts), "tokens": tokens, "forwards": 4,
-             "exact": bool(pruning["exact"]) or pruning["ranking"] == "exact"}, len(pruning_ablations(pruning)))
+             "exact": bool(pruning["exact"])}, len(pruning_ablations(pruning)))  # validate: an exact ranking needs it
 
 
 def job_request(rule: str, config: dict, wildcards: dict, inputs: dict, *, attempt: int, local: bool, batch: int,

@@ -101,6 +101,11 @@ class Scoring:
     n: int  # the task's clean/corrupted pairs (pruning.tasks.<task>.n)
     mean_pool: int | None  # mean ablation's reference: prompts drawn apart from the n (None: no mean)
 
+    @property
+    def runs_exact(self) -> bool:
+        """Whether exact patching scores the heads beside attribution."""
+        return self.exact or self.ranking == "exact"
+
 
 @dataclass(frozen=True)
 class Sweep:

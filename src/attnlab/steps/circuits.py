@@ -40,8 +40,7 @@ def score_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     batch = build_batch(subset(prompts, ranked_on), tokenizer)
     size = _batch_size(settings.batch_size, batch_size)
     work = {"prompts": len(batch.clean), "batch": size, "tokens": int(batch.clean.shape[1]), "forwards": 4}
-    exact = settings.exact or settings.ranking == "exact"  # as _scored_heads decides
-    for stage in ("head_attribution", "heads") if exact else ("head_attribution",):  # one after the other
+    for stage in ("head_attribution", "heads") if settings.runs_exact else ("head_attribution",):  # in turn
         log_cost_estimate(stage, model_dir, work, torch.float32, model.device, repeats=len(settings.ablations))
     means = None
     if "mean" in settings.ablations:
@@ -111,7 +110,7 @@ def _scored_heads(patcher, settings: Scoring) -> tuple[pd.DataFrame, dict]:
     layers, heads = attribution.shape
     scores = pd.DataFrame({"layer": np.repeat(np.arange(layers), heads), "head": np.tile(np.arange(heads), layers),
                            "attribution": attribution.flatten().numpy()})
-    if settings.exact or settings.ranking == "exact":
+    if settings.runs_exact:
         started = time.perf_counter()
         scores["exact"] = patcher.exact().flatten().numpy()
         summary["exact_s"] = time.perf_counter() - started
