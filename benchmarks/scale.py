@@ -31,7 +31,9 @@ allocation); the model's own bytes are reported beside it. Each stage runs at tw
 - generation: greedy, 16 new tokens after 64-token prompts, batches of 2 and 4, each engine
   (``static``, ``static_cache``);
 - lora_step: one sparse post-training step (gates, density penalty, CE; LoRA rank 64 on q, k, v
-  and o as config/paper.yaml's OLMo-7B copy) on 2 sequences of 128 and 256 tokens.
+  and o as config/paper.yaml's OLMo-7B copy) on 2 sequences of 128 and 256 tokens;
+- mlp_activations: the last layer's MLP activation recorded (statistics and a histogram, the
+  forward stopped there) over 4 left-padded prompts of up to 256 and 512 tokens.
 
 The JSON (benchmarks/out/scale_<device>.json) holds one row per model, layers, stage and
 workload; ``benchmarks/scale_fit.py`` fits ``attnlab.config.cost``'s coefficients to them.
@@ -58,10 +60,15 @@ from common import add_device_arguments, device_and_dtype, embedded_model, held_
 CONFIGS = Path(__file__).parent / "model_configs"
 MODELS = {"olmo-7b": "olmo-7b.json", "llama3.1-8b": "llama3.1-8b.json", "qwen2.5-math-7b": "qwen2.5-math-7b.json",
           "gemma3-4b": "gemma3-4b-it.text_config.resolved.json", "gpt2": "gpt2.json"}
-STAGES = ("extraction", "heads", "head_attribution", "edges", "mediation", "generation", "lora_step")
+STAGES = ("extraction", "heads", "head_attribution", "edges", "mediation", "generation", "lora_step",
+          "mlp_activations")
 WORKLOADS = {"extraction": {"tokens": (1024, 2048)}, "heads": {"prompts": (4, 8)}, "head_attribution": {"prompts": (4, 8)},
              "edges": {"batch": (4, 8), "circuit_prompts": (8, 16)}, "mediation": {"items": (2, 4)},
-             "generation": {"batch": (2, 4)}, "lora_step": {"tokens": (128, 256)}}
+             "generation": {"batch": (2, 4)}, "lora_step": {"tokens": (128, 256)},
+             "mlp_activations": {"tokens": (256, 512)}}
+# mlp_activations' rows: the longest of ``tokens``, the others shorter by this many each (left-padded
+# as a job's prompts of different lengths are: the padding mask is built)
+MLP_ROWS_SHORTER = (0, 8, 16, 24)
 # a mediation item: a baseline prompt, the treated one with a span inserted, the scored continuation
 MEDIATION_TOKENS = {"baseline": 96, "inserted": 32, "continuation": 16}
 
@@ -149,6 +156,8 @@ def stage_runs(stage: str, model, tokenizer, device: torch.device, dtype: torch.
                 for engine in ("static", "static_cache") for b in WORKLOADS[stage]["batch"]}
     if stage == "lora_step":
         return {f"tokens={t}": lambda t=t: _lora_step(model, t, device) for t in WORKLOADS[stage]["tokens"]}
+    if stage == "mlp_activations":
+        return {f"tokens={t}": lambda t=t: _mlp_activations(model, t) for t in WORKLOADS[stage]["tokens"]}
     raise ValueError(f"unknown stage {stage!r}: one of {STAGES}")
 
 
@@ -228,6 +237,24 @@ def _mediation(model, n: int) -> dict:
     return {"items": n, "prompts": n, "batch": n, "tokens": sum(sizes.values()), "scored": sizes["continuation"] + 1,
             **sizes,
             "effects": len(result["effects"])}
+
+
+def _mlp_activations(model, tokens: int) -> dict:
+    """mlp_activations' forward: the last layer's MLP activation recorded over the question tokens
+    of 4 left-padded prompts of up to ``tokens`` (the forward stops there: the whole decoder, no
+    LM head), statistics and a histogram as the job takes them."""
+    import pandas as pd
+
+    from attnlab import anatomy
+    from attnlab.mechanism.recording import record_activations
+    from common import extraction_prompts
+
+    rows = [ids[:tokens - shorter] for ids, shorter in zip(_random_ids(len(MLP_ROWS_SHORTER), tokens),
+                                                           MLP_ROWS_SHORTER)]
+    prompts = pd.concat([extraction_prompts([row], inserted=(8, 16)) for row in rows], ignore_index=True)
+    depth = anatomy.of(model).n_layers
+    record_activations(model, prompts, depth - 1, 0.01, np.linspace(-1, 1, 101), len(rows))
+    return {"prompts": len(rows), "batch": len(rows), "tokens": tokens, "layers_run": depth}
 
 
 def _generation(model, tokenizer, batch: int, engine: str) -> dict:

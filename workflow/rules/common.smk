@@ -20,8 +20,8 @@ from attnlab.config import settings as typed
 from attnlab.config.sources import sparse_bases
 from attnlab.config.schema import check_unique_keys
 from attnlab.config.validate import ConfigError, check, rebuild_requests
-from attnlab.config.budget import check_gpu_memory, estimates, gpu_memory_limit
-from attnlab.config.requests import READ_INPUTS, job_request
+from attnlab.config.budget import check_gpu_memory, gpu_memory_limit
+from attnlab.config.requests import READ_INPUTS, job_request, planned_estimates
 
 
 def check_local_dataset(name, spec):
@@ -65,7 +65,7 @@ CHOSEN = selections(config)  # what runs: attention and MLP datasets, composite 
 try:
     _GPU_MEMORY = gpu_memory_limit(workflow.global_resources.get("gpu_mem_gb"))
     if _GPU_MEMORY is not None:  # nothing to read otherwise (every job parses this file again)
-        check_gpu_memory(estimates(config, CHOSEN, SPARSE_BASES, Path("resources/models")), _GPU_MEMORY)
+        check_gpu_memory(planned_estimates(config, CHOSEN, SPARSE_BASES, Path("resources/models")), _GPU_MEMORY)
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
 ATTENTION = config["attention"]

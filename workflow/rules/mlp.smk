@@ -17,8 +17,7 @@ rule mlp_activations:
     resources:
         gpu=1,
         batch_size=mlp_batch,
-        mem_mb=model_memory(8000),
-        runtime=lambda wildcards, attempt: 30 * attempt,
+        **fitted("mlp_activations", mlp_batch),
     conda:
         "../../envs/attnlab.yaml"
     script:

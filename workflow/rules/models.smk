@@ -55,8 +55,7 @@ rule sparsify_model:
         "results/benchmarks/sparsify_model/{model}.tsv"
     resources:
         gpu=1,
-        mem_mb=model_memory(32000),
-        runtime=lambda wildcards, attempt: 240 * attempt,
+        **fitted("sparsify_model", lambda wildcards, attempt: 1),  # its batch is the settings' own
     conda:
         "../../envs/attnlab.yaml"
     script:

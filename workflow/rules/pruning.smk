@@ -54,8 +54,7 @@ rule sweep_heads:
         "results/benchmarks/sweep_heads/{model}/{task}/{ablation}.tsv"
     resources:
         gpu=1,
-        mem_mb=model_memory(16000),
-        runtime=lambda wildcards, attempt: 60 * attempt,
+        **fitted("sweep_heads", pruning_batch),
         batch_size=pruning_batch,
     conda:
         "../../envs/attnlab.yaml"

@@ -1,6 +1,7 @@
 from attnlab import steps
 
 steps.setup_logging(snakemake.log[0])
+steps.log_request("mlp_activations", snakemake)
 steps.mlp_activations(
     model_dir=snakemake.input.model,
     prompts_path=snakemake.input.prompts,

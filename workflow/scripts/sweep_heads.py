@@ -1,6 +1,7 @@
 from attnlab import steps
 
 steps.setup_logging(snakemake.log[0])
+steps.log_request("sweep_heads", snakemake)
 steps.sweep_heads(
     model_dir=snakemake.input.model,
     task=snakemake.wildcards.task,

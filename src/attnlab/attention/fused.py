@@ -25,12 +25,12 @@ import os
 import torch
 
 from attnlab.attention import reduction, sparse
-from attnlab.config.checks import FUSED_MODE_VARIABLE, fused_mode
+from attnlab.config.checks import FUSED_LARGEST_HEAD, FUSED_MODE_VARIABLE, fused_mode
 
 log = logging.getLogger(__name__)
 
 MODE_VARIABLE = FUSED_MODE_VARIABLE  # read by config.checks.fused_mode, which the config check shares
-LARGEST_HEAD = 256
+LARGEST_HEAD = FUSED_LARGEST_HEAD
 
 
 @functools.cache

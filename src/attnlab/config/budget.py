@@ -7,8 +7,9 @@ A GPU memory is declared as a Snakemake resource, beside the executor's other cl
 config: it belongs to the cluster, not to the experiment. Each job whose model's config.json can
 be read (a prepared folder; a source's own: a local folder, a hub model in the local cache; a
 sparse copy's base) is estimated; the others are left to run (``estimates`` says which and
-why), never refused. Only edge-circuit jobs are checked here, at parse time (EAP-IG scoring, then
-circuits with the corrupted recordings kept up to ``cache_gb``): the other fitted stages'
+why), never refused. Edge-circuit jobs are estimated here (``estimates``); head scoring, the
+head sweeps and post-training, whose workloads the settings alone also give, by
+``attnlab.config.requests.planned_estimates``, which the workflow calls. The other fitted stages'
 workloads depend on the prompts' lengths, known only once make_prompts has run; their jobs'
 requests and estimates come from ``attnlab.config.requests`` when they start. Token counts
 per prompt are the tasks' under SmolLM2's tokenizer (``TASK_TOKENS``): another tokenizer's
@@ -132,7 +133,8 @@ def within_cache(circuit: cost.Estimate, cache_gb: float | None, batch_share: fl
 
 
 def estimates(config: dict, chosen: dict, bases: dict, models_dir: Path) -> list[JobEstimate]:
-    """Every planned edge-circuit job's estimate on a GPU (the only stage estimated at parse time so far)."""
+    """Every planned edge-circuit job's estimate on a GPU (``requests.planned_estimates`` adds the others
+    known at parse time)."""
     pruning, out = config["pruning"], []
     edge_tasks = [task for task in pruning["edges"]["tasks"] if task in pruning["tasks"]]
     for model in chosen.get("edge_models") or []:

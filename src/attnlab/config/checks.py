@@ -15,6 +15,7 @@ from pathlib import Path
 
 FUSED_MODE_VARIABLE = "ATTNLAB_FUSED_ATTENTION"  # attention.fused: whether layers go through the kernels
 FUSED_MODES = ("auto", "on", "off")
+FUSED_LARGEST_HEAD = 256  # the kernels' largest head dimension; a larger head stays on the eager path
 
 
 def fused_mode() -> str:

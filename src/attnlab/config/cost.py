@@ -152,6 +152,9 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
                 # the metric's logits at the scored positions over the whole vocabulary, and their
                 # log-softmax in float64 (runs.continuation_metric)
                 "logits": rows * w.get("scored", 1) * s.vocab}
+    if stage == "mlp_activations":  # a batch's forward, stopped at the recorded layer; the padded rows' T x T
+        rows, tokens = w["batch"], w["tokens"]
+        return {"activations": rows * tokens * per_token, "scores": rows * s.heads * tokens * tokens}
     if stage == "generation":  # the KV cache, a step's activations and logits
         rows, tokens = w["batch"], w["prompt_tokens"] + w["new_tokens"]
         return {"kv_cache": rows * tokens * s.depth * 2 * s.kv_heads * s.head_dim,
@@ -191,6 +194,11 @@ def time_features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
         scores = s.depth * s.heads * tokens * tokens * s.head_dim * 2
         return {"multiply_adds": batches * rows * (tokens * decoder + scores), "weights_read": batches * decoder,
                 "runs": 1}
+    if stage == "mlp_activations":  # a forward per batch through the layers up to the recorded one, no LM head
+        rows, tokens, run = w["batch"], w["tokens"], w.get("layers_run", s.depth)
+        scores = run * s.heads * tokens * tokens * s.head_dim * 2
+        return {"multiply_adds": batches * rows * (tokens * run * layer + scores), "weights_read": batches * run * layer,
+                "runs": 1}
     if stage in ("heads", "mediation"):
         return _patching_time(stage, s, w, batches)
     if stage == "head_attribution":  # the references' forward, then a forward and a backward (about two)
@@ -222,7 +230,8 @@ def _patching_time(stage: str, s: Shape, w: dict, batches: int) -> dict[str, flo
     """Exact head patching's (and mediation's, which patches every head in both directions and
     then each layer's MLP and residual stream) time features: its whole forwards, and a resumed
     pass per head (``patching.heads.Patcher.exact``: a head of layer l runs l's o_proj and MLP,
-    then the layers above; the last layer's MLP at the read positions only, counted as none)."""
+    then the layers above; the last layer's MLP at the read positions only, counted as none). A
+    sweep (``exact`` false) runs only its whole forwards, one per k kept."""
     depth, mlp, attention = s.depth, s.mlp_parameters(), s.attention_parameters()
     o = s.heads * s.head_dim * s.hidden
     resumed = s.heads * (depth * o + (depth - 1) * mlp + depth * (depth - 1) / 2 * attention
@@ -230,6 +239,8 @@ def _patching_time(stage: str, s: Shape, w: dict, batches: int) -> dict[str, flo
     head = s.vocab * s.hidden
     if stage == "heads":  # the reference's and the recording's forwards (and any sweep's; attribution is its own stage)
         forwards, head_passes, scored = w.get("forwards", 2), s.heads * depth, 0
+        if not w.get("exact", True):  # a sweep: whole patched forwards only, no head resumed alone
+            head_passes, resumed = 0, 0
     else:  # both conditions recorded, ARM's seeds; per direction a recording, the parts and three groups
         forwards = 2 + w.get("arm_seeds", 0) + 2 * (1 + 2 * w.get("patched", depth) + 3)
         head_passes, scored, resumed = 2 * s.heads * depth, w.get("scored", 1), 2 * resumed

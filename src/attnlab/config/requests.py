@@ -20,13 +20,14 @@ stage for the model (``cost.estimate`` None), the job asks what it asked before 
 - The GPU estimate: the same fit at the job's dtype on "cuda" (memory coefficients measured on
   the CPU: no CUDA context, no caching allocator's slack), written in the job's log.
 
-The fitted rules: generate, extract_attention, score_heads (attribution, then exact patching
-where asked for: the larger peak, both times), edge_circuit (scoring, then the sweep's circuits)
-and mediate (``FITTED``). Generation and extraction are timed over every batch of the job's
-prompts, each as long as the longest.
-The others (sweep_heads, mlp_activations, sparsify_model, the ground-truth jobs) keep their
-rule's request: their stages have no fit (post-training's fit covers one LoRA step, not the
-dense control beside it nor full fine-tuning's optimiser state).
+The fitted rules (``FITTED``): generate, extract_attention, score_heads (attribution, then exact
+patching where asked for: the larger peak, both times), sweep_heads (the heads fit's whole
+patched forwards, one per k at most as many as its search can measure: ``sweep_points``),
+edge_circuit (scoring, then the sweep's circuits), mediate, mlp_activations (a forward stopped
+at the recorded layer) and sparsify_model (the one measured training step composed with what
+the settings say the job holds and runs: ``training_cost``). Generation, extraction and the
+MLP forward are timed over every batch of the job's prompts, each as long as the longest.
+The ground-truth jobs keep their rule's request: their compiled models are tiny.
 """
 
 from __future__ import annotations
@@ -38,22 +39,25 @@ from pathlib import Path
 
 from attnlab.anatomy.families import text_config
 from attnlab.config import cost
-from attnlab.config.budget import TASK_TOKENS, edge_estimate, model_config, prompt_split
+from attnlab.config.budget import FLOAT32, TASK_TOKENS, JobEstimate, edge_estimate, estimates, model_config, prompt_split
 from attnlab.config.plan import cell_generation, model_memory_mb, pruning_ablations, weights_bytes
+from attnlab.config.training_cost import sparsify_estimate
 
 # the process before it loads a model (Python, torch, transformers, attnlab's stages imported:
 # 521 MiB here), rounded up: the fit measures each stage above what the process held
 PROCESS_BYTES = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FITTED = {"generate": "generation", "extract_attention": "extraction", "score_heads": "heads",
-          "edge_circuit": "edges", "mediate": "mediation"}
+          "sweep_heads": "sweep", "edge_circuit": "edges", "mediate": "mediation",
+          "mlp_activations": "mlp_activations", "sparsify_model": "sparsify"}
 # the inputs whose sizes a workload reads (generation and extraction: the prompts; mediation: the
 # treated prompts and their generations)
 READ_INPUTS = ("prompts", "treated", "generations")
 # each fitted rule's request before the fit: memory beside the weights rule, minutes (score_heads':
 # per ablation); a job asks at least this
 FLOORS = {"generate": (16000, 120), "extract_attention": (16000, 60), "score_heads": (16000, 60),
-          "edge_circuit": (16000, 60), "mediate": (16000, 120)}
+          "sweep_heads": (16000, 60), "edge_circuit": (16000, 60), "mediate": (16000, 120),
+          "mlp_activations": (8000, 30), "sparsify_model": (32000, 240)}
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,47 @@ def heads_work(pruning: dict, task: str, batch: int) -> tuple[dict, int]:
              "exact": bool(pruning["exact"])}, len(pruning_ablations(pruning)))  # validate: an exact ranking needs it
 
 
+def log_grid(n: int, max_all: int, points: int) -> list[int]:
+    """``circuits.curves.k_grid`` without numpy (Snakemake's process reads this): every k up to
+    ``n`` where ``n <= max_all``, else ``points`` log-spaced k from 1 to ``n``, with 0 and ``n``."""
+    if n <= max_all:
+        return list(range(n + 1))
+    spaced = {round(n ** (i / (points - 1))) for i in range(points)} if points > 1 else {1}
+    return [0, *sorted(k for k in spaced if 0 < k < n), n]
+
+
+def sweep_points(n_heads: int, pruning: dict, configured: bool) -> int:
+    """At most how many k one ranking's head sweep measures (``steps.circuits._head_count``),
+    never more than every k. rounds: the grid, and for the configured ranking every k inside the
+    widest step of the grid (the bracket of the first crossing, refined to the head) and up to
+    log_points below the interval's ends. bisection: the coarse grid, and for the configured
+    ranking every k of the fine grid (measured only where the curve's band holds the threshold),
+    a bisection of the widest bracket, and up to log_points for the interval's ends."""
+    fine = log_grid(n_heads, pruning["all_k_up_to"], pruning["log_points"])
+    if pruning["search"] == "bisection":
+        coarse = log_grid(n_heads, 0, pruning["coarse_points"])
+        points = len(coarse) + (len(fine) + math.ceil(math.log2(n_heads + 1)) + pruning["log_points"]
+                                if configured else 0)
+    else:
+        widest = max(high - low for low, high in zip(fine, fine[1:]))
+        points = len(fine) + (widest - 1 + pruning["log_points"] if configured else 0)
+    return min(points, n_heads + 1)
+
+
+def sweep_work(pruning: dict, task: str, batch: int, n_heads: int) -> dict:
+    """sweep_heads' workload: the counted prompts in mini-batches of ``batch`` rows, and its whole
+    forwards (every one a patched or plain forward over them): the reference's and the recording's,
+    the unpatched model's clean and corrupted metrics (``_counted_prompts``), and each ranking's
+    sweep at most (``sweep_points``; the other ranking where it is swept too)."""
+    tokens, _, rows_per_prompt = TASK_TOKENS[task]
+    _, counted = prompt_split(pruning, task)
+    prompts = counted * rows_per_prompt
+    other = pruning["sweep_other_ranking"] and (pruning["exact"] or pruning["ranking"] == "exact")
+    points = sweep_points(n_heads, pruning, True) + (sweep_points(n_heads, pruning, False) if other else 0)
+    return {"prompts": prompts, "batch": min(batch, prompts), "tokens": tokens, "forwards": 4 + points,
+            "exact": False}
+
+
 def job_request(rule: str, config: dict, wildcards: dict, inputs: dict, *, attempt: int, local: bool, batch: int,
                 bases: dict, models_dir: str = "resources/models") -> Request:
     """What ``rule``'s job for ``wildcards`` asks for (a rule in ``FITTED``), its inputs
@@ -148,25 +193,40 @@ def job_request(rule: str, config: dict, wildcards: dict, inputs: dict, *, attem
     model = wildcards["model"]
     model_json = model_config(model, config["models"], Path(models_dir), bases)
     weights = weights_bytes(f"{models_dir}/{model}") or weights_bytes(f"{models_dir}/{bases.get(model, model)}")
-    stage, section, work, repeats = _workload(rule, config, wildcards, inputs, batch)
+    stage, section, work, repeats = _workload(rule, config, wildcards, inputs, batch, model_json)
     device = job_device(section.get("device", "auto"), local)
-    element_bytes = 4 if stage in ("heads", "edges") else dtype_bytes(section.get("dtype", "auto"), device)
+    element_bytes = 4 if stage in ("heads", "sweep", "edges") else dtype_bytes(section.get("dtype", "auto"), device)
     least_mb, least_min = FLOORS[rule]
     return request(stage, model_json, work, device=device, element_bytes=element_bytes, weights=weights,
                    least_mb=least_mb, least_min=least_min * repeats, attempt=attempt, repeats=repeats)
 
 
-def _workload(rule: str, config: dict, wildcards: dict, inputs: dict, batch: int) -> tuple[str, dict, dict | None, int]:
-    """``rule``'s stage, settings section, workload (None before its inputs tell its size) and repeats."""
+def _workload(rule: str, config: dict, wildcards: dict, inputs: dict, batch: int,
+              model_json: dict | None) -> tuple[str, dict, dict | None, int]:
+    """``rule``'s stage, settings section, workload (None before its inputs or the model's config
+    tell its size) and repeats."""
     stage = FITTED[rule]
     sizes = prompt_sizes(inputs.get("prompts"))  # every batch as long as the longest prompt: an upper bound
+    if stage == "mlp_activations":  # the first max_prompts, each forward stopped at the recorded layer
+        section = config["mlp"]
+        sizes = sizes and (min(sizes[0], section["max_prompts"] or sizes[0]), sizes[1])
+        return stage, section, sizes and {"prompts": sizes[0], "batch": min(batch, sizes[0]), "tokens": sizes[1],
+                                          "layers_run": section["layer"] + 1}, 1
+    if stage == "sparsify":  # the copy's post-training settings (training_cost reads them itself)
+        section = config["models"][wildcards["model"]]["source"]["sparsify"]
+        return stage, section, section, 1
+    if stage == "sweep":
+        shape = None if model_json is None else cost.Shape.of(model_json)
+        return stage, config["pruning"], shape and sweep_work(config["pruning"], wildcards["task"], batch,
+                                                              shape.depth * shape.heads), 1
     if stage == "generation":
         section = cell_generation(config, wildcards["model"], wildcards["dataset"])
         return stage, section, sizes and {"prompts": sizes[0], "batch": min(batch, sizes[0]),
                                           "new_tokens": section["max_new_tokens"], "prompt_tokens": sizes[1]}, 1
     if stage == "extraction":
-        return stage, config["attention"], sizes and {"prompts": sizes[0], "batch": min(batch, sizes[0]),
-                                                      "tokens": sizes[1]}, 1
+        section = config["attention"]
+        sizes = sizes and (min(sizes[0], section["max_prompts"] or sizes[0]), sizes[1])
+        return stage, section, sizes and {"prompts": sizes[0], "batch": min(batch, sizes[0]), "tokens": sizes[1]}, 1
     if stage == "mediation":
         return stage, config["mediation"], mediation_work(config["mediation"], inputs, batch), 1
     if stage == "edges":  # budget.edge_estimate reads the task's sizes and the edge settings itself
@@ -208,6 +268,10 @@ def stage_estimate(stage: str, model_json: dict, work: dict, element_bytes: int,
     job's attribution's and exact patching's, one after the other."""
     if stage == "edges":
         return edge_estimate(model_json, work["task"], work["pruning"], device)
+    if stage == "sparsify":
+        return sparsify_estimate(model_json, work, device)
+    if stage == "sweep":  # whole patched forwards as exact patching's own (the heads fit), no head resumed alone
+        return cost.estimate("heads", model_json, work, element_bytes, device)
     if stage == "heads":
         attribution = cost.estimate("head_attribution", model_json, work, element_bytes, device)
         if not work.get("exact", True):
@@ -221,8 +285,36 @@ def margins(stage: str, model_type: str) -> tuple[float, float]:
     ``stage`` (an edge or head-scoring job: the larger of its two stages'): in its own measurements for
     a family it was fitted to, else the worst with each family left out of the fit and predicted."""
     table = cost.load_coefficients()
-    names = {"edges": ("edge_scores", "edge_circuit"), "heads": ("head_attribution", "heads")}.get(stage, (stage,))
+    names = {"edges": ("edge_scores", "edge_circuit"), "heads": ("head_attribution", "heads"),
+             "sweep": ("heads",), "sparsify": ("lora_step",)}.get(stage, (stage,))
     seen = model_type in table.get("model_types", ())
     fits = [table["stages"][name]["fit"] for name in names]
     fits = [fit if seen else fit.get("held_out_family", fit) for fit in fits]
     return max(fit["largest_memory_error"] for fit in fits), max(fit["largest_time_factor"] for fit in fits)
+
+
+def planned_estimates(config: dict, chosen: dict, bases: dict, models_dir: Path) -> list[JobEstimate]:
+    """Every planned GPU job whose workload the settings alone give, estimated on a GPU before
+    any job runs (``budget.check_gpu_memory`` refuses a plan over a declared ``gpu_mem_gb``): edge
+    circuits (``budget.estimates``), head scoring and sweeps (float32, the first attempt's batch),
+    and each sparse copy's post-training. Generation, extraction, the MLP forward and mediation
+    wait for their prompts' lengths: their estimates are in their logs."""
+    pruning, out = config["pruning"], estimates(config, chosen, bases, models_dir)
+    settings_of = {"score_heads": "pruning.batch_size, pruning.tasks.<task>.n, pruning.rank_share",
+                   "sweep_heads": "pruning.batch_size, pruning.tasks.<task>.n, pruning.rank_share",
+                   "sparsify_model": "sparsify.batch_size, sparsify.seq_len, sparsify.train (lora), "
+                                     "sparsify.heldout_sequences"}
+    jobs = [(rule, model, task, {"model": model, "task": task, "ablation": ""})
+            for model in chosen.get("pruning_models") or [] for task in pruning["tasks"]
+            for rule in ("score_heads", "sweep_heads")]
+    jobs += [("sparsify_model", copy, "", {"model": copy}) for copy in bases]
+    for rule, model, what, wildcards in jobs:
+        model_json = model_config(model, config["models"], models_dir, bases)
+        found = None
+        if model_json is not None:
+            stage, _, work, repeats = _workload(rule, config, wildcards, {}, pruning["batch_size"], model_json)
+            found = work and stage_estimate(stage, model_json, work, FLOAT32, "cuda")
+        out.append(JobEstimate(rule, model, what, found,
+                               "its config.json is not at hand before it is prepared" if model_json is None
+                               else "the cost fit has no family or stage for it", settings_of[rule]))
+    return out

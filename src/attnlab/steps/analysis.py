@@ -119,6 +119,9 @@ def mlp_activations(model_dir: str, prompts_path: str, stats_path: str, histogra
     edges = np.linspace(bins["low"], bins["high"], bins["bins"] + 1)
     log.info("layer %d MLP activations of %d prompts on %s (%s)", settings.layer, len(prompts),
              device, dtype)
+    log_cost_estimate("mlp_activations", model_dir, {"prompts": len(prompts), "batch": min(batch_size, len(prompts)),
+                                                     "tokens": int(prompts["n_prompt_tokens"].max()),
+                                                     "layers_run": settings.layer + 1}, dtype, device)
     with intervened(model, arm=_arm(arm)):
         stats, histogram = record_activations(model, prompts, settings.layer, settings.near_zero,
                                               edges, batch_size)

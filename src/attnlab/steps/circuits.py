@@ -122,14 +122,13 @@ def _scored_heads(patcher, settings: Scoring) -> tuple[pd.DataFrame, dict]:
 def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, scores_path: str,
                 scoring_path: str, outputs: dict, threads: int, batch_size: int | None = None,
                 means_path: str | None = None) -> None:
-    """On the prompts heads were not ranked on, under ``settings["ablation"]`` (its scores:
-    ``scores_path``): keep the top-k heads of each ranking scored, ablate the rest, for every k
-    of the grid; for the configured ranking also every k around the first crossing of the
-    threshold and just below each end of its bootstrap interval, found by rounds or by search
-    (``_head_count``); the other ranking's count is the grid's (an upper bound). The unpatched
-    model's metric on each counted prompt, clean and corrupted, is recorded too (a copy's kept
-    gap: ``circuits.task_gap``). ``outputs``: sweep (curves), per_prompt (each prompt's metric at
-    each k), summary. Mean ablation's reference: the scoring job's (``means_path``)."""
+    """On the prompts heads were not ranked on, under ``settings["ablation"]`` (its scores: ``scores_path``):
+    keep the top-k heads of each ranking scored, ablate the rest, for every k of the grid; for the configured
+    ranking also every k around the first crossing of the threshold and just below each end of its bootstrap
+    interval, found by rounds or by search (``_head_count``); the other ranking's count is the grid's (an upper
+    bound). The unpatched model's metric on each counted prompt, clean and corrupted, is recorded too (a copy's
+    kept gap: ``circuits.task_gap``). ``outputs``: sweep (curves), per_prompt (each prompt's metric at each k),
+    summary. Mean ablation's reference: the scoring job's (``means_path``)."""
     import torch
 
     from attnlab.circuits.counting import Bootstrap
@@ -154,6 +153,7 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     scores = pd.read_csv(scores_path)
     rankings = [settings.ranking, *(r for r in ("exact", "attribution")
                                     if settings.sweep_other_ranking and r in scores and r != settings.ranking)]
+    most = _log_sweep_estimate(model_dir, patcher, size, len(scores), settings, rankings)
     bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
     started, counts = time.perf_counter(), {}
     for ranking in rankings:
@@ -162,6 +162,8 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
         counts[ranking] = _head_count(patcher, [(int(l), int(h)) for l, h in order], settings, bootstrap,
                                       scoring["counted_on"], configured=ranking == settings.ranking)
     elapsed = time.perf_counter() - started
+    log.info("the sweep measured %d k in %.0f s (at most %d estimated)", sum(len(c.curve) for c in counts.values()),
+             elapsed, most)
     io.write_csv(pd.concat([c.curve.assign(ranking=r) for r, c in counts.items()], ignore_index=True),
                  outputs["sweep"])
     io.write_parquet(pd.concat([c.per_prompt.assign(ranking=r) for r, c in counts.items()], ignore_index=True),
@@ -177,6 +179,22 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
                        "spearman_attribution_vs_exact"),
                    "rankings": {r: _ranking_summary(c.summary) for r, c in counts.items()}},
                   outputs["summary"])
+
+
+def _log_sweep_estimate(model_dir: str, patcher, batch_size: int, n_heads: int, settings: Sweep,
+                        rankings: list[str]) -> int:
+    """Log the cost fit's estimate of the sweep: its whole forwards, one per k at most as many as
+    each ranking's search can measure (``requests.sweep_points``); returns that many k."""
+    import torch
+
+    from attnlab.config.requests import sweep_points
+
+    most = sum(sweep_points(n_heads, dataclasses.asdict(settings), r == settings.ranking) for r in rankings)
+    rows = len(patcher.batch.clean)
+    log_cost_estimate("heads", model_dir, {"prompts": rows, "batch": min(batch_size, rows),
+                                           "tokens": int(patcher.batch.clean.shape[1]), "forwards": 4 + most,
+                                           "exact": False}, torch.float32, patcher.model.device)
+    return most
 
 
 def _counted_prompts(scoring: dict, counted, patcher) -> dict:
@@ -334,12 +352,16 @@ def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, chec
 
     import torch
 
+    from attnlab.config.training_cost import sparsify_estimate
     from attnlab.sparsify import Outputs, SparsifySettings, post_train, sparsify_device, write_control, write_outputs
 
     torch.set_num_threads(threads)
-    settings = SparsifySettings.from_config(settings)
+    configured, settings = settings, SparsifySettings.from_config(settings)
     device = sparsify_device(settings.device)
     log.info("post-training the sparse copy %s of %s on %s", name, base_dir, device)
+    found = sparsify_estimate(io.read_json(f"{base_dir}/config.json"), configured, device.type)
+    log.info("post-training: estimated peak and time %s", "none (the cost fit has no family or lora_step for it)"
+             if found is None else found.describe())
     result = post_train(base_dir, name, settings, checkpoint, device)
     write_outputs(result, name, settings, Outputs(model_dir=outputs["model"], steps=outputs["steps"],
                                                   evals=outputs["evals"], density=outputs["density"],
