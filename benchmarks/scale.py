@@ -16,7 +16,9 @@ vocabulary), so the token counts are SmolLM2's, the embedding and logits shapes 
 Each (model, layers) runs in a fresh process (``--one``), its stages in turn. A stage's memory is
 its peak above what the process held before it (CPU: the resident set's high-water mark, reset
 before the stage, after freed memory is handed back to the system; CUDA: torch's peak
-allocation); the model's own bytes are reported beside it. Each stage runs at two workloads
+allocation); the model's own bytes are reported beside it. With ``--warm-up`` each stage's first
+workload runs once, unmeasured, before it is measured: the first run's imports and lazy caches
+(tens of MiB) are otherwise counted in its peak. Each stage runs at two workloads
 (``WORKLOADS``: tokens, prompts or batch), so the growth with each is measured, not assumed:
 
 - extraction: ``extract`` (received attention reduced per layer) over one prompt of 1,024 and
@@ -291,8 +293,10 @@ def _lora_step(model, tokens: int, device: torch.device) -> dict:
     return {"batch": 2, "tokens": tokens, "lora_parameters": trained}
 
 
-def measure_one(name: str, layers: int | None, stages: list[str], device: torch.device, dtype: torch.dtype) -> dict:
-    """Every stage of ``stages`` on a random ``name`` with ``layers`` layers, in this process."""
+def measure_one(name: str, layers: int | None, stages: list[str], device: torch.device, dtype: torch.dtype,
+                warm_up: bool = False) -> dict:
+    """Every stage of ``stages`` on a random ``name`` with ``layers`` layers, in this process; with
+    ``warm_up``, each stage's first workload run once before its measured runs."""
     from attnlab.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(embedded_model("smollm2-135m"))
@@ -307,8 +311,10 @@ def measure_one(name: str, layers: int | None, stages: list[str], device: torch.
     for stage in stages:
         if stage == "lora_step":  # it wraps and gates the model: last, and on a model of its own
             model = random_model(config, device, dtype)
-        row["stages"][stage] = {workload: measured(device, run)
-                                for workload, run in stage_runs(stage, model, tokenizer, device, dtype).items()}
+        runs = stage_runs(stage, model, tokenizer, device, dtype)
+        if warm_up:  # the first run imports the stage's modules and fills lazy caches: once, unmeasured
+            next(iter(runs.values()))()
+        row["stages"][stage] = {workload: measured(device, run) for workload, run in runs.items()}
         print(json.dumps({"model": name, "layers": row["layers"], "stage": stage, **row["stages"][stage]}), flush=True)
     return row
 
@@ -320,6 +326,9 @@ def main() -> None:
                         help="decoder layers of each model (default: 1 2 4 on a CPU, also all of them on a GPU)")
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warm-up", action="store_true",
+                        help="run each stage's first workload once, unmeasured, before measuring it: the "
+                             "first run's imports and lazy caches are otherwise counted in its peak")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "LAYERS"), help=argparse.SUPPRESS)
     add_device_arguments(parser)
     args = parser.parse_args()
@@ -327,7 +336,7 @@ def main() -> None:
     device, dtype = device_and_dtype(args)
     if args.one:
         name, layers = args.one
-        result = measure_one(name, int(layers) or None, args.stages, device, dtype)
+        result = measure_one(name, int(layers) or None, args.stages, device, dtype, args.warm_up)
         print("RESULT " + json.dumps(result), flush=True)
         return
     depths = args.layers or ([1, 2, 4] + ([0] if device.type == "cuda" else []))  # 0: the full depth
@@ -335,7 +344,8 @@ def main() -> None:
     for name in args.models:
         for layers in depths:
             command = [sys.executable, __file__, "--one", name, str(layers), "--stages", *args.stages,
-                       "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype]
+                       "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype,
+                       *(["--warm-up"] if args.warm_up else [])]
             done = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode != 0 or not lines:
@@ -343,9 +353,10 @@ def main() -> None:
                 print(f"{name} x {layers} layers failed:\n{done.stderr[-2000:]}", file=sys.stderr)
                 continue
             rows.append(json.loads(lines[-1][len("RESULT "):]))
-            write_result({"rows": rows, "workloads": WORKLOADS},
+            write_result({"rows": rows, "workloads": WORKLOADS, "warm_up": args.warm_up},
                          f"scale_{device.type}.json", device, dtype, echo=False)
-    write_result({"rows": rows, "workloads": WORKLOADS}, f"scale_{device.type}.json", device, dtype)
+    write_result({"rows": rows, "workloads": WORKLOADS, "warm_up": args.warm_up}, f"scale_{device.type}.json", device,
+                 dtype)
 
 
 if __name__ == "__main__":

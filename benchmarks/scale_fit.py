@@ -49,7 +49,8 @@ def stage_rows(result: dict) -> list[dict]:
                 rows.append({"model": row["model"], "layers": row["layers"], "stage": kind, "workload": name,
                              "shape": shape, "work": work, "peak": measured["peak_above_mib"] * 2**20,
                              "model_bytes": row["model_mib"] * 2**20,
-                             "seconds": measured["seconds"], "device": device, "dtype_bytes": dtype_bytes})
+                             "seconds": measured["seconds"], "device": device, "dtype_bytes": dtype_bytes,
+                             "warm_up": bool(result.get("warm_up"))})
     return rows
 
 
@@ -70,8 +71,9 @@ def _cost_stage(stage: str, name: str, measured: dict, stages: dict) -> tuple[st
 def merged_rows(results: list[str], repeats: list[str]) -> tuple[list[dict], dict[str, tuple[float, float]]]:
     """The measurements of ``results`` (a later file's measurement of the same model, depth, stage
     and workload replaces an earlier one: measured again on a quiet machine), each averaged with
-    its repeat in ``repeats``; and per stage the largest difference between a measurement and its
-    repeat (peak: relative to the smaller; time: a factor)."""
+    its repeat in ``repeats`` where both were taken alike (with or without ``scale.py --warm-up``);
+    and per stage the largest difference between a measurement and its repeat (peak: relative to
+    the smaller; time: a factor)."""
     merged, spread = {}, {}
     for path in results:
         for row in stage_rows(json.loads(Path(path).read_text())):
@@ -80,7 +82,7 @@ def merged_rows(results: list[str], repeats: list[str]) -> tuple[list[dict], dic
         for row in stage_rows(json.loads(Path(path).read_text())):
             key = (row["model"], row["layers"], row["stage"], row["workload"])
             first = merged.get(key)
-            if first is None:
+            if first is None or first["warm_up"] != row["warm_up"]:  # a repeat of a measurement since replaced
                 continue
             memory, time = spread.get(row["stage"], (0.0, 1.0))
             spread[row["stage"]] = (max(memory, abs(first["peak"] - row["peak"]) / min(first["peak"], row["peak"])),
