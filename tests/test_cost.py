@@ -203,3 +203,19 @@ def test_the_budget_counts_the_papers_olmo_edge_circuit_term_by_term():
     assert circuit.terms["recordings"] == pytest.approx(6e9 + every * 4 / 128)
     assert found.memory_bytes == pytest.approx(max(scoring.memory_bytes, circuit.memory_bytes))
     assert 30e9 < found.memory_bytes < 45e9  # weights 27.6 GB and a few GB of edges
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "gemma3-sliding"])
+@pytest.mark.parametrize("ablation", ["corrupted", "zero"])
+def test_the_references_term_equals_what_a_patcher_keeps_over_several_mini_batches(arch, ablation):
+    """Six prompts in mini-batches of two: the head-patching engine keeps every mini-batch's
+    references (each layer's heads' outputs under the ablation), not one mini-batch's."""
+    from attnlab.patching.heads import Patcher
+
+    model = TINY[arch]().requires_grad_(False)
+    batch = _batch(padding=_pads(arch))
+    patcher = Patcher(model, batch, ablation, batch_size=2)
+    kept = sum(z.numel() * z.element_size() for chunk in patcher.references for z in chunk)
+    work = {"prompts": 6, "batch": 2, "tokens": int(batch.clean.shape[1])}
+    for stage in ("heads", "head_attribution"):
+        assert cost.features(stage, _shape(model), work)["references"] * 4 == kept

@@ -86,13 +86,34 @@ def test_a_sweep_measures_at_most_the_ks_its_request_counts(search, n, all_k_up_
 
 
 def test_a_sweep_counts_its_forwards_and_resumes_no_head():
-    """Only whole forwards: 4 of them (the reference's, the recording's, the clean and corrupted
-    metrics of the counted prompts) and one per k, each over every token of every prompt; 4
+    """Only whole forwards: 3 of them (the ablation's references, the clean and corrupted metrics
+    of the counted prompts) and one per k (10 here), each over every token of every prompt; 4
     layers of 144 parameters (attention 48, MLP 96), 3 prompts of 5 tokens in batches of 2."""
-    work = {"prompts": 3, "batch": 2, "tokens": 5, "forwards": 4 + 10, "exact": False}
-    per_row_token = 14 * 4 * 144
+    work = {"prompts": 3, "batch": 2, "tokens": 5, "forwards": requests.SWEEP_FORWARDS + 10, "exact": False}
+    per_row_token = 13 * 4 * 144
     assert cost.time_features("heads", HAND, work) == {"multiply_adds": 3 * 5 * per_row_token,
                                                        "weights_read": 2 * per_row_token}
+
+
+def test_a_sweep_runs_the_forwards_its_request_counts(tiny_base, monkeypatch):
+    """sweep_heads' own forwards besides one per k, counted as the job runs them on a real model:
+    ``SWEEP_FORWARDS`` per mini-batch."""
+    import torch
+
+    from attnlab.models import load_model
+    from attnlab.patching.heads import Patcher, build_batch
+    from attnlab.patching.tasks import generate_task
+    from attnlab.steps.circuits import _counted_prompts
+    from attnlab.tokenization import load_tokenizer
+
+    model_dir, _ = tiny_base
+    model = load_model(str(model_dir), torch.device("cpu"), torch.float32)
+    tokenizer = load_tokenizer(model_dir)
+    calls, forward = [], type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    patcher = Patcher(model, build_batch(generate_task("ioi", tokenizer, 4, 0), tokenizer), "corrupted", 2)
+    _counted_prompts({"ranked_on": [], "rank_share": 0.5}, generate_task("ioi", tokenizer, 4, 0), patcher)
+    assert len(calls) == requests.SWEEP_FORWARDS * 2  # 2 mini-batches of 2 prompts
 
 
 def test_a_sweep_job_asks_the_heads_fit_for_its_counted_prompts_and_its_ks(tmp_path):
@@ -110,7 +131,7 @@ def test_a_sweep_job_asks_the_heads_fit_for_its_counted_prompts_and_its_ks(tmp_p
                                  local=True, batch=2, bases={}, models_dir=str(tmp_path / "m"))
     _, counted = requests.prompt_split(pruning, "ioi")
     work = {"prompts": counted, "batch": min(2, counted), "tokens": 20,
-            "forwards": 4 + len(grid) + widest - 1 + 40 + len(grid), "exact": False}
+            "forwards": 3 + len(grid) + widest - 1 + 40 + len(grid), "exact": False}
     assert asked.estimate == cost.estimate("heads", OLMO, work, 4, asked.device)
     alone = requests.sweep_work(pruning | {"sweep_other_ranking": False}, "ioi", 2, 1024)
     assert alone["forwards"] == work["forwards"] - len(grid)

@@ -57,7 +57,8 @@ def test_the_papers_olmo_copy_on_a_gpu_is_counted_term_by_term():
     parameters); the base, the student and the dense control in bfloat16; the student's and the
     control's adapters with their gradient and two AdamW moments in float32; the step's
     activations at 16 x 1,024 in bfloat16, without the T x T terms (the fused kernels) and
-    checkpointed; 128 held-out sequences' logits (over 2 GB: one source's 2 GB kept)."""
+    checkpointed (each layer's bfloat16 input); no held-out logits kept (128 x 1,024 x 50,304 x 4
+    bytes: 26 GB, over the 2 GB a source keeps, so computed at every evaluation)."""
     settings = _paper_copy()
     found = training_cost.sparsify_estimate(OLMO, settings, "cuda")
     params = cost.Shape.of(OLMO).parameters()
@@ -66,32 +67,58 @@ def test_the_papers_olmo_copy_on_a_gpu_is_counted_term_by_term():
     step = cost.estimate("lora_step", OLMO, {"batch": 16, "tokens": 1024}, 2, "cuda")
     assert found.terms["base"] == params * 2 and found.terms["trained_copies"] == 2 * params * 2
     assert found.terms["optimizer"] == 2 * adapters * 4 * 4
-    assert found.terms["heldout_logits"] == 2 ** 31  # 128 x 1,024 x 50,304 x 4 bytes = 26 GB otherwise
+    assert found.terms["heldout_logits"] == 0
     # the fused kernels hold no T x T; checkpointed: one layer's saved activations and every layer's input
     assert found.terms["scores"] == 0
     assert found.terms["saved"] == pytest.approx(step.terms["saved"] / 32 + 32 * 16 * 1024 * 4096 * 2)
-    assert found.memory_bytes == pytest.approx(3 * params * 2 + 2 * adapters * 16 + 2 ** 31 + found.terms["saved"]
+    assert found.memory_bytes == pytest.approx(3 * params * 2 + 2 * adapters * 16 + found.terms["saved"]
                                                + step.terms["logits"] + step.terms["constant"])
     assert found.seconds is None  # no GPU time fit
     assert "base_logits" not in found.terms  # ce_control: the base runs no forward on the batches
 
 
-def test_the_jobs_time_on_the_cpu_is_its_steps_and_its_evaluations_forwards():
-    """2,000 steps of the student and the control; 11 evaluations (every 200 steps and the end)
-    of both on 128 held-out sequences in batches of 16, and the base's logits once: 8 x 23
-    forwards at a third of a step. Under kl the base's forward adds a third of a step each."""
-    settings = _paper_copy()
-    step = cost.estimate("lora_step", OLMO, {"batch": 16, "tokens": 1024}, 4, "cpu")
-    found = training_cost.sparsify_estimate(OLMO, settings, "cpu")
-    assert found.seconds == pytest.approx(step.seconds * (2 * 2000 + 8 * (1 + 11 * 2) / 3))
-    kl = settings | {"constraint": {"type": "kl", "slack": 0.05}}
-    assert training_cost.sparsify_estimate(OLMO, kl, "cpu").seconds == pytest.approx(
-        step.seconds * (2000 * (1 + 1 / 3) + 8 * (1 + 11) / 3))
-    assert training_cost.sparsify_estimate(OLMO, kl, "cpu").terms["base_logits"] == 16 * 1024 * 50304 * 4
-    calibrated = settings | {"calibrate_gate_bias": settings["calibrate_gate_bias"] | {"enabled": True}}
-    scan = int((settings["gate_bias"] - -2.0) / 0.5) + 1  # 6 down to -2 in steps of 0.5: 17 values of b'
-    assert training_cost.sparsify_estimate(OLMO, calibrated, "cpu").seconds == pytest.approx(
-        found.seconds + step.seconds * 2 * (1 + scan) / 3)  # 32 calibration sequences: 2 batches
+CALIBRATED = {"enabled": True, "max_kl": 100.0, "step": 0.5, "lowest": -1.0, "sequences": 3,
+              "per_layer": {"enabled": True, "step": 1.0, "rounds": 2, "sensitivity_sequences": 2}}
+
+
+@pytest.mark.parametrize("case", ["kl", "ce_control", "ce_control, logits not kept", "calibrated"])
+def test_a_runs_forwards_are_the_ones_counted(case, tiny_base, tmp_path, monkeypatch):
+    """A real post-training run of the tiny model (5 steps, held-out at steps 0, 2, 4, 5 and a
+    snapshot at 3, 5 held-out sequences in batches of 2), every whole-model forward counted as
+    it runs, against ``forward_counts``: the same number; calibrated, that number less what its
+    per-layer rounds could have run (``PER_LAYER_AT_MOST``)."""
+    from transformers import LlamaForCausalLM
+
+    from attnlab.sparsify import calibrate, heldout
+    from sparse_tiny import post_train_tiny, tiny_settings
+
+    base, corpus = tiny_base
+    changes = {"steps": 5, "eval_every": 2, "snapshot_steps": [3], "heldout_sequences": 5}
+    if case.startswith("ce_control"):
+        changes["constraint"] = {"type": "ce_control", "slack": 0.05}
+    if case == "calibrated":
+        changes["calibrate_gate_bias"] = CALIBRATED
+    if case.endswith("not kept"):  # as for a large vocabulary's held-out logits: computed at each use
+        for module in (heldout, calibrate):
+            monkeypatch.setattr(module, "logits_fit", lambda *args: False)
+        monkeypatch.setattr(training_cost, "HELDOUT_LOGITS_BUDGET", -1)
+    settings = tiny_settings(corpus, **changes)
+    calls, forward = [], LlamaForCausalLM.forward
+    monkeypatch.setattr(LlamaForCausalLM, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    post_train_tiny(base, settings, tmp_path)
+    counted = training_cost.forward_counts(settings, vocab=49152, depth=2)
+    training = counted["steps"] * counted["per_step"]
+    if case == "calibrated":
+        assert len(calls) == training + counted["other"] - PER_LAYER_AT_MOST, (len(calls), counted)
+    else:
+        assert len(calls) == training + counted["other"], (len(calls), counted)
+
+
+# the calibrated run's scan measures every b' down to `lowest` (max_kl is never reached), so no
+# layer can go lower and its per-layer rounds stop before a forward: what forward_counts allows
+# them is 2 rounds x (3 probes of 1 batch, before and with each of the 2 layers lowered, and a
+# bisection of 2 steps over the 2 batches of calibration sequences)
+PER_LAYER_AT_MOST = 2 * (3 * 1 + 2 * 2)
 
 
 def test_a_copys_job_asks_for_its_post_training(tmp_path):
@@ -146,6 +173,10 @@ def test_the_plan_estimates_scoring_sweeps_and_post_training_before_any_job(tmp_
         budget.check_gpu_memory(jobs, copy.memory_bytes / 1e9 - 0.1)
     assert "sparsify_model olmo-copy" in str(refused.value) and "sparsify.batch_size" in str(refused.value)
     assert "score_heads" not in str(refused.value)  # 27.6 GB of float32 weights and a few GB: under the limit
+    on_the_cpu = requests.planned_estimates(config | {"pruning": config["pruning"] | {"device": "cpu"}},
+                                            {"pruning_models": ["olmo-shaped"], "edge_models": []}, bases,
+                                            tmp_path / "models")
+    assert [job.rule for job in on_the_cpu] == ["sparsify_model"]  # no card to hold the others
 
 
 @pytest.mark.parametrize("mode, fused, checkpointing", [("post-training step (kernels)", "auto", False),

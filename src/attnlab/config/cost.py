@@ -30,7 +30,8 @@ MEASURED_DEPTH = 4  # benchmarks/scale.py measured models of 1, 2 and 4 layers
 # fitted (fitting them beside terms that grow in step with them in every measurement would
 # split one sum between them at random)
 EXACT = {"edge_scores": ("gradients", "senders"), "edge_circuit": ("recordings", "table"),
-         "generation": ("kv_cache",), "mediation": ("recorded",)}
+         "generation": ("kv_cache",), "mediation": ("recorded",), "heads": ("references",),
+         "head_attribution": ("references",)}
 # model types whose transformers config ties the output head to the embeddings when config.json
 # does not say (a resolved Gemma-3 text config leaves the key out)
 TIED_BY_DEFAULT = frozenset({"gpt2", "gemma", "gemma2", "gemma3", "gemma3_text"})
@@ -119,11 +120,11 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
     if stage == "heads":  # every layer's input recorded, then heads patched in groups, a batch at a time
         rows, tokens = 2 * min(w["prompts"], w.get("batch", w["prompts"])), w["tokens"]
         return {"recorded": s.depth * rows * tokens * s.hidden, "activations": rows * tokens * per_token,
-                "scores": rows * s.heads * tokens * tokens}
+                "scores": rows * s.heads * tokens * tokens, "references": _references(s, w)}
     if stage == "head_attribution":  # a backward to the heads' gates: every layer's saved activations
         rows, tokens = min(w["prompts"], w.get("batch", w["prompts"])), w["tokens"]
         return {"autograd": s.depth * rows * tokens * per_token, "activations": rows * tokens * per_token,
-                "logits": rows * 2 * s.vocab}  # every token's logit at the last 2 positions (read="all")
+                "logits": rows * 2 * s.vocab, "references": _references(s, w)}  # logits: the last 2 positions'
     if stage == "edge_scores":  # the receivers' gradients, the clean and corrupted recordings at the points
         rows, tokens, points = w["batch"], w["tokens"], w["points_per_batch"]
         return {"gradients": points * s.hidden * s.receivers(), "senders": 2 * points * s.recorded_per_point(),
@@ -165,6 +166,12 @@ def features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
         return {"saved": s.depth * rows * tokens * per_token,
                 "scores": s.depth * rows * s.heads * tokens * tokens, "logits": rows * tokens * s.vocab}
     raise ValueError(f"no cost model for stage {stage!r}")
+
+
+def _references(s: Shape, w: dict) -> int:
+    """The head-patching engine's references (``patching.heads.Patcher``): every layer's heads'
+    outputs of every prompt under the ablation, kept for the whole job, not one mini-batch's."""
+    return s.depth * w["prompts"] * w["tokens"] * s.heads * s.head_dim
 
 
 def time_features(stage: str, shape: Shape, work: dict) -> dict[str, float]:

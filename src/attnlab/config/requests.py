@@ -55,6 +55,9 @@ FITTED = {"generate": "generation", "extract_attention": "extraction", "score_he
 READ_INPUTS = ("prompts", "treated", "generations")
 # each fitted rule's request before the fit: memory beside the weights rule, minutes (score_heads':
 # per ablation); a job asks at least this
+# a head sweep's whole forwards besides one per k: the ablation's references, the unpatched model's
+# clean and corrupted metrics on the counted prompts
+SWEEP_FORWARDS = 3
 FLOORS = {"generate": (16000, 120), "extract_attention": (16000, 60), "score_heads": (16000, 60),
           "sweep_heads": (16000, 60), "edge_circuit": (16000, 60), "mediate": (16000, 120),
           "mlp_activations": (8000, 30), "sparsify_model": (32000, 240)}
@@ -141,8 +144,15 @@ def heads_work(pruning: dict, task: str, batch: int) -> tuple[dict, int]:
     tokens, _, rows_per_prompt = TASK_TOKENS[task]
     ranked, _ = prompt_split(pruning, task)
     prompts = ranked * rows_per_prompt
-    return ({"prompts": prompts, "batch": min(batch, prompts), "tokens": tokens, "forwards": 4,
-             "exact": bool(pruning["exact"])}, len(pruning_ablations(pruning)))  # validate: an exact ranking needs it
+    return ({"prompts": prompts, "batch": whole_prompts(batch, rows_per_prompt, prompts), "tokens": tokens,
+             "forwards": 4, "exact": bool(pruning["exact"])},  # validate: an exact ranking needs it
+            len(pruning_ablations(pruning)))
+
+
+def whole_prompts(batch: int, rows_per_prompt: int, rows: int) -> int:
+    """A mini-batch's rows as the patching engine takes them (``TaskBatch.whole_prompts``: rounded
+    down to whole prompts, at least one), at most ``rows``."""
+    return min(max(1, batch // rows_per_prompt) * rows_per_prompt, rows)
 
 
 def log_grid(n: int, max_all: int, points: int) -> list[int]:
@@ -155,12 +165,15 @@ def log_grid(n: int, max_all: int, points: int) -> list[int]:
 
 
 def sweep_points(n_heads: int, pruning: dict, configured: bool) -> int:
-    """At most how many k one ranking's head sweep measures (``steps.circuits._head_count``),
-    never more than every k. rounds: the grid, and for the configured ranking every k inside the
-    widest step of the grid (the bracket of the first crossing, refined to the head) and up to
-    log_points below the interval's ends. bisection: the coarse grid, and for the configured
-    ranking every k of the fine grid (measured only where the curve's band holds the threshold),
-    a bisection of the widest bracket, and up to log_points for the interval's ends."""
+    """How many k one ranking's head sweep measures at most (``steps.circuits._head_count``),
+    never more than every k. rounds (a bound): the grid, and for the configured ranking every k
+    inside the widest step of the grid (the bracket of the first crossing, refined to the head)
+    and up to log_points below the interval's ends. bisection: the coarse grid, and for the
+    configured ranking every k of the fine grid (measured only where the curve's band holds the
+    threshold), a bisection of the widest bracket, and up to log_points for the interval's ends;
+    not a proven bound (a curve crossing the threshold many times opens a bracket each time, and
+    the search starts again after every point), but one no curve of the tests exceeded, by
+    far."""
     fine = log_grid(n_heads, pruning["all_k_up_to"], pruning["log_points"])
     if pruning["search"] == "bisection":
         coarse = log_grid(n_heads, 0, pruning["coarse_points"])
@@ -173,17 +186,18 @@ def sweep_points(n_heads: int, pruning: dict, configured: bool) -> int:
 
 
 def sweep_work(pruning: dict, task: str, batch: int, n_heads: int) -> dict:
-    """sweep_heads' workload: the counted prompts in mini-batches of ``batch`` rows, and its whole
-    forwards (every one a patched or plain forward over them): the reference's and the recording's,
-    the unpatched model's clean and corrupted metrics (``_counted_prompts``), and each ranking's
-    sweep at most (``sweep_points``; the other ranking where it is swept too)."""
+    """sweep_heads' workload: the counted prompts in mini-batches of ``batch`` rows (whole
+    prompts), and its whole forwards (every one a patched or plain forward over them): the
+    ablation's references, the unpatched model's clean and corrupted metrics
+    (``_counted_prompts``), and each ranking's sweep at most (``sweep_points``; the other ranking
+    where it is swept too)."""
     tokens, _, rows_per_prompt = TASK_TOKENS[task]
     _, counted = prompt_split(pruning, task)
     prompts = counted * rows_per_prompt
     other = pruning["sweep_other_ranking"] and (pruning["exact"] or pruning["ranking"] == "exact")
     points = sweep_points(n_heads, pruning, True) + (sweep_points(n_heads, pruning, False) if other else 0)
-    return {"prompts": prompts, "batch": min(batch, prompts), "tokens": tokens, "forwards": 4 + points,
-            "exact": False}
+    return {"prompts": prompts, "batch": whole_prompts(batch, rows_per_prompt, prompts), "tokens": tokens,
+            "forwards": SWEEP_FORWARDS + points, "exact": False}
 
 
 def job_request(rule: str, config: dict, wildcards: dict, inputs: dict, *, attempt: int, local: bool, batch: int,
@@ -312,7 +326,9 @@ def planned_estimates(config: dict, chosen: dict, bases: dict, models_dir: Path)
         model_json = model_config(model, config["models"], models_dir, bases)
         found = None
         if model_json is not None:
-            stage, _, work, repeats = _workload(rule, config, wildcards, {}, pruning["batch_size"], model_json)
+            stage, section, work, repeats = _workload(rule, config, wildcards, {}, pruning["batch_size"], model_json)
+            if section.get("device") == "cpu":  # a job that never runs on a card
+                continue
             found = work and stage_estimate(stage, model_json, work, FLOAT32, "cuda")
         out.append(JobEstimate(rule, model, what, found,
                                "its config.json is not at hand before it is prepared" if model_json is None

@@ -153,7 +153,7 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
     scores = pd.read_csv(scores_path)
     rankings = [settings.ranking, *(r for r in ("exact", "attribution")
                                     if settings.sweep_other_ranking and r in scores and r != settings.ranking)]
-    most = _log_sweep_estimate(model_dir, patcher, size, len(scores), settings, rankings)
+    most = _log_sweep_estimate(model_dir, patcher, len(scores), settings, rankings)
     bootstrap = Bootstrap(settings.bootstrap["n_resamples"], settings.bootstrap["confidence"], settings.seed)
     started, counts = time.perf_counter(), {}
     for ranking in rankings:
@@ -181,19 +181,19 @@ def sweep_heads(model_dir: str, task: str, settings: dict, prompts_path: str, sc
                   outputs["summary"])
 
 
-def _log_sweep_estimate(model_dir: str, patcher, batch_size: int, n_heads: int, settings: Sweep,
-                        rankings: list[str]) -> int:
+def _log_sweep_estimate(model_dir: str, patcher, n_heads: int, settings: Sweep, rankings: list[str]) -> int:
     """Log the cost fit's estimate of the sweep: its whole forwards, one per k at most as many as
     each ranking's search can measure (``requests.sweep_points``); returns that many k."""
     import torch
 
-    from attnlab.config.requests import sweep_points
+    from attnlab.config.requests import SWEEP_FORWARDS, sweep_points
 
     most = sum(sweep_points(n_heads, dataclasses.asdict(settings), r == settings.ranking) for r in rankings)
     rows = len(patcher.batch.clean)
-    log_cost_estimate("heads", model_dir, {"prompts": rows, "batch": min(batch_size, rows),
-                                           "tokens": int(patcher.batch.clean.shape[1]), "forwards": 4 + most,
-                                           "exact": False}, torch.float32, patcher.model.device)
+    log_cost_estimate("heads", model_dir, {"prompts": rows, "batch": min(patcher.batch_size, rows),
+                                           "tokens": int(patcher.batch.clean.shape[1]),
+                                           "forwards": SWEEP_FORWARDS + most, "exact": False},
+                      torch.float32, patcher.model.device)
     return most
 
 
