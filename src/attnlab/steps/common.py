@@ -125,8 +125,9 @@ def log_request(rule: str, smk) -> None:
 
     resources = smk.resources
     inputs = {name: getattr(smk.input, name, None) for name in READ_INPUTS}
-    asked = job_request(rule, smk.config, dict(smk.wildcards.items()), inputs,
-                        attempt=1, local=True, batch=resources.batch_size, bases=sparse_bases(smk.config["models"]))
+    # a rule without a batch_size resource (sparsify_model: its settings hold its batch) passes 1
+    asked = job_request(rule, smk.config, dict(smk.wildcards.items()), inputs, attempt=1, local=True,
+                        batch=resources.get("batch_size", 1), bases=sparse_bases(smk.config["models"]))
     log.info("%s asked for mem_mb=%s and runtime=%s min: %s", rule, resources.get("mem_mb"), resources.get("runtime"),
              asked.basis)
 
