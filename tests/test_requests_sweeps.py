@@ -14,6 +14,7 @@ from attnlab.circuits.curves import k_grid
 from attnlab.config import cost, requests
 from attnlab.config.settings import Sweep
 from attnlab.steps.circuits import _head_count
+from test_crossing_search import CurvePatcher
 from test_requests import HAND, OLMO, _config_with_olmo
 
 PROMPTS = 24
@@ -23,22 +24,6 @@ PROMPTS = 24
 @pytest.mark.parametrize("max_all, points", [(0, 16), (64, 40), (300, 40), (300, 3)])
 def test_the_grid_counted_without_numpy_is_the_sweeps_own(n, max_all, points):
     assert requests.log_grid(n, max_all, points) == k_grid(n, max_all, points)
-
-
-class CurvePatcher:
-    """A patcher whose per-prompt metric at k heads kept is a given curve; it records every k
-    measured."""
-
-    def __init__(self, metric):
-        self.metric, self.measured = metric, []
-
-    def kept(self, order, k):
-        return k
-
-    def per_prompt(self, k):
-        self.measured.append(k)
-        values = np.asarray(self.metric(k), dtype=float)
-        return float(values.mean()), values
 
 
 def _curves(n: int) -> dict:

@@ -92,6 +92,12 @@ def prompt_split(pruning: dict, task: str) -> tuple[int, int]:
     return ranked, n if share == 0 else n - ranked
 
 
+def whole_prompts(batch: int, rows_per_prompt: int) -> int:
+    """A mini-batch's rows as the patching engine takes them (``TaskBatch.whole_prompts``, which
+    needs torch: rounded down to whole prompts, at least one)."""
+    return max(1, batch // rows_per_prompt) * rows_per_prompt
+
+
 def edge_estimate(config: dict, task: str, pruning: dict, device: str = "cuda") -> cost.Estimate | None:
     """An edge-circuit job on ``device``: the memory of the larger of EAP-IG scoring and circuit
     evaluation (float32 weights), the time of both, on the prompts the head sweep ranks on and
@@ -99,7 +105,7 @@ def edge_estimate(config: dict, task: str, pruning: dict, device: str = "cuda") 
     edges, (tokens, points, rows_per_prompt) = pruning["edges"], TASK_TOKENS[task]
     ranked, counted = prompt_split(pruning, task)
     counted = min(counted, edges["n_counted"] or counted)
-    rows = max(1, edges["batch_size"] // rows_per_prompt) * rows_per_prompt  # TaskBatch.whole_prompts
+    rows = whole_prompts(edges["batch_size"], rows_per_prompt)
     per_batch = rows * points
     chunk = min(per_batch, edges["score_chunk"] or per_batch)
     scores = cost.estimate("edge_scores", config, {"batch": rows, "tokens": tokens, "points_per_batch": chunk,

@@ -39,7 +39,8 @@ from pathlib import Path
 
 from attnlab.anatomy.families import text_config
 from attnlab.config import cost
-from attnlab.config.budget import FLOAT32, TASK_TOKENS, JobEstimate, edge_estimate, estimates, model_config, prompt_split
+from attnlab.config.budget import (FLOAT32, TASK_TOKENS, JobEstimate, edge_estimate, estimates, model_config,
+                                   prompt_split, whole_prompts)
 from attnlab.config.plan import cell_generation, model_memory_mb, pruning_ablations, weights_bytes
 from attnlab.config.training_cost import sparsify_estimate
 
@@ -144,15 +145,9 @@ def heads_work(pruning: dict, task: str, batch: int) -> tuple[dict, int]:
     tokens, _, rows_per_prompt = TASK_TOKENS[task]
     ranked, _ = prompt_split(pruning, task)
     prompts = ranked * rows_per_prompt
-    return ({"prompts": prompts, "batch": whole_prompts(batch, rows_per_prompt, prompts), "tokens": tokens,
+    return ({"prompts": prompts, "batch": min(whole_prompts(batch, rows_per_prompt), prompts), "tokens": tokens,
              "forwards": 4, "exact": bool(pruning["exact"])},  # validate: an exact ranking needs it
             len(pruning_ablations(pruning)))
-
-
-def whole_prompts(batch: int, rows_per_prompt: int, rows: int) -> int:
-    """A mini-batch's rows as the patching engine takes them (``TaskBatch.whole_prompts``: rounded
-    down to whole prompts, at least one), at most ``rows``."""
-    return min(max(1, batch // rows_per_prompt) * rows_per_prompt, rows)
 
 
 def log_grid(n: int, max_all: int, points: int) -> list[int]:
@@ -196,7 +191,7 @@ def sweep_work(pruning: dict, task: str, batch: int, n_heads: int) -> dict:
     prompts = counted * rows_per_prompt
     other = pruning["sweep_other_ranking"] and (pruning["exact"] or pruning["ranking"] == "exact")
     points = sweep_points(n_heads, pruning, True) + (sweep_points(n_heads, pruning, False) if other else 0)
-    return {"prompts": prompts, "batch": whole_prompts(batch, rows_per_prompt, prompts), "tokens": tokens,
+    return {"prompts": prompts, "batch": min(whole_prompts(batch, rows_per_prompt), prompts), "tokens": tokens,
             "forwards": SWEEP_FORWARDS + points, "exact": False}
 
 
@@ -223,7 +218,7 @@ def _workload(rule: str, config: dict, wildcards: dict, inputs: dict, batch: int
     sizes = prompt_sizes(inputs.get("prompts"))  # every batch as long as the longest prompt: an upper bound
     if stage == "mlp_activations":  # the first max_prompts, each forward stopped at the recorded layer
         section = config["mlp"]
-        sizes = sizes and (min(sizes[0], section["max_prompts"] or sizes[0]), sizes[1])
+        sizes = _first_prompts(sizes, section["max_prompts"])
         return stage, section, sizes and {"prompts": sizes[0], "batch": min(batch, sizes[0]), "tokens": sizes[1],
                                           "layers_run": section["layer"] + 1}, 1
     if stage == "sparsify":  # the copy's post-training settings (training_cost reads them itself)
@@ -239,7 +234,7 @@ def _workload(rule: str, config: dict, wildcards: dict, inputs: dict, batch: int
                                           "new_tokens": section["max_new_tokens"], "prompt_tokens": sizes[1]}, 1
     if stage == "extraction":
         section = config["attention"]
-        sizes = sizes and (min(sizes[0], section["max_prompts"] or sizes[0]), sizes[1])
+        sizes = _first_prompts(sizes, section["max_prompts"])
         return stage, section, sizes and {"prompts": sizes[0], "batch": min(batch, sizes[0]), "tokens": sizes[1]}, 1
     if stage == "mediation":
         return stage, config["mediation"], mediation_work(config["mediation"], inputs, batch), 1
@@ -247,6 +242,11 @@ def _workload(rule: str, config: dict, wildcards: dict, inputs: dict, batch: int
         return stage, config["pruning"], {"task": wildcards["task"], "pruning": config["pruning"]}, 1
     work, repeats = heads_work(config["pruning"], wildcards["task"], batch)
     return stage, config["pruning"], work, repeats
+
+
+def _first_prompts(sizes: tuple[int, int] | None, max_prompts: int | None) -> tuple[int, int] | None:
+    """``prompt_sizes`` of a job that runs the first ``max_prompts`` (None: all of them)."""
+    return sizes and (min(sizes[0], max_prompts or sizes[0]), sizes[1])
 
 
 def request(stage: str, model_json: dict | None, work: dict | None, *, device: str, element_bytes: int,

@@ -95,7 +95,8 @@ def sparsify_estimate(model_json: dict, settings: dict, device: str) -> cost.Est
         step_terms["base_logits"] = rows * tokens * shape.vocab * frozen
     calibration = settings["calibrate_gate_bias"]
     calibrated = calibration["sequences"] if calibration["enabled"] else 0
-    calibration_logits = calibrated * tokens * shape.vocab * frozen if logits_kept(calibrated, tokens, shape.vocab) else 0
+    calibration_logits = (calibrated * tokens * shape.vocab * frozen
+                          if logits_kept(calibrated, tokens, shape.vocab) else 0)
     if calibration_logits > sum(step_terms.values()):  # after training: its logits, never beside a step's
         step_terms = {"calibration_logits": calibration_logits}
     kept = sum(share for share in heldout_shares(settings) if logits_kept(share, tokens, shape.vocab))
