@@ -163,3 +163,15 @@ def test_a_jobs_margins_are_the_largest_of_its_stages_errors(monkeypatch):
     assert requests.margins("sweep", "olmo") == (heads["largest_memory_error"], heads["largest_time_factor"])
     step = table["stages"]["lora_step"]["fit"]
     assert requests.margins("sparsify", "olmo") == (step["largest_memory_error"], step["largest_time_factor"])
+
+
+def test_mini_batches_hold_whole_prompts():
+    """Greater-Than's prompts are 10 rows each (one per first digit): a batch of 15 rows runs 10, a
+    batch of 5 still one whole prompt, as ``TaskBatch.whole_prompts`` takes them; never more than
+    the prompts there are."""
+    pruning = {"tasks": {"greater_than": {"n": 8}}, "rank_share": 0.5, "exact": True, "ranking": "exact",
+               "ablation": "corrupted", "sweep_other_ranking": False, "all_k_up_to": 300, "log_points": 40,
+               "search": "rounds", "coarse_points": 16}
+    assert requests.heads_work(pruning, "greater_than", 15)[0]["batch"] == 10
+    assert requests.sweep_work(pruning, "greater_than", 5, 12)["batch"] == 10
+    assert requests.sweep_work(pruning, "greater_than", 500, 12)["batch"] == 40  # 4 counted prompts
