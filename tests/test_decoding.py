@@ -214,3 +214,30 @@ def test_each_decode_steps_logits_equal_a_forward_over_the_whole_sequence(engine
             if calls is not None:
                 worst = max(worst, float((calls[step][1][row] - full).abs().max()))
     assert worst < 1e-5
+
+
+
+# A pad id (not EOS) that each tiny model emits greedily before its end on _prompts((12, 9, 7, 5)):
+# Llama's token 0 in its first row; Mistral's token 98, its third row's first five tokens.
+EMITTED_PADS = {"llama-gqa": 0, "mistral": 98}
+
+
+@pytest.mark.parametrize("arch", list(EMITTED_PADS))
+@pytest.mark.parametrize("engine", ["static", "static_cache", "continuous"])
+def test_a_generated_pad_token_is_a_token_like_any_other(engine, arch):
+    """Each row's tokens are those of transformers' generate() for that prompt alone, up to its
+    first EOS: a pad token the model emits does not end the row (it did, before issue 67)."""
+    tokenizer = _Tokenizer()
+    tokenizer.pad_token_id = pad = EMITTED_PADS[arch]
+    model, prompts = _model(arch), _prompts((12, 9, 7, 5))
+    got = generate_all(model, tokenizer, prompts, len(prompts), 12, engine=engine)
+    assert set(got["engine"]) == {engine}
+    pads_inside = 0
+    for ids, new, count in zip(prompts["input_ids"], got["new_token_ids"], got["n_new_tokens"]):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([list(ids)]), max_new_tokens=12, do_sample=False,
+                                 eos_token_id=EOS, pad_token_id=pad)[0, len(ids):].tolist()
+        expected = out[:out.index(EOS) + 1] if EOS in out else out
+        assert list(new) == expected and count == len(expected)
+        pads_inside += pad in expected[:-1]
+    assert pads_inside >= 1  # the case this test is about: a pad token before the row's end

@@ -117,6 +117,34 @@ def test_killed_training_resumes_to_the_same_weights(trained, tiny_base, tmp_pat
     assert pd.read_csv(tmp_path / "steps.csv").equals(pd.read_csv(folder / "steps.csv"))
 
 
+class _RunsCodeOnLoad:
+    """Unpickled, it writes ``marker``: what a planted checkpoint could do to the job that resumes."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_naming_its_file_and_nothing_runs(tmp_path):
+    from attnlab.sparsify.errors import SparsifyError
+    from attnlab.sparsify.train import read_checkpoint
+
+    marker, planted = tmp_path / "ran.txt", tmp_path / "ckpt.pt"
+    torch.save({"fingerprint": "x", "state": {}, "student": {}, "optimizer": {}, "generator": torch.zeros(3),
+                "extra": _RunsCodeOnLoad(marker)}, planted)
+    with pytest.raises(SparsifyError, match=rf"{planted} is not a post-training checkpoint attnlab wrote"):
+        read_checkpoint(planted)
+    assert not marker.exists()
+    torch.load(planted, weights_only=False)  # the control: unpickled in full, the file runs its code
+    assert marker.read_text() == "ran"
+    foreign = tmp_path / "other.pt"
+    torch.save({"model": torch.zeros(2)}, foreign)  # tensors alone, but not our checkpoint's keys
+    with pytest.raises(SparsifyError, match=rf"{foreign} .* holds \['model'\], not \['fingerprint'"):
+        read_checkpoint(foreign)
+
+
 def test_calibration_keeps_the_lowest_gate_bias_within_the_kl_limit(trained, tiny_base, tmp_path):
     base, corpus = tiny_base
     folder, summary = trained

@@ -275,7 +275,12 @@ print(model.config._attn_implementation, model(ids).logits[0, -1, :5].tolist())"
     implementation, logits = gated.split(" ", 1)
     assert implementation == interventions.IMPLEMENTATION
     lines = dense.strip().splitlines()
-    assert lines[0].startswith("refused:") and "attnlab" in lines[0]
+    # whatever transformers says, the refusal names both ways that open the copy (issue 67)
+    assert lines[0].startswith("refused:")
+    assert "attnlab.models.load_model(folder" in lines[0] and "trust_remote_code=True" in lines[0]
+    card = (trained[0] / "model" / "README.md").read_text()
+    assert "load_model(folder" in card and "trust_remote_code=True" in card
+    assert f"| held-out density (share of causal query-key edges open) | {trained[1]['heldout_density']} |" in card
     assert lines[1] == gated.strip()  # the same gated logits through the folder's module
     plain = _in_a_fresh_process(f"""{probe}
 from transformers import AutoConfig

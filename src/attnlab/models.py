@@ -150,6 +150,7 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
 
     try:
         config = AutoConfig.from_pretrained(path)
+        sparse.opened_as_gated(config)
         model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(path, config=config, dtype=dtype)
     except Exception as error:  # noqa: BLE001 -- a damaged folder: name its file and the fix
         problems = damaged_model_files(path)

@@ -31,6 +31,15 @@ from attnlab import anatomy
 
 CONFIG_KEY = "attnlab_sparse"  # in config.json: {"gate_bias": b, "base": ..., ...}
 IMPLEMENTATION = "attnlab"  # the attention implementation that gates (registered by attnlab.interventions)
+# The attention a saved sparse copy's config.json names. Plain transformers cannot run it and
+# refuses it by echoing its name ('Specified attn_implementation="..." is not supported', in
+# every version), so the name itself tells whoever opens the folder the two ways that work.
+# attnlab's loaders read it as IMPLEMENTATION (``opened_as_gated``). No "/" (transformers would
+# fetch it as a hub kernel) and none of the words it matches (flash, sdpa, flex, paged, eager).
+SAVED_IMPLEMENTATION = (
+    "attnlab gated attention, which plain transformers cannot run. Open this sparse copy with "
+    "attnlab.models.load_model(folder, device, dtype), or with AutoModelForCausalLM.from_pretrained(folder, "
+    "trust_remote_code=True) where attnlab is installed; its README.md says more")
 
 
 GateBias = float | list[float]  # one bias for every layer, or one per layer (calibrated per layer)
@@ -212,6 +221,13 @@ def add_open_edges(tracker: GateTracker, layer: int, open_edges: torch.Tensor, e
 
 def is_sparse(model) -> bool:
     return bool(getattr(model.config.get_text_config(), CONFIG_KEY, None))
+
+
+def opened_as_gated(config) -> None:
+    """A saved copy's config (its attention ``SAVED_IMPLEMENTATION``) set to run the registered
+    gated attention, in place; any other config is left as it is."""
+    if getattr(config, "_attn_implementation", None) == SAVED_IMPLEMENTATION:
+        config._attn_implementation = IMPLEMENTATION  # transformers' setter passes it to sub-configs
 
 
 def make_sparse(model, gate_bias: GateBias, **provenance) -> None:

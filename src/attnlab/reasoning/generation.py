@@ -106,16 +106,20 @@ def attention_backends(device: torch.device):
 def _decode_rows(tokenizer, new_tokens: torch.Tensor, config: GenerationConfig,
                  stop_strings: list[str], lengths: list[int] | None = None) -> list[dict]:
     """Response text (cut at the first stop string), tokens generated, and whether the token
-    limit cut it. ``lengths``: each row's generated count where the engine reports it."""
+    limit cut it. ``lengths``: each row's generated count where the engine reports it.
+
+    A row ends at the length its engine reports, else just after its first EOS (EOS counts as
+    generated; the padding after it is not). A pad token before that is a token the model
+    generated, as transformers' generate() keeps it: a model whose pad token is not EOS may
+    emit it mid-answer (issue 67)."""
     eos = config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     rows = []
     for k, row in enumerate(new_tokens.tolist()):
-        # A finished row is filled with padding; EOS itself counts as generated.
-        end = next((i + (t in eos_ids) for i, t in enumerate(row)
-                    if t in eos_ids or t == config.pad_token_id), len(row))
         if lengths is not None:
-            end = min(end, lengths[k])
+            end = lengths[k]
+        else:
+            end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
         text = tokenizer.decode(row[:end], skip_special_tokens=True)
         stop = stop_string_at(text, stop_strings)
         rows.append({"response": text if stop is None else text[:stop], "n_new_tokens": end,

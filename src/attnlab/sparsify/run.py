@@ -271,6 +271,7 @@ def _write_model(model, tokenizer, name: str, settings: SparsifySettings, bias: 
     with io.atomic_path(out_dir, directory=True) as tmp:
         model.save_pretrained(tmp)
         sparse_folder.mark(tmp, type(model).__name__)  # plain transformers: gated, or a loud failure
+        sparse_folder.write_card(tmp, name, {"base": settings.base, **summary})
         tokenizer.save_pretrained(tmp)
         provenance = {"name": name, "source": {"sparsify": settings.as_config()}, "summary": summary,
                       "torch": torch.__version__, "transformers": __import__("transformers").__version__}

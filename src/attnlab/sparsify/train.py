@@ -133,6 +133,7 @@ def _trainable_copy(base_dir: str, dtype: torch.dtype, device: torch.device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(base_dir)
+    sparse.opened_as_gated(config)  # a sparse copy as the base runs gated, as load_model opens it
     before = anatomy.families.dropout_off(config)
     log.info("dropout off for training, through the family's config fields: %s",
              ", ".join(f"{name} {value:g} -> 0" for name, value in before.items()))
@@ -288,7 +289,7 @@ class Trainer:
     def load_checkpoint(self, path: Path, fingerprint_: str) -> TrainState | None:
         if not path.is_file():
             return None
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        payload = read_checkpoint(path)
         if payload["fingerprint"] != fingerprint_:
             log.warning("checkpoint %s was made with other settings: starting over", path)
             return None
@@ -314,6 +315,27 @@ class Trainer:
         if self.settings.train == "lora":
             model = model.merge_and_unload()
         return model.eval()
+
+
+CHECKPOINT_KEYS = frozenset({"fingerprint", "state", "student", "optimizer", "generator"})
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A resume checkpoint's payload, unpickled with ``weights_only`` (tensors, numbers, strings and
+    containers alone: what ``save_checkpoint`` writes). Anything else is refused, naming the file,
+    and nothing in it runs: a results folder others can write must not run code in the next job."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 -- foreign objects (UnpicklingError), or a damaged archive
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        raise SparsifyError(f"{path} is not a post-training checkpoint attnlab wrote, or it is damaged; it was "
+                            f"refused without running anything in it ({reason}). Delete it to train from "
+                            "step 0") from error
+    if not isinstance(payload, dict) or not CHECKPOINT_KEYS <= payload.keys():
+        found = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise SparsifyError(f"{path} is not a post-training checkpoint attnlab wrote: it holds {found}, not "
+                            f"{sorted(CHECKPOINT_KEYS)}. Delete it to train from step 0")
+    return payload
 
 
 def _read_once(*values) -> list[float]:
