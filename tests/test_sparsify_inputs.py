@@ -174,6 +174,21 @@ def test_snapshot_is_a_loadable_copy_with_its_heldout_numbers(trained):
     assert model.config._attn_implementation == interventions.IMPLEMENTATION
 
 
+def test_a_shared_copy_as_a_local_source_is_prepared_with_its_gates(trained, tmp_path):
+    """A sparse copy given as ``source: {local: folder}`` (one a colleague shared) is prepared as
+    the gated model it is: the same logits as the copy opened by load_model, not the dense ones."""
+    from attnlab.models import load_model, prepare_model
+
+    copy = trained[0] / "model"
+    prepare_model("shared-copy", {"local": str(copy)}, tmp_path / "prepared")
+    ids = torch.tensor([[5, 17, 9, 33, 2, 8, 41]])
+    with torch.no_grad():
+        logits = [load_model(folder, torch.device("cpu"), torch.float32)(ids).logits
+                  for folder in (copy, tmp_path / "prepared")]
+    assert sparse.is_sparse(load_model(tmp_path / "prepared", torch.device("cpu"), torch.float32))
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
+
+
 def test_snapshots_are_refused_for_lora(tiny_base, tmp_path):
     base, corpus = tiny_base
     with pytest.raises(sparsify.SparsifyError, match="snapshot_steps needs train"):

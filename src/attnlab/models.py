@@ -104,8 +104,12 @@ def _load_from_pretrained(source: dict):
     location = source.get("hub") or str(Path(source["local"]).expanduser())
     revision = source.get("revision")
     log.info("loading %s (revision %s)", location, revision or "default")
+    from transformers import AutoConfig
+
     tokenizer = AutoTokenizer.from_pretrained(location, revision=revision)
-    model = AutoModelForCausalLM.from_pretrained(location, revision=revision, dtype="auto")
+    config = AutoConfig.from_pretrained(location, revision=revision)
+    sparse.opened_as_gated(config)  # a shared sparse copy as a source keeps its gates
+    model = AutoModelForCausalLM.from_pretrained(location, revision=revision, config=config, dtype="auto")
     return model, tokenizer
 
 
