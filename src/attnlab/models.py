@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.initialization import no_init_weights
 
 import attnlab.attention.function  # noqa: F401 -- registers the gated attention a sparse copy selects
@@ -104,8 +104,6 @@ def _load_from_pretrained(source: dict):
     location = source.get("hub") or str(Path(source["local"]).expanduser())
     revision = source.get("revision")
     log.info("loading %s (revision %s)", location, revision or "default")
-    from transformers import AutoConfig
-
     tokenizer = AutoTokenizer.from_pretrained(location, revision=revision)
     config = AutoConfig.from_pretrained(location, revision=revision)
     sparse.opened_as_gated(config)  # a shared sparse copy as a source keeps its gates
@@ -149,7 +147,6 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
     registers it: nothing need be imported before). The class comes from the config's own
     family, never from a folder's code (a sparse copy carries some, for plain transformers'
     ``trust_remote_code``: ``sparsify.folder``)."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:

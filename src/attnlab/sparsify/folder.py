@@ -54,7 +54,7 @@ def mark(folder: str | Path, architecture: str) -> None:
 def write_card(folder: str | Path, name: str, summary: dict) -> None:
     """A README.md model card in ``folder``: what the copy is, how to open it, its held-out numbers
     as ``summary`` gives them (run.py's summary or a snapshot's) and where its provenance is."""
-    numbers = [("base model", summary.get("base")), ("post-training steps", summary.get("steps")),
+    numbers = [("base model", summary.get("base")), ("post-training steps", summary.get("steps", summary.get("snapshot_step"))),
                ("training tokens", summary.get("tokens")),
                ("gate bias at inference", summary.get("inference_gate_bias")),
                ("held-out density (share of causal query-key edges open)", summary.get("heldout_density")),

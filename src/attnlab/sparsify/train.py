@@ -332,7 +332,7 @@ def read_checkpoint(path: Path) -> dict:
                             f"refused without running anything in it ({reason}). Delete it to train from "
                             "step 0") from error
     if not isinstance(payload, dict) or not CHECKPOINT_KEYS <= payload.keys():
-        found = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        found = sorted(map(str, payload)) if isinstance(payload, dict) else type(payload).__name__
         raise SparsifyError(f"{path} is not a post-training checkpoint attnlab wrote: it holds {found}, not "
                             f"{sorted(CHECKPOINT_KEYS)}. Delete it to train from step 0")
     return payload
