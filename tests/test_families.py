@@ -110,16 +110,15 @@ def test_trained_parameters_and_lora_targets_are_the_familys_attention_projectio
 
 
 def _generate_alone(model, prompts: pd.DataFrame, max_new_tokens: int) -> list[list[int]]:
-    """Each prompt's greedy tokens from transformers' generate, alone (no padding), cut after EOS or
-    before the padding id (0 here): the engines end a row there, as a finished row is padded."""
+    """Each prompt's greedy tokens from transformers' generate, alone (no padding), cut after EOS: a
+    pad token (0 here) the model emits before it is a token like any other (issue 67)."""
     out = []
     for ids in prompts["input_ids"]:
         with torch.no_grad():
             tokens = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                     max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS,
                                     pad_token_id=0)[0, len(ids):].tolist()
-        ends = [i + 1 for i, t in enumerate(tokens) if t == EOS] + [i for i, t in enumerate(tokens) if t == 0]
-        out.append(tokens[:min(ends, default=len(tokens))])
+        out.append(tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens)
     return out
 
 
