@@ -251,3 +251,20 @@ def test_a_generated_pad_token_is_a_token_like_any_other(engine, arch):
         assert list(new) == expected and count == len(expected)
         pads_inside += pad in expected[:-1]
     assert pads_inside >= 1  # the case this test is about: a pad token before the row's end
+
+
+def test_without_reported_lengths_a_row_ends_after_its_first_eos():
+    """An engine that reports no lengths: the padding after EOS ends a row, a pad token before it
+    does not; with lengths, they decide (both as written here, by hand)."""
+    from transformers import GenerationConfig
+
+    from attnlab.reasoning.generation import _decode_rows
+
+    config = GenerationConfig(pad_token_id=0, eos_token_id=EOS)
+    rows = torch.tensor([[5, 0, 6, EOS, 0, 0], [5, 6, 8, 9, 10, 11], [EOS, 0, 0, 0, 0, 0]])
+    decoded = _decode_rows(_Tokenizer(), rows, config, [])
+    assert [row["new_token_ids"] for row in decoded] == [[5, 0, 6, EOS], [5, 6, 8, 9, 10, 11], [EOS]]
+    assert [row["hit_token_limit"] for row in decoded] == [False, True, False]
+    assert decoded[0]["response"] == "5 6"  # the pad token and EOS decode to nothing
+    reported = _decode_rows(_Tokenizer(), rows, config, [], lengths=[3, 6, 1])
+    assert [row["n_new_tokens"] for row in reported] == [3, 6, 1]

@@ -74,8 +74,8 @@ def test_reloaded_sparse_model_matches_memory_and_its_extraction_matches_its_gat
     model = load_model(folder / "model", torch.device("cpu"), torch.float32)
     assert model.config._attn_implementation == interventions.IMPLEMENTATION
     # The same weights in a plain model made sparse in memory give the same logits.
-    plain = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
-    plain.set_attn_implementation("eager")
+    # an attention named here: the copy's config names one plain transformers refuses (issue 67)
+    plain = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32, attn_implementation="eager").eval()
     ids = torch.randint(3, 49152, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         sparse.make_sparse(plain, 1.0)
@@ -134,9 +134,10 @@ def test_a_checkpoint_that_would_run_code_is_refused_naming_its_file_and_nothing
     marker, planted = tmp_path / "ran.txt", tmp_path / "ckpt.pt"
     torch.save({"fingerprint": "x", "state": {}, "student": {}, "optimizer": {}, "generator": torch.zeros(3),
                 "extra": _RunsCodeOnLoad(marker)}, planted)
-    with pytest.raises(SparsifyError, match=rf"{planted} is not a post-training checkpoint attnlab wrote"):
+    with pytest.raises(SparsifyError, match=rf"{planted} is not a post-training checkpoint attnlab wrote") as refused:
         read_checkpoint(planted)
     assert not marker.exists()
+    assert "Unsupported global: GLOBAL exec" in str(refused.value) and "\x1b" not in str(refused.value)
     torch.load(planted, weights_only=False)  # the control: unpickled in full, the file runs its code
     assert marker.read_text() == "ran"
     foreign = tmp_path / "other.pt"

@@ -176,17 +176,27 @@ def test_snapshot_is_a_loadable_copy_with_its_heldout_numbers(trained):
 
 def test_a_shared_copy_as_a_local_source_is_prepared_with_its_gates(trained, tmp_path):
     """A sparse copy given as ``source: {local: folder}`` (one a colleague shared) is prepared as
-    the gated model it is: the same logits as the copy opened by load_model, not the dense ones."""
+    the gated model it is: the copy's logits, not the dense ones; and the prepared folder is still
+    one that plain transformers refuses, saying how to open it, with its card and provenance."""
+    from transformers import AutoModelForCausalLM
+
     from attnlab.models import load_model, prepare_model
 
-    copy = trained[0] / "model"
-    prepare_model("shared-copy", {"local": str(copy)}, tmp_path / "prepared")
+    copy, prepared = trained[0] / "model", tmp_path / "prepared"
+    prepare_model("shared-copy", {"local": str(copy)}, prepared)
     ids = torch.tensor([[5, 17, 9, 33, 2, 8, 41]])
     with torch.no_grad():
-        logits = [load_model(folder, torch.device("cpu"), torch.float32)(ids).logits
-                  for folder in (copy, tmp_path / "prepared")]
-    assert sparse.is_sparse(load_model(tmp_path / "prepared", torch.device("cpu"), torch.float32))
-    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
+        gated = [load_model(folder, torch.device("cpu"), torch.float32)(ids).logits for folder in (copy, prepared)]
+        dense = AutoModelForCausalLM.from_pretrained(prepared, attn_implementation="sdpa")(ids).logits
+    torch.testing.assert_close(gated[1], gated[0], rtol=0, atol=1e-5)
+    assert (dense - gated[1]).abs().max() > 1e-3  # the gates close edges: the dense forward differs
+    with pytest.raises(ValueError, match=r"attnlab.models.load_model\(folder.*trust_remote_code=True"):
+        AutoModelForCausalLM.from_pretrained(prepared)
+    card = (prepared / "README.md").read_text()
+    assert card.startswith("---") and "# shared-copy: a sparse copy made by attnlab" in card
+    assert f"| held-out density (share of causal query-key edges open) | {trained[1]['heldout_density']} |" in card
+    provenance = json.loads((prepared / "attnlab_source.json").read_text())
+    assert provenance["copied_provenance"]["summary"]["heldout_density"] == trained[1]["heldout_density"]
 
 
 def test_snapshots_are_refused_for_lora(tiny_base, tmp_path):

@@ -16,7 +16,7 @@ from transformers.initialization import no_init_weights
 
 import attnlab.attention.function  # noqa: F401 -- registers the gated attention a sparse copy selects
 from attnlab.anatomy.families import family_of
-from attnlab.attention import sparse
+from attnlab.attention import saved_copy, sparse
 from attnlab.config.checks import check_chat_template, damaged_model_files
 from attnlab.config.sources import check_model_source, package_folder, program_spec
 from attnlab.io import atomic_path
@@ -129,9 +129,25 @@ def prepare_model(name: str, source: dict, out_dir: str | Path, prompt_format: s
             save_tokenizer(tokenizer, tmp)
             provenance = {"name": name, "source": source, "torch": torch.__version__,
                           "transformers": __import__("transformers").__version__}
+            if sparse.is_sparse(model):
+                provenance["copied_provenance"] = _copy_as_shared(model, name, source, tmp)
             (tmp / "attnlab_source.json").write_text(json.dumps(provenance, indent=2))
             _carry_program_spec(source, tmp)
     log.info("wrote %s", out_dir)
+
+
+def _copy_as_shared(model, name: str, source: dict, folder: Path) -> dict | None:
+    """A sparse copy prepared from another folder stays one that plain transformers refuses, saying
+    how to open it (``saved_copy.mark``: save_pretrained drops the config's saved attention), with
+    its model card; returns the source folder's provenance (its held-out numbers), if it has one."""
+    saved_copy.mark(folder, type(model).__name__)
+    found = Path(source["local"]).expanduser() / "attnlab_source.json" if "local" in source else None
+    copied = json.loads(found.read_text()) if found is not None and found.is_file() else None
+    settings = getattr(model.config.get_text_config(), sparse.CONFIG_KEY)
+    summary = {"base": settings.get("base"), "inference_gate_bias": settings.get("gate_bias"),
+               **((copied or {}).get("summary") or {})}
+    saved_copy.write_card(folder, name, summary)
+    return copied
 
 
 def _carry_program_spec(source: dict, folder: Path) -> None:
@@ -146,7 +162,7 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype):
     """A prepared model in eval mode; a sparse copy with its gated attention selected (this loader
     registers it: nothing need be imported before). The class comes from the config's own
     family, never from a folder's code (a sparse copy carries some, for plain transformers'
-    ``trust_remote_code``: ``sparsify.folder``)."""
+    ``trust_remote_code``: ``attention.saved_copy``)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:

@@ -32,8 +32,8 @@ from attnlab import anatomy
 CONFIG_KEY = "attnlab_sparse"  # in config.json: {"gate_bias": b, "base": ..., ...}
 IMPLEMENTATION = "attnlab"  # the attention implementation that gates (registered by attnlab.interventions)
 # The attention a saved sparse copy's config.json names. Plain transformers cannot run it and
-# refuses it by echoing its name ('Specified attn_implementation="..." is not supported', in
-# every version), so the name itself tells whoever opens the folder the two ways that work.
+# refuses it by echoing its name ('Specified attn_implementation="..." is not supported': read
+# in 4.57, 5.17 and 5.23), so the name itself tells whoever opens the folder the two ways that work.
 # attnlab's loaders read it as IMPLEMENTATION (``opened_as_gated``). No "/" (transformers would
 # fetch it as a hub kernel) and none of the words it matches (flash, sdpa, flex, paged, eager).
 SAVED_IMPLEMENTATION = (

@@ -16,7 +16,7 @@ import torch
 
 from attnlab import io
 from attnlab.attention import sparse
-from attnlab.sparsify import folder as sparse_folder
+from attnlab.attention import saved_copy
 from attnlab.sparsify.calibrate import bias_columns, calibrate_gate_bias
 from attnlab.sparsify.corpus import Corpus, build_corpus, report_corpus
 from attnlab.sparsify.errors import SparsifyError
@@ -270,8 +270,8 @@ def _write_model(model, tokenizer, name: str, settings: SparsifySettings, bias: 
     sparse.make_sparse(model, bias, base=settings.base, training_gate_bias=settings.gate_bias)
     with io.atomic_path(out_dir, directory=True) as tmp:
         model.save_pretrained(tmp)
-        sparse_folder.mark(tmp, type(model).__name__)  # plain transformers: gated, or a loud failure
-        sparse_folder.write_card(tmp, name, {"base": settings.base, **summary})
+        saved_copy.mark(tmp, type(model).__name__)  # plain transformers refuses it, saying how to open it
+        saved_copy.write_card(tmp, name, {"base": settings.base, **summary})
         tokenizer.save_pretrained(tmp)
         provenance = {"name": name, "source": {"sparsify": settings.as_config()}, "summary": summary,
                       "torch": torch.__version__, "transformers": __import__("transformers").__version__}

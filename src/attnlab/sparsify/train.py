@@ -133,7 +133,6 @@ def _trainable_copy(base_dir: str, dtype: torch.dtype, device: torch.device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(base_dir)
-    sparse.opened_as_gated(config)  # a sparse copy as the base runs gated, as load_model opens it
     before = anatomy.families.dropout_off(config)
     log.info("dropout off for training, through the family's config fields: %s",
              ", ".join(f"{name} {value:g} -> 0" for name, value in before.items()))
@@ -327,15 +326,22 @@ def read_checkpoint(path: Path) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 -- foreign objects (UnpicklingError), or a damaged archive
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         raise SparsifyError(f"{path} is not a post-training checkpoint attnlab wrote, or it is damaged; it was "
-                            f"refused without running anything in it ({reason}). Delete it to train from "
+                            f"refused without running anything in it ({_load_failure(error)}). Delete it to train from "
                             "step 0") from error
     if not isinstance(payload, dict) or not CHECKPOINT_KEYS <= payload.keys():
         found = sorted(map(str, payload)) if isinstance(payload, dict) else type(payload).__name__
         raise SparsifyError(f"{path} is not a post-training checkpoint attnlab wrote: it holds {found}, not "
                             f"{sorted(CHECKPOINT_KEYS)}. Delete it to train from step 0")
     return payload
+
+
+def _load_failure(error: Exception) -> str:
+    """What torch.load refused, in a line: for a foreign object the line naming it ("Unsupported
+    global: GLOBAL exec ..."), not torch's advice to load the file unsafely."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else "")
+    return f"{type(error).__name__}: {named.split('. Please use')[0]}"
 
 
 def _read_once(*values) -> list[float]:

@@ -41,7 +41,8 @@ class {name}(transformers.{base}):
 
 def mark(folder: str | Path, architecture: str) -> None:
     """Make a saved sparse copy in ``folder`` (its class ``architecture``, e.g. LlamaForCausalLM)
-    load gated or fail loudly under plain transformers (module docstring)."""
+    refused by plain ``from_pretrained``, saying how to open it, and loaded gated with
+    ``trust_remote_code=True`` (module docstring)."""
     folder = Path(folder)
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
@@ -60,7 +61,8 @@ def write_card(folder: str | Path, name: str, summary: dict) -> None:
                ("held-out density (share of causal query-key edges open)", summary.get("heldout_density")),
                ("held-out KL(dense ‖ sparse), nats per token", summary.get("heldout_kl")),
                ("held-out cross-entropy, dense / sparse, nats per token",
-                f"{summary.get('heldout_ce_dense')} / {summary.get('heldout_ce_sparse')}")]
+                f"{summary['heldout_ce_dense']} / {summary['heldout_ce_sparse']}" if "heldout_ce_sparse" in summary
+                else None)]
     rows = "\n".join(f"| {label} | {value} |" for label, value in numbers if value is not None)
     (Path(folder) / "README.md").write_text(_CARD.format(name=name, rows=rows))
 
@@ -92,5 +94,6 @@ The second runs `attnlab_sparse_copy.py` from this folder, which registers the g
 {rows}
 
 Densities are measured at the gate bias above, on held-out text of the training corpus. The whole
-provenance (settings, corpus, per-source numbers, versions) is in `attnlab_source.json`.
+provenance (settings, corpus, per-source numbers, versions) is in `attnlab_source.json` (under
+`copied_provenance` in a copy prepared from another folder).
 """
