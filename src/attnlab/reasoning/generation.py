@@ -112,14 +112,14 @@ def _decode_rows(tokenizer, new_tokens: torch.Tensor, config: GenerationConfig,
     generated; the padding after it is not). A pad token before that is a token the model
     generated, as transformers' generate() keeps it: a model whose pad token is not EOS may
     emit it mid-answer (issue 67)."""
-    eos = config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    eos_ids, _ = _ends_of(tokenizer, config, [])
+    if lengths is None:  # the engines' own rule, stop strings aside: EOS ends a row, counted with it
+        ends = RowEnds(len(new_tokens), eos_ids, None)
+        ends.update(new_tokens.tolist())
+        lengths = ends.lengths(new_tokens.shape[1])
     rows = []
     for k, row in enumerate(new_tokens.tolist()):
-        if lengths is not None:
-            end = lengths[k]
-        else:
-            end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        end = lengths[k]
         text = tokenizer.decode(row[:end], skip_special_tokens=True)
         stop = stop_string_at(text, stop_strings)
         rows.append({"response": text if stop is None else text[:stop], "n_new_tokens": end,
