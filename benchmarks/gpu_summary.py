@@ -36,7 +36,23 @@ def section_lines(name: str, section: dict) -> list[str]:
                  for run, value in section.items() if isinstance(value, dict) and ("seconds" in value or "error" in value)}
         same = {key: value for key, value in section.items() if key.startswith("same_tokens")}
         return [f"  {name} ({seconds} s): useful tokens/s {json.dumps(rates)}", f"    {json.dumps(same)}"]
+    if name == "scale":
+        return [line for model, run in section.items() if isinstance(run, dict) for line in _scale_lines(model, run)]
     return [f"  {name} ({seconds} s): {json.dumps(_rounded(section))[:400]}"]
+
+
+def _scale_lines(model: str, run: dict) -> list[str]:
+    """Per model: its depth, whether its deadline stopped it, and each stage's seconds and peak MiB
+    above the model at each workload."""
+    lines = [f"  scale {model} ({round(run['seconds'])} s, rc {run['returncode']})"]
+    for row in run.get("rows", []):
+        stopped = " STOPPED AT ITS DEADLINE" if row.get("timed_out") else " FAILED" if row.get("failed") else ""
+        lines.append(f"    {row['layers']} layers, model {row.get('model_mib', 0) / 1024:.1f} GiB{stopped}")
+        for stage, workloads in row.get("stages", {}).items():
+            figures = {workload: [round(measured["seconds"], 2), round(measured["peak_above_mib"])]
+                       for workload, measured in workloads.items()}
+            lines.append(f"      {stage} [s, MiB]: {json.dumps(figures)}")
+    return lines
 
 
 def summary(folder: Path) -> list[str]:

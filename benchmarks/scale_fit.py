@@ -40,7 +40,7 @@ def stage_rows(result: dict) -> list[dict]:
     device = "cuda" if str(result.get("device", "cpu")).startswith("cuda") else "cpu"
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[result.get("dtype", "float32").replace("torch.", "")]
     for row in result["rows"]:
-        if "failed" in row:
+        if "failed" in row or "model_mib" not in row:  # a run stopped before its model was built: nothing measured
             continue
         shape = cost.Shape.of(_config_of(row))
         for stage, workloads in row["stages"].items():

@@ -182,3 +182,45 @@ def test_the_sparse_section_hands_its_scripts_absolute_folders_and_pairs_counts_
     fail_training = True
     done = gpu._sparse_regime(Path("resources/model"), Path("out/sparse"))
     assert len(calls) == 1 and list(done) == ["post_training", "summary"]
+
+
+def test_the_offline_node_session_runs_end_to_end_at_smoke_sizes(smollm2_dir, tmp_path):
+    """benchmarks/gpu_session.sh's run phase on this CPU, as on a node whose Python has the
+    packages (INSTALLED=1) and a prepared model: a first section, then the scale section in the
+    background, each JSON, the results' tarball and the summary. (Not ``checks``: the kernels in
+    Triton's interpreter take minutes at smoke sizes; test_kernels runs them.)"""
+    import os
+    import tarfile
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(out),
+           "WORK": str(work), "INSTALLED": "1", "MODEL_DIR": str(smollm2_dir), "GPU_ARGS": "--smoke", "SMOKE": "0",
+           "FIRST_SECTIONS": "extraction", "BACKGROUND": "scale", "BUDGET_S": "400"}
+    finished = subprocess.run(["bash", "benchmarks/gpu_session.sh", "run"], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+    assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-2000:]
+    assert "scale done (rc 0)" in finished.stdout, finished.stdout[-2000:]
+    first = json.loads((out / "gpu.json").read_text())
+    assert first["smoke"] and "error" not in first["extraction"], first["extraction"].get("error")
+    scale = json.loads((out / "gpu_scale.json").read_text())["scale"]["gpt2"]
+    assert scale["returncode"] == 0 and set(scale["rows"][0]["stages"]) == {"extraction"}
+    with tarfile.open(out / "gpu_results.tgz") as packed:
+        assert "./scale/scale_gpt2.json" in packed.getnames()
+    assert "scale gpt2" in finished.stdout and "extraction [s, MiB]" in finished.stdout  # the summary
+
+
+def test_a_scale_run_stopped_by_its_deadline_keeps_the_stages_it_finished():
+    """scale.py's row of a killed process: the model's line and each finished stage's line."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from scale import finished_stages
+
+    printed = "\n".join([
+        'importing...',
+        json.dumps({"model": "olmo-7b", "layers": 32, "build_s": 3.0, "model_mib": 13000.0, "parameters": 7}),
+        json.dumps({"model": "olmo-7b", "layers": 32, "stage": "extraction", "tokens=1024": {"seconds": 1.0}}),
+    ])
+    row = finished_stages(printed, "olmo-7b", 0)
+    assert row == {"model": "olmo-7b", "layers": 32, "build_s": 3.0, "model_mib": 13000.0, "parameters": 7,
+                   "stages": {"extraction": {"tokens=1024": {"seconds": 1.0}}}}
+    assert finished_stages("", "olmo-7b", 0) == {"model": "olmo-7b", "layers": 0, "stages": {}}
