@@ -98,20 +98,40 @@ def sparse_inference_differences(model, prompts) -> dict:
 
 def open_edge_differences(eager_tracker, kernel_tracker) -> dict:
     """Where the two paths' open edges first differ: the layer, the open edges by which its heads
-    differ (a lower bound on flipped edges), and how many of that layer's allowed edges have a
-    gate logit within ``NEAR_THRESHOLD`` of 0 in the eager path. Differences within that count
-    can be rounding's; beyond it, or in a layer with none near, the kernels open other edges.
-    Later layers see other inputs once one edge differs."""
+    differ (a lower bound on flipped edges), and whether rounding can explain each head's
+    difference. Only the first differing layer can be judged: later layers see other inputs.
+
+    Rounding can close an eager-open edge only if 0 < s + b < ``NEAR_THRESHOLD`` in the eager
+    path, and open a closed one only if -``NEAR_THRESHOLD`` < s + b <= 0. A head whose kernels
+    open n more edges than the eager path needs n near-closed edges (n fewer: n near-open ones);
+    a head beyond that opens other edges. Within it is necessary for rounding, not proof of it
+    (per-head counts cannot match edges one by one)."""
     eager_open, allowed = eager_tracker.density_counts()
     kernel_open, _ = kernel_tracker.density_counts()
     differing = {layer: int((eager_open[layer] - kernel_open[layer]).abs().sum()) for layer in sorted(eager_open)}
     first = next((layer for layer, n in differing.items() if n), None)
-    near = {layer: int(n) for layer, n in eager_tracker.near_per_layer.items()}
-    return {"first_layer_differing": first, "differing_in_first_layer": differing.get(first, 0),
-            "near_threshold": NEAR_THRESHOLD, "near_threshold_in_first_layer": near.get(first),
-            "near_threshold_in_layer_0": near.get(0),
-            "differing_all_layers": sum(differing.values()),
-            "allowed_all_layers": int(sum(float(v.sum()) for v in allowed.values()))}
+    result = {"first_layer_differing": first, "differing_in_first_layer": differing.get(first, 0),
+              "near_threshold": NEAR_THRESHOLD, "differing_all_layers": sum(differing.values()),
+              "allowed_all_layers": int(sum(float(v.sum()) for v in allowed.values()))}
+    if first is not None:
+        heads = heads_beyond_rounding(kernel_open[first] - eager_open[first], eager_tracker.near_open_per_head[first],
+                                      eager_tracker.near_closed_per_head[first])
+        result.update(heads_differing_in_first_layer=heads["differing"], heads_beyond_rounding=heads["beyond"],
+                      within_rounding=not heads["beyond"])
+    return result
+
+
+def heads_beyond_rounding(more_open: torch.Tensor, near_open: torch.Tensor, near_closed: torch.Tensor) -> dict:
+    """Per head of one layer, the kernels' open edges minus the eager path's (``more_open``), against
+    the eager path's edges within rounding of the threshold on the side each difference needs."""
+    differing, beyond = [], []
+    for head, (more, can_close, can_open) in enumerate(zip(more_open.tolist(), near_open.tolist(), near_closed.tolist())):
+        if more:
+            row = {"head": head, "kernels_open_more": int(more), "near_open": int(can_close), "near_closed": int(can_open)}
+            differing.append(row)
+            if (more > 0 and more > can_open) or (more < 0 and -more > can_close):
+                beyond.append(row)
+    return {"differing": differing, "beyond": beyond}
 
 
 def training_differences(model_dir, device, length: int = 128) -> dict:

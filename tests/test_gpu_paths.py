@@ -224,3 +224,34 @@ def test_a_scale_run_stopped_by_its_deadline_keeps_the_stages_it_finished():
     assert row == {"model": "olmo-7b", "layers": 32, "build_s": 3.0, "model_mib": 13000.0, "parameters": 7,
                    "stages": {"extraction": {"tokens=1024": {"seconds": 1.0}}}}
     assert finished_stages("", "olmo-7b", 0) == {"model": "olmo-7b", "layers": 0, "stages": {}}
+
+
+def test_open_edge_differences_are_judged_head_by_head_on_the_side_each_needs():
+    """The first differing layer's heads: n more edges open in the kernels need n eager edges
+    within rounding below the threshold (near closed); n fewer need n near open ones."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_checks import open_edge_differences
+
+    def tracker(open_edges: dict, near_open=None, near_closed=None):
+        made = sparse.GateTracker()
+        made.open_per_head = {layer: torch.tensor(v, dtype=torch.float64) for layer, v in open_edges.items()}
+        made.edges_per_head = {layer: torch.full((3,), 50.0, dtype=torch.float64) for layer in open_edges}
+        made.near_open_per_head = {1: torch.tensor(near_open or [0, 0, 0])}
+        made.near_closed_per_head = {1: torch.tensor(near_closed or [0, 0, 0])}
+        return made
+
+    eager = tracker({0: [5, 6, 7], 1: [10, 10, 10], 2: [1, 1, 1]}, near_open=[0, 4, 1], near_closed=[2, 0, 0])
+    kernels = tracker({0: [5, 6, 7], 1: [12, 9, 10], 2: [9, 9, 9]})  # layer 2: other inputs, not judged
+    result = open_edge_differences(eager, kernels)
+    assert result["first_layer_differing"] == 1 and result["differing_in_first_layer"] == 3
+    assert result["differing_all_layers"] == 3 + 24 and result["allowed_all_layers"] == 450
+    assert [row["head"] for row in result["heads_differing_in_first_layer"]] == [0, 1]
+    assert result["within_rounding"] and result["heads_beyond_rounding"] == []
+    # the same counts with the near edges on the other side: rounding explains neither head
+    swapped = tracker({0: [5, 6, 7], 1: [10, 10, 10], 2: [1, 1, 1]}, near_open=[2, 0, 0], near_closed=[0, 4, 1])
+    result = open_edge_differences(swapped, kernels)
+    assert not result["within_rounding"]
+    assert result["heads_beyond_rounding"] == [{"head": 0, "kernels_open_more": 2, "near_open": 2, "near_closed": 0},
+                                               {"head": 1, "kernels_open_more": -1, "near_open": 0, "near_closed": 4}]
+    same = open_edge_differences(eager, tracker({0: [5, 6, 7], 1: [10, 10, 10], 2: [1, 1, 1]}))
+    assert same["first_layer_differing"] is None and "within_rounding" not in same

@@ -271,8 +271,9 @@ def test_gates_sampled_under_bfloat16_are_computed_in_float32():
 
 
 def test_edges_near_the_gate_threshold_are_counted_from_s_plus_b_over_allowed_edges():
-    """The diagnostic of gpu_checks: allowed edges with |s + b| under the tracker's distance,
-    counted by hand from the logits (a count from s alone, or over masked edges, differs)."""
+    """The diagnostic of gpu_checks: allowed edges with |s + b| under the tracker's distance, per
+    head, open (s + b > 0) apart from closed, counted by hand from the logits (a count from s
+    alone, or over masked edges, differs)."""
     generator = torch.Generator().manual_seed(1)
     query, key, value = (torch.randn(1, 2, 9, 8, generator=generator) for _ in range(3))
     bias, distance = 0.3, 0.25
@@ -281,11 +282,16 @@ def test_edges_near_the_gate_threshold_are_counted_from_s_plus_b_over_allowed_ed
         interventions.attend(_fake_module(bias), query, key, value, _causal_mask(9), scaling=8 ** -0.5)
     logits = query @ key.transpose(2, 3) * 8 ** -0.5
     causal = torch.ones(9, 9).tril().bool()
-    hand = int(((logits + bias).abs() < distance)[..., causal].sum())
-    assert hand > 0 and hand != int(((logits.abs() < distance)[..., causal]).sum())
-    assert hand != int(((logits + bias).abs() < distance).sum())
-    assert int(tracker.near_per_layer[0]) == hand
-    assert sparse.GateTracker().near_per_layer == {}  # not counted unless asked
+    gate_logits = logits + bias
+    near = (gate_logits.abs() < distance) & causal
+    hand_open, hand_closed = (near & (gate_logits > 0)).sum(dim=(0, 2, 3)), (near & (gate_logits <= 0)).sum(dim=(0, 2, 3))
+    assert hand_open.min() > 0 and hand_closed.min() > 0
+    assert int(near.sum()) != int(((logits.abs() < distance)[..., causal]).sum())  # s alone would differ
+    assert int(near.sum()) != int((gate_logits.abs() < distance).sum())  # as would masked edges
+    assert torch.equal(tracker.near_open_per_head[0], hand_open)
+    assert torch.equal(tracker.near_closed_per_head[0], hand_closed)
+    assert not torch.equal(hand_open, hand_closed)  # the two sides apart
+    assert sparse.GateTracker().near_open_per_head == {}  # not counted unless asked
 
 
 def test_open_edges_of_bfloat16_gates_are_counted_exactly():

@@ -118,10 +118,13 @@ class GateTracker:
     edges: float | torch.Tensor = 0.0
     open_per_head: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads]
     edges_per_head: dict[int, torch.Tensor] = field(default_factory=dict)
-    # A diagnostic of the eager path at inference: per layer, the allowed edges whose gate logit
-    # s + b lies within this distance of 0 (the edges float rounding could flip); None: not counted
+    # A diagnostic of the eager path at inference: per layer and head, the allowed edges whose gate
+    # logit s + b lies within this distance of 0 (the edges float rounding could flip), the open
+    # ones (0 < s + b < d: rounding could close them) apart from the closed ones (-d < s + b <= 0:
+    # rounding could open them); None: not counted
     near_threshold: float | None = None
-    near_per_layer: dict[int, torch.Tensor] = field(default_factory=dict)
+    near_open_per_head: dict[int, torch.Tensor] = field(default_factory=dict)
+    near_closed_per_head: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def expected_density(self) -> torch.Tensor:
         """Mean of σ(s + b) over causal edges, heads and layers of the last forward(s)."""
@@ -202,8 +205,9 @@ def count_open_edges(tracker: GateTracker, layer: int, gate: torch.Tensor, allow
     asks and ``gate_logits`` s + b are given, the allowed edges near the threshold)."""
     allowed = allowed.expand_as(gate)
     if tracker.near_threshold is not None and gate_logits is not None:
-        near = ((gate_logits.abs() < tracker.near_threshold) & allowed).sum()
-        tracker.near_per_layer[layer] = tracker.near_per_layer.get(layer, 0) + near
+        near = (gate_logits.abs() < tracker.near_threshold) & allowed
+        for counts, side in ((tracker.near_open_per_head, gate_logits > 0), (tracker.near_closed_per_head, gate_logits <= 0)):
+            counts[layer] = counts.get(layer, 0) + (near & side).sum(dim=(0, 2, 3))
     # Counted as integers (a bfloat16 sum, a bf16 model on CUDA, is exact only up to 256), and left
     # on the device until read (``density_per_head``): a copy per layer would stall a GPU.
     open_edges = ((gate > 0) & allowed).sum(dim=(0, 2, 3)).double()
