@@ -14,6 +14,7 @@ each timed and written as it ends (a failing section records its error and the r
 - ``checks``: the fused kernels against the eager blocks on this card, float32 (gpu_checks.py);
 - ``extraction``: received attention of 4 × 2,048 tokens, bf16, against a plain sdpa forward;
 - ``training``: a post-training step of 16 × 1,024 tokens against plain fine-tuning;
+  both then profile each path once (gpu_profile.py), their traces in traces/ beside the JSON;
 - ``generation``: every engine on 64 GSM8K chat prompts, 256 new tokens, batch 64;
 - ``generation-gemma3``: Gemma-3-270M base (``--gemma-dir``, else ``resources/models/gemma3-270m``,
   else converted from its wheel), ``static`` and ``static_cache`` on the same items with 4
@@ -87,9 +88,9 @@ def _section(name: str, model_dir: Path, device: torch.device, sizes: dict, args
     if name == "checks":
         return gpu_checks.kernel_checks(model_dir, device, *sizes["checks"])
     if name == "extraction":
-        return gpu_speed.extraction_speed(model_dir, device, *sizes["extraction"], args.repeats)
+        return gpu_speed.extraction_speed(model_dir, device, *sizes["extraction"], args.repeats, _traces(args))
     if name == "training":
-        return gpu_speed.training_speed(model_dir, device, _recipe(), *sizes["training"], args.repeats)
+        return gpu_speed.training_speed(model_dir, device, _recipe(), *sizes["training"], args.repeats, _traces(args))
     if name == "generation":
         items, new_tokens, batch = sizes["generation"]
         return gpu_speed.generation_speed(model_dir, device, _gsm8k_prompts(items), batch, new_tokens)
@@ -108,6 +109,11 @@ def _section(name: str, model_dir: Path, device: torch.device, sizes: dict, args
     if name == "scale":
         return _scale(sizes["scale"], device, model_dir, Path(args.out).parent / "scale", args.scale_deadline_s)
     return _sparse_regime(model_dir, Path(args.sparse_dir) if args.sparse_dir else Path(args.out).parent / "sparse_gpu")
+
+
+def _traces(args) -> Path:
+    """Where the profiled runs' traces go: traces/ beside the JSON."""
+    return Path(args.out).parent / "traces"
 
 
 def _sparse_regime(model_dir: Path, folder: Path) -> dict:

@@ -1,11 +1,13 @@
 """benchmarks/gpu.py's timings: each heavy path beside its plain counterpart, in one run.
 
 - extraction: ``attnlab.extraction.extract.extract`` (the fused kernels on CUDA) and the eager blocks
-  against a plain sdpa decoder forward of the same batch;
+  against a plain sdpa decoder forward of the same batch, each path then profiled once
+  (gpu_profile.py: launches, host waits, the top kernels and host ops, a trace);
 - post-training: a ``sparsify.Trainer`` step as ``config/sparse-gpu.yaml`` runs it (bf16
   autocast, no checkpointing: the fused kernels) and the eager blocks with checkpointing (the
   path before them), against plain fine-tuning (sdpa, the same chunked CE; and transformers'
-  own loss), tokens per second and peak memory, each mode alone on the card;
+  own loss), tokens per second and peak memory, each mode alone on the card; the kernels' step
+  and plain fine-tuning then profiled once each;
 - generation: every engine in float32 and bfloat16 on GSM8K chat prompts (useful tokens/s,
   slot use, the same tokens or not), and the graphed engine in bf16 with cuDNN's attention
   switched off (which made the static engine 3.7x slower in bf16 on an H200: it now leaves
@@ -30,6 +32,7 @@ from attnlab.models import enable_activation_checkpointing, load_model
 from attnlab.tokenization import load_tokenizer
 from common import alternate, extraction_prompts, peak_mib, reset_peak, seconds
 from gpu_checks import fused_mode
+from gpu_profile import profiled
 
 
 def _free() -> None:
@@ -44,7 +47,7 @@ def _peak_of(run, device) -> float:
     return peak_mib(device)
 
 
-def extraction_speed(model_dir, device, batch: int, length: int, repeats: int) -> dict:
+def extraction_speed(model_dir, device, batch: int, length: int, repeats: int, trace_dir=None) -> dict:
     model = load_model(model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     rows = np.random.default_rng(0).integers(10, 40000, (batch, length)).tolist()
     prompts = extraction_prompts(rows, inserted=(10, 65))
@@ -71,7 +74,8 @@ def extraction_speed(model_dir, device, batch: int, length: int, repeats: int) -
         peaks["extract (eager blocks)"] = _peak_of(lambda: extract(model, prompts, batch, []), device)
     unit = times["plain sdpa forward"]
     return {"batch": batch, "length": length, "seconds": times, "peak_mib": peaks,
-            "throughput_vs_plain": {name: unit / value for name, value in times.items()}}
+            "throughput_vs_plain": {name: unit / value for name, value in times.items()},
+            "profile": profiled(runs, device, trace_dir)}  # where the time outside the kernels goes
 
 
 def _training_ids(tokenizer, batch: int, length: int) -> torch.Tensor:
@@ -111,7 +115,10 @@ def _post_training_step(model_dir, device, ids, recipe: dict, checkpointing: boo
     return lambda: trainer.step(ids, state)
 
 
-def training_speed(model_dir, device, recipe: dict, batch: int, length: int, repeats: int) -> dict:
+PROFILED_MODES = ("plain fine-tuning (chunked CE)", "post-training step (kernels)")
+
+
+def training_speed(model_dir, device, recipe: dict, batch: int, length: int, repeats: int, trace_dir=None) -> dict:
     ids = _training_ids(load_tokenizer(model_dir), batch, length).to(device)
     modes = {
         "plain fine-tuning (chunked CE)": lambda: _plain_step(model_dir, device, ids, False, False),
@@ -122,7 +129,7 @@ def training_speed(model_dir, device, recipe: dict, batch: int, length: int, rep
     # the path before the kernels: eager blocks, checkpointed, timed once
     modes["post-training step (eager blocks, checkpointing)"] = lambda: _post_training_step(
         model_dir, device, ids, recipe, True)
-    result = {"batch": batch, "length": length, "seconds": {}, "peak_mib": {}, "errors": {}}
+    result = {"batch": batch, "length": length, "seconds": {}, "peak_mib": {}, "errors": {}, "profile": {}}
     for name, make in modes.items():
         eager = "eager blocks" in name
         try:  # one mode failing (an API a transformers lacks, memory) must not lose the others
@@ -132,6 +139,8 @@ def training_speed(model_dir, device, recipe: dict, batch: int, length: int, rep
                 reset_peak(device)
                 result["seconds"][name] = float(np.median([seconds(step) for _ in range(1 if eager else repeats)]))
                 result["peak_mib"][name] = peak_mib(device)
+                if name in PROFILED_MODES:  # after its figures: the profiler's overhead is not timed
+                    result["profile"].update(profiled({name: step}, device, trace_dir))
         except Exception as error:  # noqa: BLE001
             result["errors"][name] = f"{type(error).__name__}: {error}"
         step = None

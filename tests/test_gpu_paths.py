@@ -255,3 +255,28 @@ def test_open_edge_differences_are_judged_head_by_head_on_the_side_each_needs():
                                                {"head": 1, "kernels_open_more": -1, "near_open": 0, "near_closed": 4}]
     same = open_edge_differences(eager, tracker({0: [5, 6, 7], 1: [10, 10, 10], 2: [1, 1, 1]}))
     assert same["first_layer_differing"] is None and "within_rounding" not in same
+
+
+def test_a_profiled_run_names_its_host_waits_and_writes_its_trace(tmp_path):
+    """gpu_profile on the CPU: a run that reads a tensor's value twice shows two host waits; its
+    heaviest op leads the host table; the trace is whole, gzipped Chrome JSON."""
+    import gzip
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_profile import profiled
+
+    big = torch.randn(256, 256)
+
+    def run():
+        product = big @ big
+        for _ in range(50):
+            big.abs()
+        return float(product.sum()) + product.mean().item()
+
+    summary = profiled({"two reads": run}, torch.device("cpu"), tmp_path)["two reads"]
+    assert summary["host_waits"]["aten::item"] == 2 and summary["launches"] == 0
+    assert summary["top_host"][0]["name"] in ("aten::mm", "aten::abs") and summary["wall_ms"] > 0
+    assert {row["name"]: row["calls"] for row in summary["top_host"]}["aten::mm"] == 1  # the profiled call alone
+    assert "device_busy_ms" not in summary  # no device on a CPU
+    trace = json.loads(gzip.open(summary["trace"]).read())
+    assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
