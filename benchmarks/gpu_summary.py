@@ -21,6 +21,9 @@ def _rounded(value):
     return value
 
 
+PROFILE_KEYS = ("wall_ms", "device_busy_ms", "launches", "host_waits")
+
+
 def section_lines(name: str, section: dict) -> list[str]:
     """One line per figure a reader checks against the issue's targets."""
     if "error" in section:
@@ -30,7 +33,9 @@ def section_lines(name: str, section: dict) -> list[str]:
             "edges": ["scoring_in_forward_backwards", "evaluation_in_forwards"],
             "checks": ["dense_extraction", "sparse_inference", "training_step"]}.get(name)
     if keys is not None:
-        return [f"  {name} ({seconds} s): {key} {json.dumps(_rounded(section.get(key)))}" for key in keys]
+        return [f"  {name} ({seconds} s): {key} {json.dumps(_rounded(section.get(key)))}" for key in keys] + [
+            f"    profile {path}: {json.dumps(_rounded({k: v for k, v in profiled.items() if k in PROFILE_KEYS}))}"
+            for path, profiled in (section.get("profile") or {}).items()]
     if name.startswith("generation"):
         rates = {run: round(value["useful_tokens_per_s"]) if "useful_tokens_per_s" in value else value.get("error")
                  for run, value in section.items() if isinstance(value, dict) and ("seconds" in value or "error" in value)}
