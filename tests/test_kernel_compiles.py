@@ -143,12 +143,10 @@ def test_triton_3_6_takes_its_own_tiles(monkeypatch):
     assert tile("backward_kv", 64, 80) == launch.SM80_TILES[("backward_kv", "16bit")][64] == (64, 32, 8, 2)
 
 
-REPORT_36 = Path(__file__).resolve().parents[1] / "benchmarks/results/kernel_resources_triton36_2026-11-27.json"
+REPORT_36 = Path(__file__).resolve().parents[1] / "benchmarks/results/kernel_resources_triton36_2026-11-29.json"
 # The only variants the 3.6 report finds spilling, with their spilled bytes (stores = loads; 8 of
-# stack each): two forward variants at head dimension 256 on sm_90, in both 16-bit dtypes.
-SPILLING_UNDER_36 = {(f"forward/{variant}/d256/{dtype}", "sm_90"): spilled
-                     for variant, spilled in (("deterministic/causal", 4), ("sampled/window", 8))
-                     for dtype in ("bf16", "fp16")}
+# stack each): the deterministic forward at head dimension 256 on sm_90, in both 16-bit dtypes.
+SPILLING_UNDER_36 = {(f"forward/deterministic/causal/d256/{dtype}", "sm_90"): 4 for dtype in ("bf16", "fp16")}
 
 
 def _report_36() -> list[dict]:
@@ -192,6 +190,27 @@ def test_under_triton_3_6_the_launcher_picks_the_tile_of_every_variant_in_its_re
                                                      arch=int(row["arch"][3:]))
         assert (block_m, block_n, options["num_warps"], options["num_stages"]) == (
             row["block_m"], row["block_n"], row["num_warps"], row["num_stages"]), (row["variant"], row["arch"])
+
+
+REPORT_37 = Path(__file__).resolve().parents[1] / "benchmarks/results/kernel_resources_2026-11-29.json"
+
+
+def test_under_triton_3_7_every_16_bit_variant_runs_the_tile_its_report_measured_without_spills(monkeypatch):
+    """Every row of the committed 3.7.1 report (216 16-bit variants, both targets): the launcher
+    under 3.7 picks its tile, and none of them spilled."""
+    import json
+
+    rows = json.loads(REPORT_37.read_text())
+    assert len(rows) == 216 and {row["triton"] for row in rows} == {"3.7.1"}
+    monkeypatch.setattr(launch, "TRITON_VERSION", (3, 7))
+    dtypes, cuda = {"bf16": torch.bfloat16, "fp16": torch.float16}, torch.device("cuda")
+    for row in rows:
+        kernel, *_, dim, dtype = row["variant"].split("/")
+        block_m, block_n, _, options = launch.blocks(int(dim[1:]), cuda, dtypes[dtype], kernel,
+                                                     arch=int(row["arch"][3:]))
+        assert (block_m, block_n, options["num_warps"], options["num_stages"]) == (
+            row["block_m"], row["block_n"], row["num_warps"], row["num_stages"]), (row["variant"], row["arch"])
+        assert (row["spill_store_bytes"], row["spill_load_bytes"], row["stack_bytes"]) == (0, 0, 0), row["variant"]
 
 
 # Every tile shape (BLOCK_M, BLOCK_N) the launcher picks on a GPU, any target or Triton version.

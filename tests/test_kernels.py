@@ -368,22 +368,34 @@ def test_the_mode_switch_is_checked_and_off_keeps_the_eager_blocks(kernel_calls,
 
 
 @triton.jit
-def _rand_at(OUT, COUNTERS, seed, COUNT: tl.constexpr):
-    """Triton's Philox uniform at given counters (the reference the noise is built from)."""
+def _uniforms_at(OUT, COUNTERS, seed, COUNT: tl.constexpr):
+    """Triton's four Philox uniforms at given counters, [COUNT, 4] (the reference the noise is
+    built from)."""
     offs = tl.arange(0, COUNT)
-    tl.store(OUT + offs, tl.rand(seed, tl.load(COUNTERS + offs)))
+    numbers = tl.randint4x(seed, tl.load(COUNTERS + offs))
+    for k in tl.static_range(4):
+        tl.store(OUT + offs * 4 + k, tl.random.uint_to_uniform_float(numbers[k]))
+
+
+# which of a counter's four numbers column j takes, by j mod 4 (written out, not computed)
+NUMBER_OF_COLUMN = {0: 0, 1: 2, 2: 1, 3: 3}
 
 
 def test_the_gate_noise_is_its_counter_formula_and_every_edge_draws_its_own():
-    """Edge (i, j) of head bh draws Philox at counter (bh · M + i) · N + j: checked at known
-    edges against tl.rand at counters computed here (M ≠ N, so swapped axes would differ), and
-    with fewer queries than keys (a decoding step's shape) no two edges share a draw."""
+    """Edge (i, j) of head bh draws Philox at counter (bh · M + i) · ⌈N/4⌉ + ⌊j/4⌋, number
+    ``NUMBER_OF_COLUMN[j mod 4]`` of the four: checked at known edges of every residue against
+    Triton's generator at counters computed here (M ≠ N, so swapped axes would differ; N = 11 is
+    not a multiple of 4), and with fewer queries than keys (a decoding step's shape) no two edges
+    share a draw."""
     seed, batch, heads, queries, keys = 7, 2, 3, 5, 11
     noise = launch.sampled_noise(seed, batch, heads, queries, keys, "cpu")
-    edges = [(0, 0, 0), (1, 2, 7), (4, 4, 10), (5, 3, 1)]  # (b · H + h, i, j)
-    counters = torch.tensor([(bh * queries + i) * keys + j for bh, i, j in edges], dtype=torch.int64)
-    uniform = torch.empty(len(edges), dtype=torch.float32)
-    _rand_at[(1,)](uniform, counters, seed, COUNT=len(edges))
+    edges = [(0, 0, 0), (1, 2, 7), (4, 4, 10), (5, 3, 1), (2, 1, 5), (3, 0, 6), (5, 4, 8), (0, 3, 9)]  # (b · H + h, i, j)
+    assert {j % 4 for _, _, j in edges} == {0, 1, 2, 3}
+    quads = (keys + 3) // 4
+    counters = torch.tensor([(bh * queries + i) * quads + j // 4 for bh, i, j in edges], dtype=torch.int64)
+    uniforms = torch.empty(len(edges), 4, dtype=torch.float32)
+    _uniforms_at[(1,)](uniforms, counters, seed, COUNT=len(edges))
+    uniform = torch.stack([uniforms[n, NUMBER_OF_COLUMN[j % 4]] for n, (_, _, j) in enumerate(edges)])
     expected = torch.log(uniform) - torch.log1p(-uniform)
     got = torch.stack([noise.view(batch * heads, queries, keys)[bh, i, j] for bh, i, j in edges])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -43,9 +43,19 @@ def allowed_tile(offs_m, offs_n, M, N, OFFSET, WINDOW, key_real_ptr,
 @triton.jit
 def logistic_noise(seed, bh, offs_m, offs_n, M, N):
     """Logistic noise of edge (i, j) of head ``bh``: the same draw wherever it is recomputed
-    (forward, backward, a checkpointed layer's replay), from Philox counters, not from state."""
-    counter = (bh.to(tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :]
-    uniform = tl.rand(seed, counter)
+    (forward, backward, a checkpointed layer's replay), from Philox counters, not from state.
+
+    One Philox call gives four 32-bit numbers, and the generator's integer work bound the sampled
+    kernels (benchmarks/kernel_work.py): the four edges 4c..4c+3 of a row share counter c and
+    each takes one of the four numbers, chosen by j mod 4 alone, so every tile shape (``offs_n``
+    starts at a multiple of 4) draws the same number for the same edge."""
+    quarter: tl.constexpr = offs_n.shape[0] // 4
+    quad = tl.max(tl.reshape(offs_n, (quarter, 4)), 1) // 4  # c of each group of four columns
+    counter = (bh.to(tl.int64) * M + offs_m[:, None]) * ((N + 3) // 4) + quad[None, :]
+    first, second, third, fourth = tl.randint4x(seed, counter)
+    # [rows, quarter, 2, 2] -> [rows, 4 * quarter]: column 4c + 2k + o takes number 2o + k
+    bits = tl.reshape(tl.join(tl.join(first, second), tl.join(third, fourth)), (offs_m.shape[0], offs_n.shape[0]))
+    uniform = tl.random.uint_to_uniform_float(bits)
     uniform = tl.minimum(tl.maximum(uniform, 1e-6), 1 - 1e-6)
     return tl.log(uniform) - tl.log(1 - uniform)
 

@@ -1,0 +1,73 @@
+"""benchmarks/kernel_work.py: the inner loop found in SASS, its instructions counted per edge by
+unit, and (compiled for sm_90 here) what the sampled gate adds to the dense kernels."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from kernel_work import LANES_PER_CLOCK, TENSOR_FLOPS_PER_CLOCK, loop_body, per_edge  # noqa: E402
+
+# A made-up listing in cuobjdump's layout: an outer loop (0x0010-0x0090) around an inner one
+# (0x0030-0x0070) that holds the matrix instruction, and a loop without one (0x00a0-0x00c0).
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IMAD R2, R3, R4, R5 ;
+        /*0020*/                   LOP3.LUT R2, R2, 0xff, RZ, 0xc0, !PT ;
+        /*0030*/                   HGMMA.64x32x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0040*/                   MUFU.EX2 R6, R7 ;
+        /*0050*/                   FFMA R8, R6, R9, R8 ;
+        /*0060*/              @!P0 IADD3 R10, R10, 0x1, RZ ;
+        /*0070*/               @P1 BRA 0x30 ;
+        /*0080*/                   FADD R11, R11, R8 ;
+        /*0090*/                   BRA 0x10 ;
+        /*00a0*/                   MUFU.LG2 R12, R13 ;
+        /*00b0*/                   ISETP.GE.AND P2, PT, R12, RZ, PT ;
+        /*00c0*/              @!P2 BRA 0xa0 ;
+        /*00d0*/                   EXIT ;
+"""
+
+
+def test_the_inner_loop_is_the_shortest_around_a_matrix_instruction():
+    assert loop_body(SASS) == ["HGMMA.64x32x16.F32.BF16", "MUFU.EX2", "FFMA", "IADD3", "BRA"]
+    assert loop_body(SASS, around={"MUFU"}) == ["MUFU.LG2", "ISETP.GE.AND", "BRA"]  # the shortest with one
+    assert len(loop_body(SASS, around=None)) == 9  # the longest: the outer loop
+    with pytest.raises(ValueError, match="no loop around"):
+        loop_body(SASS.replace("BRA 0x30", "BRA 0xd0").replace("BRA 0x10", "BRA 0xd0"))
+
+
+def test_instructions_per_edge_by_unit_and_their_modelled_cycles():
+    """A tile of 64 × 32 edges on 4 warps: each warp instruction covers 32 lanes, 4 warps run the
+    loop, so one instruction in the loop is 32 · 4 / 2,048 = 1/16 lane-instruction per edge."""
+    row = per_edge(["IMAD", "LOP3.LUT", "ISETP.GE.AND", "FFMA", "MUFU.EX2", "MUFU.RCP", "HGMMA.64x32x16", "BRA"],
+                   edges_per_iteration=64 * 32, warps=4, matmul_flops=256)
+    assert row["lane_instructions_per_edge"] == {"alu": 3 / 16, "fp32": 1 / 16, "mufu": 2 / 16, "other": 1 / 16}
+    assert row["cycles_per_edge"] == {"alu": 3 / 16 / 64, "fp32": 1 / 16 / 128, "mufu": 2 / 16 / 16,
+                                      "tensor": 256 / 4096}
+    assert row["bound_by"] == "tensor" and row["mufu_ops"] == {"MUFU.EX2": 1, "MUFU.RCP": 1}
+    assert LANES_PER_CLOCK["mufu"] == 16 and TENSOR_FLOPS_PER_CLOCK == 4096  # cc 9.0's table, H100's rate
+
+
+@pytest.mark.slow
+def test_the_sampled_gate_adds_integer_work_and_its_noise_draws_once_per_four_edges(tmp_path):
+    """Compiled for sm_90 here (no GPU): the dense forward loop holds the matrix products and one
+    exponential per edge; the sampled one adds integer work; the noise alone costs under 50 ALU
+    lane-instructions per edge (one Philox call per edge, before 2026-11-29: 74.4)."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    out = tmp_path / "kernel_work.json"
+    finished = subprocess.run([sys.executable, "kernel_work.py", "--out", str(out)], cwd=REPO / "benchmarks",
+                              env=environment, capture_output=True, text=True, timeout=900)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
+    dense, sampled = rows["forward/dense/causal/d64/bf16"], rows["forward/sampled/causal/d64/bf16"]
+    assert dense["mufu_ops"].get("MUFU.EX2", 0) >= 1 and dense["cycles_per_edge"]["tensor"] == 2 * 2 * 64 / 4096
+    assert sampled["lane_instructions_per_edge"]["alu"] > dense["lane_instructions_per_edge"]["alu"] + 20
+    noise = rows["noise alone (the gate's part, on the forward's tile)"]
+    assert 20 < noise["lane_instructions_per_edge"]["alu"] < 50
+    assert "sampled over dense" not in finished.stdout and "3 kernels" not in finished.stdout
+    assert "A training step's three kernels" in finished.stdout
