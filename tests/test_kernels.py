@@ -369,16 +369,14 @@ def test_the_mode_switch_is_checked_and_off_keeps_the_eager_blocks(kernel_calls,
 
 @triton.jit
 def _uniforms_at(OUT, COUNTERS, seed, COUNT: tl.constexpr):
-    """Triton's four Philox uniforms at given counters, [COUNT, 4] (the reference the noise is
-    built from)."""
+    """Triton's four Philox uniforms at given counters, [COUNT, 4]: the noise's reference."""
     offs = tl.arange(0, COUNT)
     numbers = tl.randint4x(seed, tl.load(COUNTERS + offs))
     for k in tl.static_range(4):
         tl.store(OUT + offs * 4 + k, tl.random.uint_to_uniform_float(numbers[k]))
 
 
-# which of a counter's four numbers column j takes, by j mod 4 (written out, not computed)
-NUMBER_OF_COLUMN = {0: 0, 1: 2, 2: 1, 3: 3}
+NUMBER_OF_COLUMN = {0: 0, 1: 2, 2: 1, 3: 3}  # the number of the four column j takes, by j mod 4: written out
 
 
 def test_the_gate_noise_is_its_counter_formula_and_every_edge_draws_its_own():
