@@ -362,7 +362,9 @@ def _one_in_its_process(name: str, layers: int, args, ends: float | None) -> dic
     command = [sys.executable, __file__, "--one", name, str(layers), "--stages", *args.stages,
                "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype,
                *(["--warm-up"] if args.warm_up else []), *(["--tokenizer-dir", args.tokenizer_dir] * bool(args.tokenizer_dir))]
-    timeout = None if ends is None else max(ends - time.monotonic(), 1.0)
+    timeout = None if ends is None else ends - time.monotonic()
+    if timeout is not None and timeout <= 0:
+        return {"model": name, "layers": layers, "stages": {}, "timed_out": True, "not_started": True}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as stopped:
@@ -381,14 +383,17 @@ def finished_stages(printed: str, name: str, layers: int) -> dict:
     asked for the full one) and the lines of the stages that ``measure_one`` finished."""
     row = {"model": name, "layers": layers, "stages": {}}
     for line in printed.splitlines():
-        if line.startswith("{"):
-            values = json.loads(line)
-            stage = values.pop("stage", None)
-            if stage is None:
-                row.update(values)
-            else:
-                row["stages"][stage] = {key: value for key, value in values.items() if key not in ("model", "layers")}
+        try:  # measure_one's lines: the model's (build_s) and each stage's; another library's are not
+            values = json.loads(line) if line.startswith('{"model"') else {}
+        except json.JSONDecodeError:
+            values = {}
+        if "stage" in values:
+            stage = values.pop("stage")  # before the figures are read (a target is evaluated last)
+            row["stages"][stage] = {k: v for k, v in values.items() if k not in ("model", "layers")}
+        elif "build_s" in values:
+            row.update(values)
     return row
+
 
 if __name__ == "__main__":
     main()

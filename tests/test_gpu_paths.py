@@ -216,7 +216,7 @@ def test_a_scale_run_stopped_by_its_deadline_keeps_the_stages_it_finished():
     from scale import finished_stages
 
     printed = "\n".join([
-        'importing...',
+        'importing...', '{"model": "olmo-7b" cut off', '{"other": "a library\'s line"}',
         json.dumps({"model": "olmo-7b", "layers": 32, "build_s": 3.0, "model_mib": 13000.0, "parameters": 7}),
         json.dumps({"model": "olmo-7b", "layers": 32, "stage": "extraction", "tokens=1024": {"seconds": 1.0}}),
     ])
