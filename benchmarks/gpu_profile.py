@@ -38,14 +38,17 @@ def profiled(runs: dict, device: torch.device, trace_dir: Path | None = None) ->
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     summaries = {}
     for name, run in runs.items():
-        run()  # unmeasured: compilation and caches
-        synchronize()
-        with profile(activities=activities) as recorded:
-            run()
+        try:  # a profiler that fails (no CUPTI on a node, say) must not lose the timings beside it
+            run()  # unmeasured: compilation and caches
             synchronize()
-        summaries[name] = summary(recorded, device.type == "cuda")
-        if trace_dir is not None:
-            summaries[name]["trace"] = str(_write_trace(recorded, Path(trace_dir), name))
+            with profile(activities=activities) as recorded:
+                run()
+                synchronize()
+            summaries[name] = summary(recorded, device.type == "cuda")
+            if trace_dir is not None:
+                summaries[name]["trace"] = str(_write_trace(recorded, Path(trace_dir), name))
+        except Exception as error:  # noqa: BLE001
+            summaries[name] = {"error": f"{type(error).__name__}: {error}"}
     return summaries
 
 

@@ -280,3 +280,5 @@ def test_a_profiled_run_names_its_host_waits_and_writes_its_trace(tmp_path):
     assert "device_busy_ms" not in summary  # no device on a CPU
     trace = json.loads(gzip.open(summary["trace"]).read())
     assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
+    failing = profiled({"fails": lambda: 1 / 0}, torch.device("cpu"))["fails"]
+    assert failing == {"error": "ZeroDivisionError: division by zero"}  # recorded, the others kept
