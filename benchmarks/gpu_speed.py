@@ -1,8 +1,9 @@
 """benchmarks/gpu.py's timings: each heavy path beside its plain counterpart, in one run.
 
 - extraction: ``attnlab.extraction.extract.extract`` (the fused kernels on CUDA) and the eager blocks
-  against a plain sdpa decoder forward of the same batch, each path then profiled once
-  (gpu_profile.py: launches, host waits, the top kernels and host ops, a trace);
+  against a plain sdpa decoder forward of the same batch; the plain forward, the reduced forward and
+  extract through the kernels then profiled once each (gpu_profile.py: launches, host waits, the
+  top kernels and host ops, a trace);
 - post-training: a ``sparsify.Trainer`` step as ``config/sparse-gpu.yaml`` runs it (bf16
   autocast, no checkpointing: the fused kernels) and the eager blocks with checkpointing (the
   path before them), against plain fine-tuning (sdpa, the same chunked CE; and transformers'

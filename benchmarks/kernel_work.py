@@ -8,15 +8,17 @@ No GPU is needed. Each variant is compiled for the target as the launcher picks 
 (attnlab.attention.kernels.compiled), its SASS read with Triton's bundled cuobjdump, and its inner
 loop found (the shortest backward branch around a matrix instruction: the loop over key blocks,
 or query blocks in backward_kv). Two micro-kernels isolate the gate's parts on the forward's tile:
-``noise`` (the logistic noise of ``tiles.logistic_noise``: one Philox draw and two logarithms per
-edge) and ``density`` (the expected-density term, a sigmoid per edge), each summed over the tile.
+``noise`` (the logistic noise of ``tiles.logistic_noise``: a Philox draw per four edges and two
+logarithms per edge) and ``density`` (the expected-density term, a sigmoid per edge), each summed over the tile.
 
 Per edge: the loop's instructions × 32 lanes × warps / (BLOCK_M × BLOCK_N), by unit, and a
 modelled cost in SM cycles: those lane-instructions divided by the unit's lanes per clock per SM
 (``LANES_PER_CLOCK``, the CUDA C++ Programming Guide's throughput table for compute capability
-9.0), the matrix products as FLOPs over the card's dense 16-bit tensor rate. It is a static issue
-model: no latencies, stalls, occupancy or memory; it ranks where the time can go, it does not time
-anything. ``benchmarks/README.md`` ("Kernel work") keeps its table.
+9.0; "alu" lumps integer, logic, compare and select instructions at 64, though sm_90 issues
+IMAD to its FMA pipe, so the ALU figure is an upper bound), every instruction against the
+schedulers' issue rate (``issue``: 128 lanes per clock), the matrix products as FLOPs over the
+card's dense 16-bit tensor rate. It is a static model: no latencies, stalls, occupancy or
+memory; it ranks where the time can go, it does not time anything. ``benchmarks/README.md`` ("Kernel work") keeps its table.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ TENSOR_FLOPS_PER_CLOCK = 4096  # H100 SXM dense bf16: 989 TFLOPS / (132 SMs × 1
 UNIT_OF = {"FFMA": "fp32", "FADD": "fp32", "FMUL": "fp32", "MUFU": "mufu", "SHFL": "shuffle",
            "F2F": "conversion", "F2FP": "conversion", "I2F": "conversion", "I2FP": "conversion", "F2I": "conversion"}
 ALU = {"IMAD", "IADD3", "LOP3", "SHF", "ISETP", "LEA", "VIADD", "IMNMX", "FSEL", "FMNMX", "FSETP", "FSET",
-       "SEL", "PRMT", "PLOP3", "P2R", "R2P", "SGXT", "IABS", "VIMNMX", "LOP", "BMSK", "POPC", "FLO"}
+       "SEL", "PRMT", "PLOP3", "P2R", "R2P", "SGXT", "IABS", "VIMNMX", "LOP", "BMSK"}
+ISSUE_LANES_PER_CLOCK = 128  # four schedulers, one warp instruction each per clock: any instruction
 TENSOR = {"HGMMA", "HMMA"}
 # matrix-product FLOPs per edge and head-dimension unit: forward QKᵀ and PV; backward_kv
 # recomputes QKᵀ and forms dV, dP, dK; backward_q QKᵀ, dP, dQ; received QKᵀ
@@ -85,6 +88,7 @@ def per_edge(body: list[str], edges_per_iteration: int, warps: int, matmul_flops
     counts = collections.Counter(unit(op) for op in body)
     lanes = {name: n * 32 * warps / edges_per_iteration for name, n in counts.items() if name != "tensor"}
     cycles = {name: value / LANES_PER_CLOCK[name] for name, value in lanes.items() if name in LANES_PER_CLOCK}
+    cycles["issue"] = len(body) * 32 * warps / edges_per_iteration / ISSUE_LANES_PER_CLOCK
     if matmul_flops:
         cycles["tensor"] = matmul_flops / TENSOR_FLOPS_PER_CLOCK
     return {"lane_instructions_per_edge": lanes, "cycles_per_edge": cycles,
@@ -170,13 +174,13 @@ def step_model(rows: list[dict]) -> dict:
 def table(result: dict) -> str:
     lines = [f"sm_{result['arch'][3:]}, head dimension {result['head_dim']}, {result['dtype']}, Triton {result['triton']}",
              "", "| kernel | tile, warps | loop instructions | lane-instructions per edge: ALU / FP32 / MUFU "
-             "| modelled cycles per edge: tensor / ALU / FP32 / MUFU / shuffle / conversion | bound by |",
+             "| modelled cycles per edge: tensor / ALU / FP32 / MUFU / shuffle / conversion / issue | bound by |",
              "| --- | --- | --- | --- | --- | --- |"]
     for row in result["rows"]:
         lanes, cycles = row["lane_instructions_per_edge"], row["cycles_per_edge"]
         lines.append(f"| {row['variant']} | {row['tile']}, {row['warps']} | {row['loop_instructions']} | "
                      + " / ".join(f"{lanes.get(u, 0):.1f}" for u in ("alu", "fp32", "mufu")) + " | "
-                     + " / ".join(f"{cycles.get(u, 0):.3f}" for u in ("tensor", "alu", "fp32", "mufu", "shuffle", "conversion"))
+                     + " / ".join(f"{cycles.get(u, 0):.3f}" for u in ("tensor", "alu", "fp32", "mufu", "shuffle", "conversion", "issue"))
                      + f" | {row['bound_by']} |")
     step = result["training_step"]
     lines += ["", f"A training step's three kernels, the bound unit's cycles per edge summed: dense "
@@ -187,7 +191,7 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--arch", type=int, default=90, choices=[90])  # the model's rates are compute capability 9.0's
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--out", default=str(OUT / "kernel_work.json"))

@@ -361,16 +361,17 @@ def _one_in_its_process(name: str, layers: int, args, ends: float | None) -> dic
     the process is killed and the row keeps the stages it finished, marked ``timed_out``."""
     command = [sys.executable, __file__, "--one", name, str(layers), "--stages", *args.stages,
                "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype,
-               *(["--warm-up"] if args.warm_up else []), *(["--tokenizer-dir", args.tokenizer_dir] * bool(args.tokenizer_dir))]
+               *(["--warm-up"] if args.warm_up else []), *(["--tokenizer-dir", args.tokenizer_dir] if args.tokenizer_dir else [])]
     timeout = None if ends is None else ends - time.monotonic()
-    if timeout is not None and timeout <= 0:
-        return {"model": name, "layers": layers, "stages": {}, "timed_out": True, "not_started": True}
+    if timeout is not None and timeout <= 0:  # past the deadline: not started
+        return {"model": name, "layers": layers, "stages": {}, "timed_out": True, "stopped_after_s": 0}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as stopped:
-        printed = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout or ""
+        printed, errors = (t.decode(errors="replace") if isinstance(t, bytes) else t or "" for t in (stopped.stdout, stopped.stderr))
         print(f"{name} x {layers} layers stopped at its deadline ({timeout:.0f} s)", file=sys.stderr)
-        return {**finished_stages(printed, name, layers), "timed_out": True, "deadline_s": timeout}
+        return {**finished_stages(printed, name, layers), "timed_out": True, "stopped_after_s": timeout,
+                "stderr_tail": errors[-2000:]}
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         print(f"{name} x {layers} layers failed:\n{done.stderr[-2000:]}", file=sys.stderr)

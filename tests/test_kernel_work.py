@@ -48,7 +48,7 @@ def test_instructions_per_edge_by_unit_and_their_modelled_cycles():
                    edges_per_iteration=64 * 32, warps=4, matmul_flops=256)
     assert row["lane_instructions_per_edge"] == {"alu": 3 / 16, "fp32": 1 / 16, "mufu": 2 / 16, "other": 1 / 16}
     assert row["cycles_per_edge"] == {"alu": 3 / 16 / 64, "fp32": 1 / 16 / 128, "mufu": 2 / 16 / 16,
-                                      "tensor": 256 / 4096}
+                                      "issue": 8 / 16 / 128, "tensor": 256 / 4096}  # issue: every instruction
     assert row["bound_by"] == "tensor" and row["mufu_ops"] == {"MUFU.EX2": 1, "MUFU.RCP": 1}
     assert LANES_PER_CLOCK["mufu"] == 16 and TENSOR_FLOPS_PER_CLOCK == 4096  # cc 9.0's table, H100's rate
 
