@@ -44,6 +44,22 @@ def _wait(condition, seconds: float = 10.0):
     return condition()
 
 
+def _click(find, seconds: float = 5.0) -> None:
+    """Click the element ``find()`` returns, again while another element takes the click: the
+    report's navigation animates (transition-all), and a machine under load can click before its
+    links have settled (seen once in a full suite run)."""
+    from selenium.common.exceptions import ElementClickInterceptedException
+
+    deadline = time.time() + seconds
+    while True:
+        try:
+            return find().click()
+        except ElementClickInterceptedException:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _figures_listed(driver):
     from selenium.webdriver.common.by import By
     return _wait(lambda: [row for row in driver.find_elements(By.XPATH, "//table//tr[td]")
@@ -62,7 +78,7 @@ def _open_first_figure(driver, page: str, category: str) -> tuple[list[str], int
     def open_category():
         driver.get(page)
         _wait(lambda: driver.find_elements(By.XPATH, f"//nav//a[.//span[normalize-space()={category!r}]]"))
-        link(category).click()
+        _click(lambda: link(category))
     open_category()
     figures = _figures_listed(driver)
     if not figures:
@@ -71,13 +87,13 @@ def _open_first_figure(driver, page: str, category: str) -> tuple[list[str], int
         assert subcategories, f"{category}: neither figures nor subcategories listed"
         for subcategory in subcategories:
             open_category()
-            link(subcategory).click()
+            _click(lambda: link(subcategory))
             figures = _figures_listed(driver)
             if figures:
                 break
         assert figures, f"{category}: none of the subcategories {subcategories} lists a figure"
     names = [row.text.strip() for row in figures]
-    figures[0].find_element(By.XPATH, ".//a[@iconname='eye']").click()
+    _click(lambda: figures[0].find_element(By.XPATH, ".//a[@iconname='eye']"))
     width = _wait(lambda: max([driver.execute_script("return arguments[0].naturalWidth", image)
                                for image in driver.find_elements(By.XPATH, "//img[contains(@src, 'data/raw')]")
                                if image.is_displayed()] or [0]))
