@@ -154,9 +154,9 @@ STEP = ("forward", "backward_kv", "backward_q")  # a training step's kernels, ea
 
 def measure(arch: int, head_dim: int, dtype: torch.dtype) -> dict:
     rows = [kernel_row(compiled.Variant(kernel, gate, False, head_dim, dtype), arch) for kernel, gate in VARIANTS]
-    forward, _ = compiled.constants(compiled.Variant("forward", "sampled", False, head_dim, dtype), arch)
-    warps = compiled.constants(compiled.Variant("forward", "sampled", False, head_dim, dtype), arch)[1]["num_warps"]
-    rows += [micro_row(name, arch, forward["BLOCK_M"], forward["BLOCK_N"], warps) for name in ("noise", "density")]
+    forward, options = compiled.constants(compiled.Variant("forward", "sampled", False, head_dim, dtype), arch)
+    rows += [micro_row(name, arch, forward["BLOCK_M"], forward["BLOCK_N"], options["num_warps"])
+             for name in ("noise", "density")]
     return {"arch": f"sm_{arch}", "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."),
             "triton": triton.__version__, "rows": rows, "training_step": step_model(rows)}
 
