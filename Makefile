@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.attnlab-installed
 
-.PHONY: install run mechanism sparse sparse-edges sparse-control sparse-zero sparse-gpu groundtruth groundtruth-models test test-fast lint dry-run report clean bench-peers bench-edge-peers
+.PHONY: mutations install run mechanism sparse sparse-edges sparse-control sparse-zero sparse-gpu groundtruth groundtruth-models test test-fast lint dry-run report clean bench-peers bench-edge-peers
 
 install: $(STAMP)
 
@@ -72,11 +72,20 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 	$(BIN)/python -m pip install --quiet -r requirements-test.txt -c constraints.txt
 	touch $@
 
+# Two workers (pytest-xdist): the workflow runs and the in-process tests leave cores idle alone
+# (tests/conftest.py keeps the tests that share a costly fixture on one worker).
+PYTEST_WORKERS ?= -n 2 --dist loadgroup
+
 test: install $(TEST_STAMP)
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra $(PYTEST_WORKERS)
 
 test-fast: install $(TEST_STAMP)
-	$(BIN)/python -m pytest -ra -m "not slow"
+	$(BIN)/python -m pytest -ra -m "not slow" $(PYTEST_WORKERS)
+
+# Every entry of tests/mutations.md applied in turn in a scratch copy: lists any bug its tests no
+# longer catch (about an hour on 2 cores; not part of CI).
+mutations: install $(TEST_STAMP)
+	$(BIN)/python tests/run_mutations.py $(ONLY)
 
 lint: install
 	$(BIN)/snakemake --lint

@@ -20,9 +20,29 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("ATTNLAB_STRICT_FIGURES", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_conversion_cache(tmp_path_factory):
+    """Every packaged model of the session converted once: the fixtures below and every workflow a
+    test runs (they inherit the environment) copy it from this cache (attnlab.conversion_cache). An
+    ATTNLAB_MODEL_CACHE already set (tests/run_mutations.py shares one across its runs) is kept."""
+    if os.environ.get("ATTNLAB_MODEL_CACHE"):
+        yield Path(os.environ["ATTNLAB_MODEL_CACHE"])
+        return
+    base = tmp_path_factory.getbasetemp()
+    # under pytest-xdist each worker's folder sits in the run's: the workers share the cache
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "model-cache"
+    folder.mkdir(exist_ok=True)
+    os.environ["ATTNLAB_MODEL_CACHE"] = str(folder)
+    try:
+        yield folder
+    finally:
+        del os.environ["ATTNLAB_MODEL_CACHE"]
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
-    """SmolLM2-135M-Instruct converted once to a Hugging Face folder."""
+    """SmolLM2-135M-Instruct converted once to a Hugging Face folder (tests that load real weights
+    are marked slow: make test-fast converts no model)."""
     from attnlab.models import prepare_model
 
     out = tmp_path_factory.mktemp("models") / "smollm2-135m"
@@ -41,10 +61,29 @@ def gemma3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_dir):
+def smollm2_light(tmp_path_factory):
+    """SmolLM2's prepared folder without its weights: the tokenizer and config.json read from its
+    GGUF and saved as prepare_model saves them (the same: tests/test_prepared_models.py), for tests
+    that read no weight (make test-fast converts no model)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from attnlab import models
+    from attnlab.config.sources import package_folder
+    from attnlab.tokenization import save_tokenizer
+
+    out = tmp_path_factory.mktemp("light") / "smollm2-135m"
+    folder = package_folder(SMOLLM2["gguf_package"], "smollm2")
+    with models._gguf_parsed_once():
+        save_tokenizer(AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2["gguf_file"]), out)
+        AutoConfig.from_pretrained(folder, gguf_file=SMOLLM2["gguf_file"]).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_light):
     from attnlab.tokenization import load_tokenizer
 
-    return load_tokenizer(smollm2_dir)
+    return load_tokenizer(smollm2_light)
 
 
 def snakemake(*args, workdir: Path, timeout: int = 900,
@@ -119,12 +158,12 @@ def fake_prepared_model(folder: Path, layers: int = 30, heads: int = 9, chat_tem
 
 
 @pytest.fixture(scope="session")
-def tiny_base(tmp_path_factory, smollm2_dir):
+def tiny_base(tmp_path_factory, smollm2_light):
     """A tiny random Llama (GQA) with SmolLM2's tokenizer, saved like a prepared model, and its
     corpus: sparse_tiny.make_tiny_base."""
     from sparse_tiny import make_tiny_base
 
-    return make_tiny_base(tmp_path_factory.mktemp("models"), smollm2_dir)
+    return make_tiny_base(tmp_path_factory.mktemp("models"), smollm2_light)
 
 
 @pytest.fixture(scope="session")
@@ -166,3 +205,27 @@ def tiny_report(tiny_run, tmp_path_factory) -> Path:
                        workdir=workdir, snakefile=snakefile)
     assert result.returncode == 0, result.stdout[-3000:]
     return report
+
+
+# ---------------------------------------------------------------- two workers (pytest-xdist)
+# make test runs the suite on two workers (--dist loadgroup). A session or module fixture is made
+# once per worker that needs it, so the tests sharing a costly one run on the same worker: the tiny
+# run's readers (in file order: test_workflow.py's rerun checks before test_workflow_faults.py
+# forces jobs of it), and each module whose fixtures are module-wide. Converted models are shared
+# across workers by the conversion cache (model_conversion_cache, below the workers' folders).
+SHARED_FIXTURE_GROUPS = {"tiny_run": "tiny_run", "tiny_report": "tiny_run"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        group = next((name for fixture, name in SHARED_FIXTURE_GROUPS.items() if fixture in fixtures), None)
+        if group is None and _has_module_fixture(item):
+            group = item.module.__name__
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _has_module_fixture(item) -> bool:
+    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(fixture.scope == "module" for defs in definitions.values() for fixture in defs)

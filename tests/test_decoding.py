@@ -268,3 +268,20 @@ def test_without_reported_lengths_a_row_ends_after_its_first_eos():
     assert decoded[0]["response"] == "5 6"  # the pad token and EOS decode to nothing
     reported = _decode_rows(_Tokenizer(), rows, config, [], lengths=[3, 6, 1])
     assert [row["n_new_tokens"] for row in reported] == [3, 6, 1]
+
+
+def test_a_row_whose_eos_is_its_last_allowed_token_did_not_hit_the_token_limit():
+    """A row that fills every allowed token with EOS last ended at EOS, not at the limit (its
+    answer is whole); a row that fills them with no EOS was cut by the limit. Whether the engine
+    reports the lengths (continuous, static_cache) or they are found from EOS (by hand here)."""
+    from transformers import GenerationConfig
+
+    from attnlab.reasoning.generation import _decode_rows
+
+    config = GenerationConfig(pad_token_id=0, eos_token_id=EOS)
+    rows = torch.tensor([[5, 6, 8, 9, EOS], [5, 6, 8, 9, 10], [5, EOS, 0, 0, 0]])
+    for lengths in (None, [5, 5, 2]):
+        decoded = _decode_rows(_Tokenizer(), rows, config, [], lengths=lengths)
+        assert [row["n_new_tokens"] for row in decoded] == [5, 5, 2]
+        assert [row["hit_token_limit"] for row in decoded] == [False, True, False]
+        assert [row["response"] for row in decoded] == ["5 6 8 9", "5 6 8 9 10", "5"]

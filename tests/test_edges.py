@@ -16,11 +16,33 @@ from test_attention import TINY
 from test_pruning import _toy_batch
 
 
+def _norms_in_float64(model) -> None:
+    """Makes ``model``'s RMS norms compute in its own dtype: transformers' compute in float32 even
+    in a float64 model, so a float64 run rounds every layer to float32 and a 1-ulp float64
+    difference grew to 6e-6 of Gemma-3-270M's metric; with these, 64 ulp at every sublayer moved
+    it < 1e-12. The weight is rounded as transformers does ((1 + w) in float32 for Gemma-3)."""
+    one = {"LlamaRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Gemma3RMSNorm": 1.0}
+    for norm in model.modules():
+        name = type(norm).__name__
+        if name.endswith("Norm"):
+            assert name in one, f"{name}: add its formula here"
+            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+
+            def forward(x, norm=norm, one=one[name], eps=eps):
+                weight = (one + norm.weight.float()).to(x.dtype)
+                return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+            norm.forward = forward
+
+
 def _model(arch: str, sparse_copy: bool = False, dtype=torch.float32):
+    """A tiny model; in float64 its norms too (``_norms_in_float64``)."""
     model = TINY[arch]()
     if sparse_copy:
         sparse.make_sparse(model, 0.0)  # about half the edges gated shut (0.5 shuts none here)
-    return model.to(dtype)
+    model = model.to(dtype)
+    if dtype == torch.float64:
+        _norms_in_float64(model)
+    return model
 
 
 def _plain_metric(model, batch: TaskBatch, ids: torch.Tensor) -> np.ndarray:
@@ -140,44 +162,39 @@ def test_dropping_one_edge_equals_a_patch_written_by_hand(shape):
     dropped = every.clone()
     dropped[graph.head_sender(0, 1), graph.attention_slice(1).start + 2] = False  # L0.H1 -> L1.H2.q
     want = hand.query_shifted(1, 2, hand.head_output("corrupted", 1) - hand.head_output("clean", 1))
-    # the patch folds the query's pre-norm into its projection in float64; transformers' norm
-    # (in the hand-written patch) rounds to float32 even in a float64 model
-    np.testing.assert_allclose(circuits.per_prompt(dropped)[1], want, atol=1e-7, rtol=0)
+    np.testing.assert_allclose(circuits.per_prompt(dropped)[1], want, atol=1e-9, rtol=0)
     assert np.abs(want - _plain_metric(model, batch, batch.clean)).max() > 1e-5  # the patch did something
 
 
-# the difference quotient's noise: transformers' norms round to float32 in a float64 model,
-# up to ~8e-7 of the quotient at a step of 1e-2 with the tiny models' random norm weights, which
-# matters where every layer-0 head -> layer-1 query edge is small (~1e-4); a step of 3e-2 holds
-# it under 2e-7 while the quotient's own error (O(step²)) stays below 1e-9 there. The same scores
-# against finite differences of a forward written in float64: tests/test_edges_references.py
-@pytest.mark.parametrize("shape,noise", [("toy", 5e-7), ("shared-prefixes", 5e-7)])
-def test_one_step_scores_equal_finite_differences(shape, noise):
+# The same scores against finite differences of a forward written in float64:
+# tests/test_edges_references.py
+@pytest.mark.parametrize("shape", BATCHES)
+def test_one_step_scores_equal_finite_differences(shape):
     model = _model("llama-gqa", dtype=torch.float64)
     batch = _float64_batch(shape)
     circuits = EdgeCircuits(model, batch, batch_size=6)
     graph, hand = circuits.graph, _ByHand(model, batch)
     scores = circuits.scores(steps=1)
 
-    def central(metric_shifted_by, eps):
+    def central(metric_shifted_by, eps=1e-4):
         """d mean-metric / dt at t = 0, the receiver's input shifted by −t (clean − corrupted) of
         the sender: minus the score's linear estimate."""
         return (metric_shifted_by(eps).mean() - metric_shifted_by(-eps).mean()) / (2 * eps)
 
-    # transformers' RMS norms compute in float32 even in a float64 model: a step this large keeps
-    # their rounding (~1e-7 of the metric) out of the difference, whose own error is O(eps²)
+    # rel=1e-6: 17x the scores' float32 rounding (6e-8); the quotient's own error at a step of 1e-4
+    # is O(step²) ~3e-9 relative (seen: <3e-8 with both); abs=1e-10: 20x its float64 noise (~1e-15/step)
     difference = hand.embeds["clean"] - hand.embeds["corrupted"]
-    estimate = -central(lambda t: hand.logits_shifted(-t * difference), 1e-2)
-    assert scores[0, graph.logits_receiver].item() == pytest.approx(estimate, rel=1e-4)
+    estimate = -central(lambda t: hand.logits_shifted(-t * difference))
+    assert scores[0, graph.logits_receiver].item() == pytest.approx(estimate, rel=1e-6, abs=1e-10)
 
     # the layer-0 head -> layer-1 query edge with the largest score
     heads = [graph.head_sender(0, head) for head in range(graph.n_heads)]
     queries = graph.attention_slice(1).start + torch.arange(graph.n_heads)
     sender, query = divmod(int(scores[heads][:, queries].abs().argmax()), graph.n_heads)
     difference = hand.head_output("clean", sender) - hand.head_output("corrupted", sender)
-    estimate = -central(lambda t: hand.query_shifted(1, query, -t * difference), 3e-2)
-    assert scores[heads[sender], queries[query]].item() == pytest.approx(estimate, rel=1e-4, abs=noise)
-    assert abs(estimate) > max(1e-5, 100 * noise)
+    estimate = -central(lambda t: hand.query_shifted(1, query, -t * difference))
+    assert scores[heads[sender], queries[query]].item() == pytest.approx(estimate, rel=1e-6, abs=1e-10)
+    assert abs(estimate) > 1e-5
 
 
 def _receiver_gradients_by_hand(model, batch) -> torch.Tensor:
@@ -235,8 +252,7 @@ def test_receiver_gradients_equal_autograd_through_each_receivers_own_input(arch
     got = torch.cat([gradients.gradient(graph.attention_slice(layer).start) for layer in range(graph.n_layers)]
                     + [gradients.gradient(graph.logits_receiver)]).view_as(want)  # kept at every token
     assert want.abs().amax(dim=(1, 2, 3)).min() > 0  # every receiver matters on this model
-    # transformers' RMS norms compute in float32 even in a float64 model (as in the test above)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10 * float(want.abs().max()))  # seen: 3e-16
 
 
 def test_gradients_on_a_patched_pass_are_refused():
@@ -281,7 +297,8 @@ def test_a_patched_pass_computes_only_the_patched_tokens_and_the_same_metrics(ar
 @pytest.mark.parametrize("model_dir", ["smollm2_dir", "gemma3_dir"])
 def test_embedded_models_all_edges_clean_none_corrupted_to_1e5(model_dir, request):
     """The issue's exactness on the real models (Gemma-3: sandwich norms, whose scale is split
-    between heads), on IOI prompts with their own metric."""
+    between heads), on IOI prompts with their own metric. In float64 throughout (model, norms,
+    metric): in float32 the two sides differ by ~1e-5 after 18 layers, by CPU and thread count."""
     from attnlab.models import load_model
     from attnlab.patching.heads import build_batch
     from attnlab.patching.tasks import generate_task
@@ -289,14 +306,24 @@ def test_embedded_models_all_edges_clean_none_corrupted_to_1e5(model_dir, reques
 
     path = request.getfixturevalue(model_dir)
     tokenizer = load_tokenizer(path)
-    model = load_model(path, torch.device("cpu"), torch.float32)
-    batch = build_batch(generate_task("ioi", tokenizer, 6, 0), tokenizer)
+    model = load_model(path, torch.device("cpu"), torch.float64)
+    _norms_in_float64(model)
+    task = generate_task("ioi", tokenizer, 6, 0)
+    answers, distractors = torch.tensor(task.answers), torch.tensor(task.distractors)
+
+    def metric(logits, prompts):  # the IOI metric without build_batch's rounding to float32
+        last = logits[:, -1]
+        return last.gather(1, answers[prompts, None])[:, 0] - last.gather(1, distractors[prompts]).max(1).values
+    batch = dataclasses.replace(build_batch(task, tokenizer), metric=metric)  # left-padded rows
     circuits = EdgeCircuits(model, batch, batch_size=6)
     every = circuits.graph.valid()
-    np.testing.assert_allclose(circuits.per_prompt(every)[1], _plain_metric(model, batch, batch.clean),
-                               atol=1e-5, rtol=0)
-    np.testing.assert_allclose(circuits.per_prompt(torch.zeros_like(every))[1],
-                               _plain_metric(model, batch, batch.corrupted), atol=1e-5, rtol=0)
+    # observed 2e-14 (metrics ~2-6), <1e-12 with 64 ulp of noise at every sublayer: 1e-9 has >1e3x
+    # margin for any summation order, and dropping one edge moved a metric by 4e-3 to 2. Finite:
+    # NaN rows (eager float64 attention on left padding) would compare equal on both sides.
+    for kept, ids in ((every, batch.clean), (torch.zeros_like(every), batch.corrupted)):
+        patched, plain = circuits.per_prompt(kept)[1], _plain_metric(model, batch, ids)
+        assert np.isfinite(plain).all()
+        np.testing.assert_allclose(patched, plain, atol=1e-9, rtol=0, equal_nan=False)
 
 
 @pytest.mark.parametrize("shape", BATCHES)

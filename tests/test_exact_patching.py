@@ -104,12 +104,22 @@ def _model(arch: str, sparse_copy: bool):
     return model
 
 
-@pytest.mark.parametrize("arch,sparse_copy", [("llama-gqa", False), ("qwen2", False), ("gemma3-sliding", False),
-                                              ("llama-gqa", True), ("gpt2", False), ("olmo", False),
-                                              ("olmo2", False), ("gpt2", True), ("qwen3", False),
-                                              ("mistral-sliding", False), ("phi3", False), ("gemma2-softcap", False),
-                                              ("gemma2-softcap", True), ("gpt_neox", False), ("gpt_neox", True)])
-@pytest.mark.parametrize("ablation", ["corrupted", "mean", "zero"])
+ARCHES = [("llama-gqa", False), ("qwen2", False), ("gemma3-sliding", False), ("llama-gqa", True), ("gpt2", False),
+          ("olmo", False), ("olmo2", False), ("gpt2", True), ("qwen3", False), ("mistral-sliding", False),
+          ("phi3", False), ("gemma2-softcap", False), ("gemma2-softcap", True), ("gpt_neox", False), ("gpt_neox", True)]
+
+
+def _patching_cases():
+    """Every family under every ablation; the fast suite (make test-fast) takes every family under
+    corrupted patching and the mean and zero ablations on Llama (195 s all together, 40 s these)."""
+    for ablation in ("corrupted", "mean", "zero"):
+        for arch, sparse_copy in ARCHES:
+            fast = ablation == "corrupted" or (arch, sparse_copy) == ("llama-gqa", False)
+            yield pytest.param(arch, sparse_copy, ablation, id=f"{ablation}-{arch}-{sparse_copy}",
+                               marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("arch,sparse_copy,ablation", _patching_cases())
 def test_exact_patching_equals_one_head_of_one_prompt_at_a_time(arch, sparse_copy, ablation):
     """Gemma-3 (sliding window 5 on layers 0 and 2, shorter than the prompts; sandwich and q/k
     norms) beside Llama (GQA), Qwen2 (q/k/v biases), GPT-2 (c_proj, learned positions), OLMo,

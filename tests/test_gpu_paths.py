@@ -10,6 +10,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 
 from attnlab import sparsify
@@ -128,6 +129,7 @@ def test_gpu_benchmark_puts_this_checkout_first_on_its_path():
     assert inserts and inserts[0] < first_local
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_records_which_transformers_converted_the_model(smollm2_dir, tmp_path):
     import transformers
 
@@ -184,6 +186,7 @@ def test_the_sparse_section_hands_its_scripts_absolute_folders_and_pairs_counts_
     assert len(calls) == 1 and list(done) == ["post_training", "summary"]
 
 
+@pytest.mark.slow
 def test_the_offline_node_session_runs_end_to_end_at_smoke_sizes(smollm2_dir, tmp_path):
     """benchmarks/gpu_session.sh's run phase on this CPU, as on a node whose Python has the
     packages (INSTALLED=1) and a prepared model: a first section, then the scale section in the

@@ -56,6 +56,7 @@ def _compiles(kernel: str, dtypes: tuple) -> bool:
     return "error" not in compiled.compile_elsewhere([asked])[0]
 
 
+@pytest.mark.slow  # compiles for sm_90 in another interpreter: 3-9 s a family
 @pytest.mark.parametrize("arch", list(TINY))
 def test_what_each_family_hands_the_kernels_under_autocast_compiles_once_unified(arch):
     seen = _dtypes_under_autocast(arch)
@@ -66,6 +67,7 @@ def test_what_each_family_hands_the_kernels_under_autocast_compiles_once_unified
             assert _compiles(kernel, (unified, unified)), (arch, kernel)
 
 
+@pytest.mark.slow  # compiles for sm_90 in another interpreter
 def test_the_mixed_dtypes_llama_passes_would_not_compile_unless_unified():
     """What the kernels got before ``fused.kernel_dtype``: float32 queries, bfloat16 values."""
     assert (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16) in _dtypes_under_autocast("llama-gqa")
@@ -88,6 +90,7 @@ def _representative_reports() -> dict:
     return dict(zip(asked, answers))
 
 
+@pytest.mark.slow  # the representative set compiled for sm_90 and sm_80: about 20 s
 @pytest.mark.parametrize("arch", [90, 80])
 @pytest.mark.parametrize("variant", REPRESENTATIVE, ids=lambda variant: variant.name)
 def test_a_representative_set_compiles_without_spills_in_16_bits(variant, arch):

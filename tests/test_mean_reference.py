@@ -125,3 +125,24 @@ def test_the_scoring_job_writes_the_reference_and_only_the_mean_sweep_reads_it(t
     assert sum(job["rule"] == "sweep_heads" and "/mean/" in job["output"][0] for job in jobs) == 4
     plain = snakemake("-n", "--cores", "2", workdir=tmp_path / "d")
     assert plain.returncode == 0 and "score_heads" in plain.stdout and "means.safetensors" not in plain.stdout
+
+
+@pytest.mark.parametrize("field", [field.name for field in dataclasses.fields(Identity)])
+def test_a_reference_written_without_an_identity_field_is_refused_naming_it(tmp_path, field):
+    """A file written by an older version, whose identity lacks a field, says nothing of what it
+    was taken for on that field: it must not stand in for any model, task, pool, seed or prompts."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    written = tmp_path / "means.safetensors"
+    write_means(_means(), IDENTITY, written)
+    tensors = load_file(written)
+    with safe_open(str(written), framework="pt") as opened:
+        metadata = opened.metadata()
+    identity = json.loads(metadata["identity"])
+    del identity[field]
+    save_file(tensors, str(written), metadata={**metadata, "identity": json.dumps(identity)})
+    with pytest.raises(ValueError, match=rf"{written} was taken for another reference \(.*\b{field} None in the file"):
+        read_means(written, IDENTITY, "cpu")

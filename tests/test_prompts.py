@@ -86,7 +86,7 @@ def test_placements_put_the_insertion_where_they_say(smollm2_tokenizer):
     assert random_position(question, "item1", 0) == random_position(question, "item1", 0)
 
 
-def test_inserted_length_is_counted_in_tokens(smollm2_tokenizer, smollm2_dir):
+def test_inserted_length_is_counted_in_tokens(smollm2_tokenizer):
     questions = pd.DataFrame({"id": ["a", "b"], "question": QUESTIONS[:2], "answer": ["5/6", "13"]})
     prompt_cfg = {"system": SYSTEM, "raw_template": RAW}
     for name, condition in CONDITIONS.items():

@@ -1,4 +1,4 @@
-"""The tiny workflow through the SLURM profile, on a real one-node SLURM cluster.
+"""A few rules of the tiny workflow through the SLURM profile, on a real one-node SLURM cluster.
 
 tests/slurm/cluster.sh installs SLURM from Debian packages and starts munge,
 MariaDB, slurmdbd, slurmctld and slurmd on localhost with two fake GPUs;
@@ -57,9 +57,10 @@ def cluster(tmp_path_factory):
 
 def _sacct(since: str) -> list[dict]:
     out = subprocess.run(
-        ["sacct", "-X", "-n", "-P", "-S", since, "--format=JobID,Comment%300,AllocTRES%200,State"],
+        ["sacct", "-X", "-n", "-P", "-S", since, "--format=JobID,Comment%300,AllocTRES%200,State,ReqMem,Timelimit"],
         capture_output=True, text=True, check=True).stdout
-    rows = [dict(zip(("id", "comment", "tres", "state"), line.split("|"))) for line in out.splitlines()]
+    rows = [dict(zip(("id", "comment", "tres", "state", "memory", "limit"), line.split("|")))
+            for line in out.splitlines()]
     return [row for row in rows if row["comment"].startswith("rule_")]
 
 
@@ -67,26 +68,54 @@ def _rule(comment: str) -> str:
     return comment[len("rule_"):].split("_wildcards_")[0]
 
 
-def _one_dataset_config(workdir: Path) -> Path:
-    """tests/configs/tiny.yaml without GSM8K: every rule of the tiny run still runs, in fewer jobs (each
-    SLURM job starts a Snakemake of its own, and the test was the suite's longest)."""
+def _few_rules_config(workdir: Path) -> Path:
+    """tests/configs/tiny.yaml cut to one cell (SmolLM2 × svamp × none): a local rule, CPU rules and a
+    GPU rule (generate), enough to check routing, GPU allocation and resources (each SLURM job starts
+    a Snakemake of its own: the whole tiny run took 6.5 minutes this way). Its cell is computed as
+    the tiny run computes it, so its tables are that run's."""
     import yaml
 
     config = copy_config("tiny.yaml", workdir)
     settings = yaml.safe_load(config.read_text())
     del settings["datasets"]["gsm8k"]
+    settings["conditions"] = {"none": settings["conditions"]["none"]}
+    for section in ("mlp", "mediation"):
+        del settings[section]
+    settings["attention"] = {"datasets": [], "top_changed": {"k": 0}}
+    settings["pruning"] = {"tasks": {}}
     config.write_text(yaml.safe_dump(settings, sort_keys=False))
     return config
 
 
-def test_tiny_workflow_runs_as_slurm_jobs(cluster, tmp_path):
-    config = _one_dataset_config(tmp_path)
+def _planned_resources(dry_run: str) -> dict[str, tuple[int, int]]:
+    """(mem_mb, runtime in minutes) of each rule, as the dry run through the profile plans it."""
+    import re
+
+    planned = {}
+    for rule, body in re.findall(r"^rule (\w+):\n(.*?)(?=^\S|\Z)", dry_run, re.S | re.M):
+        memory, runtime = re.search(r"mem_mb=(\d+)", body), re.search(r"runtime=(\d+)", body)
+        if memory and runtime:
+            planned[rule] = (int(memory.group(1)), int(runtime.group(1)))
+    return planned
+
+
+def _minutes(limit: str) -> int:
+    """sacct's Timelimit ([D-]HH:MM:SS) in minutes."""
+    days, _, clock = limit.rpartition("-")
+    hours, minutes, _ = (int(part) for part in clock.split(":"))
+    return int(days or 0) * 1440 + hours * 60 + minutes
+
+
+def test_a_few_rules_run_as_slurm_jobs_with_their_gpus_and_resources(cluster, tmp_path, tiny_run):
+    config = _few_rules_config(tmp_path)
     args = ["--workflow-profile", str(PROFILE), "--configfile", str(config)]
-    planned = job_counts(snakemake("-n", *args, workdir=tmp_path).stdout)
+    dry = snakemake("-n", *args, workdir=tmp_path).stdout
+    planned, resources = job_counts(dry), _planned_resources(dry)
+    assert GPU_RULES & set(planned) and set(planned) - GPU_RULES - LOCAL_RULES - {"total"}, planned
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 2))
     # The fake node has as many CPUs as this machine: cap every job's threads at 1.
     run = snakemake(*args, "--max-threads", "1", "--slurm-init-seconds-before-status-checks", "2",
-                    "--seconds-between-status-checks", "2", workdir=tmp_path, timeout=1800)
+                    "--seconds-between-status-checks", "2", workdir=tmp_path, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:]
 
     jobs = _sacct(since)
@@ -97,8 +126,11 @@ def test_tiny_workflow_runs_as_slurm_jobs(cluster, tmp_path):
     assert ran == expected  # every compute job, once, as a SLURM job; no local rule submitted
     assert all(job["state"] == "COMPLETED" for job in jobs)
     for job in jobs:
-        has_gpu = "gres/gpu=1" in job["tres"]
-        assert has_gpu == (_rule(job["comment"]) in GPU_RULES), job
-    # The outputs are those of a local run.
-    assert (Path(tmp_path) / "results/tables/accuracy.csv").is_file()
-    assert (Path(tmp_path) / "results/figures/pruning/corrupted/ioi.png").is_file()
+        rule = _rule(job["comment"])
+        assert ("gres/gpu=1" in job["tres"]) == (rule in GPU_RULES), job
+        # the memory and time each rule declares, as SLURM granted them
+        assert job["memory"] == f"{resources[rule][0]}M" and _minutes(job["limit"]) == resources[rule][1], job
+    # The outputs are those of the local tiny run, which computed the same cell.
+    workdir = tiny_run[0]
+    for table in ("results/grades/smollm2-135m/svamp/none.csv", "results/grades/smollm2-135m/svamp/none.json"):
+        assert (tmp_path / table).read_bytes() == (workdir / table).read_bytes(), table

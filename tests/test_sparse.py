@@ -318,3 +318,15 @@ def test_a_float64_sparse_copy_with_left_padding_stays_finite():
     assert torch.isfinite(padded[mask.bool()]).all()
     # the same prompt alone (its positions shifted by the padding: rotary angles are float32)
     torch.testing.assert_close(padded[0, 4:], alone[0], atol=1e-6, rtol=0)
+
+
+def test_the_model_card_gives_the_held_out_cross_entropy_dense_first_then_sparse(tmp_path):
+    """The card's row is labelled "dense / sparse": swapped values would credit the copy with its
+    base's loss. Distinct hand-written values, each in its place."""
+    from attnlab.attention.saved_copy import write_card
+
+    write_card(tmp_path, "copy", {"base": "smollm2-135m", "heldout_ce_dense": 2.25, "heldout_ce_sparse": 2.5,
+                                  "heldout_kl": 0.125, "heldout_density": 0.1875})
+    card = (tmp_path / "README.md").read_text()
+    assert "| held-out cross-entropy, dense / sparse, nats per token | 2.25 / 2.5 |" in card.splitlines()
+    assert "| held-out KL(dense ‖ sparse), nats per token | 0.125 |" in card.splitlines()

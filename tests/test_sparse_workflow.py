@@ -40,7 +40,7 @@ def test_dry_run_plans_one_post_training_and_treats_the_copy_as_a_model(tmp_path
     assert result.returncode == 0, result.stdout
     counts = job_counts(result.stdout)
     assert counts["prepare_model"] == 1 and counts["sparsify_model"] == 1 and counts["plot_sparsify"] == 1
-    assert counts["generate"] == 2 * 2 and counts["extract_attention"] == 2 * 2
+    assert counts["generate"] == 2 and counts["extract_attention"] == 2  # 2 models x 1 condition
     assert counts["score_heads"] == 2 and counts["sweep_heads"] == 2 * 2  # corrupted and mean
 
 
@@ -89,8 +89,7 @@ def test_every_stage_runs_on_the_sparse_copy(sparse_run):
     for figure in ("training", "density"):
         assert (workdir / f"results/figures/sparsify/{SPARSE}/{figure}.png").stat().st_size > 10_000
     for name in (DENSE, SPARSE):
-        for condition in ("none", "mless"):
-            assert (workdir / f"results/grades/{name}/svamp/{condition}.json").is_file()
+        assert (workdir / f"results/grades/{name}/svamp/none.json").is_file()
         assert (workdir / f"results/tables/mlp/{name}/svamp.csv").is_file()
         for ablation in ("corrupted", "mean"):
             assert (workdir / f"results/pruning/{name}/ioi/{ablation}/sweep.csv").is_file()

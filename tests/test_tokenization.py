@@ -30,34 +30,34 @@ def test_gemma3_loads_as_the_generic_backend_with_the_tokens_of_its_class(gemma3
     assert fast.model_input_names == own.model_input_names and fast.padding_side == "left"
 
 
-def test_a_class_with_methods_of_its_own_is_loaded_as_itself(smollm2_dir, tmp_path):
+def test_a_class_with_methods_of_its_own_is_loaded_as_itself(smollm2_light, tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((smollm2_dir / name).read_bytes())
+        (folder / name).write_bytes((smollm2_light / name).read_bytes())
     config = json.loads((folder / "tokenizer_config.json").read_text())
     # CohereTokenizer (Command-R) defines methods beyond its constructor: the file alone may not be it.
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "CohereTokenizer"}))
     assert _backend_stands_in(folder) is None
     assert type(load_tokenizer(folder)).__name__ == "CohereTokenizer"
     # SmolLM2's own class is the generic backend.
-    assert type(load_tokenizer(smollm2_dir)).__name__ == "TokenizersBackend"
+    assert type(load_tokenizer(smollm2_light)).__name__ == "TokenizersBackend"
 
 
-def test_context_length_reads_the_config_and_falls_back_to_its_class(smollm2_dir, tmp_path):
-    assert context_length(smollm2_dir) == 8192
+def test_context_length_reads_the_config_and_falls_back_to_its_class(smollm2_light, tmp_path):
+    assert context_length(smollm2_light) == 8192
     folder = tmp_path / "model"
     folder.mkdir()
-    config = json.loads((smollm2_dir / "config.json").read_text())
+    config = json.loads((smollm2_light / "config.json").read_text())
     del config["max_position_embeddings"]
     (folder / "config.json").write_text(json.dumps(config))
     assert context_length(folder) == 2048  # LlamaConfig's default
 
 
-def test_a_prompt_job_never_imports_torch(smollm2_dir):
+def test_a_prompt_job_never_imports_torch(smollm2_light):
     code = ("import sys; from attnlab.tokenization import context_length, load_tokenizer; "
             "from attnlab.steps import make_prompts; from attnlab.reasoning.prompts import make_prompts; "
-            f"load_tokenizer({str(smollm2_dir)!r}); context_length({str(smollm2_dir)!r}); "
+            f"load_tokenizer({str(smollm2_light)!r}); context_length({str(smollm2_light)!r}); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
@@ -75,7 +75,7 @@ def _python_reads_of_tokenizer_json(folder, monkeypatch) -> tuple[object, list[s
         return load_tokenizer(folder), reads
 
 
-@pytest.mark.parametrize("model", ["smollm2_dir", pytest.param("gemma3_dir", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["smollm2_light", pytest.param("gemma3_dir", marks=pytest.mark.slow)])
 def test_a_prepared_tokenizer_loads_in_one_parse_as_the_same_tokenizer(model, request, tmp_path, monkeypatch):
     """prepare_model records the added tokens in tokenizer_config.json (save_tokenizer): the
     tokenizer then loads without transformers' second, Python parse of tokenizer.json, and is

@@ -121,25 +121,63 @@ def test_a_runs_forwards_are_the_ones_counted(case, tiny_base, tmp_path, monkeyp
 PER_LAYER_AT_MOST = 2 * (3 * 1 + 2 * 2)
 
 
-def test_a_copys_job_asks_for_its_post_training(tmp_path):
-    """The copy's request comes from its base's config.json (the copy is not written yet)."""
+# A cost table of round numbers in the fit's format: a test of how the job composes the fitted
+# step, not of what the fit measured (a refit would move every hand-counted second)
+HAND_TABLE = {"model_types": ["llama"], "stages": {"lora_step": {
+    "dtype_bytes": 4, "memory": {"saved": 1.0, "scores": 1.0, "logits": 1.0}, "constant_bytes": 0.0,
+    "seconds": {"cpu": {"multiply_adds": 1e-6, "weights_read": 1e-5, "runs": 50.0}},
+    "fit": {"largest_memory_error": 0.0, "largest_time_factor": 1.5,
+            "held_out_family": {"largest_memory_error": 0.0, "largest_time_factor": 1.5}}}}}
+# a Llama of 2 layers of width 32 (4 heads, 2 KV heads of 8; MLP 48, gated), 1,000 tokens, tied head
+HAND_SHAPE = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48, "vocab_size": 1000,
+              "tie_word_embeddings": True}
+# one fitted step (cost.time_features' lora_step at 2 rows of 16 tokens): multiply-adds 3 x 2 x (16 x
+# (2 layers x (q/k/v/o 32 x 8 x (2 x 4 + 2 x 2) + MLP 3 x 32 x 48) + head 1,000 x 32) + T x T 2 x 4 x 16 x
+# 16 x 8 x 2) = 4,743,168 at 1e-6 s, weights read 3 x (2 x 7,680 + 32,000) = 142,080 at 1e-5 s, and
+# 50 s a run: 56.163968 s
+HAND_STEP = (3 * 2 * (16 * (2 * (32 * 8 * 12 + 3 * 32 * 48) + 1000 * 32) + 2 * 4 * 16 * 16 * 8 * 2) * 1e-6
+             + 3 * (2 * (32 * 8 * 12 + 3 * 32 * 48) + 1000 * 32) * 1e-5 + 50.0)
+
+
+def _hand_job(tmp_path, monkeypatch, constraint: str):
+    """The request of a copy of HAND_SHAPE's model (its config.json from its base: the copy is not
+    written yet) post-trained 400 steps of 2 x 16 under ``constraint``, held-out every 100 steps
+    on 4 sequences (2 per source of the default two-source corpus), on the CPU."""
     config = yaml.safe_load((REPO / "tests/configs/tiny.yaml").read_text())
-    folder = tmp_path / "olmo-shaped"
-    folder.mkdir()
-    (folder / "config.json").write_text((CONFIGS / "olmo-7b.json").read_text())
-    config["models"]["olmo-shaped"] = {"source": {"local": str(folder)}, "prompt_format": "raw", "datasets": []}
-    config["models"]["olmo-copy"] = {"source": {"sparsify": {"base": "olmo-shaped", "train": "lora"}},
-                                     "prompt_format": "raw", "datasets": []}
+    folder = tmp_path / "hand-shaped"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(HAND_SHAPE))
+    sparsify = {"base": "hand-shaped", "train": "all", "steps": 400, "batch_size": 2, "seq_len": 16,
+                "heldout_sequences": 4, "eval_every": 100, "device": "cpu",
+                "constraint": {"type": constraint, "slack": 0.1}}
+    config["models"]["hand-shaped"] = {"source": {"local": str(folder)}, "prompt_format": "raw", "datasets": []}
+    config["models"]["hand-copy"] = {"source": {"sparsify": sparsify}, "prompt_format": "raw", "datasets": []}
     config = _validated(config)
-    asked = requests.job_request("sparsify_model", config, {"model": "olmo-copy"}, {}, attempt=1, local=True,
-                                 batch=1, bases={"olmo-copy": "olmo-shaped"}, models_dir=str(tmp_path / "models"))
-    settings = config["models"]["olmo-copy"]["source"]["sparsify"]
-    assert asked.estimate == training_cost.sparsify_estimate(json.loads((folder / "config.json").read_text()),
-                                                             settings, asked.device)
-    if asked.device == "cpu":
-        margin, factor = requests.margins("sparsify", "olmo")
-        assert asked.runtime == math.ceil(asked.estimate.seconds * factor / 60)
-        assert asked.mem_mb > asked.estimate.memory_bytes / 1e6
+    with monkeypatch.context() as patched:  # the hand table for the request alone, not the config check
+        patched.setattr(cost, "load_coefficients", lambda *args: HAND_TABLE)
+        return requests.job_request("sparsify_model", config, {"model": "hand-copy"}, {}, attempt=1, local=True,
+                                    batch=1, bases={"hand-copy": "hand-shaped"}, models_dir=str(tmp_path / "models"))
+
+
+def test_a_copys_job_asks_for_its_steps_and_forwards_counted_by_hand(tmp_path, monkeypatch):
+    """The request must pay for every step and forward the job runs: under ce 400 student steps
+    and, per source, the base's held-out logits once and the student's at 5 evaluations (steps 0,
+    100, ..., 400), each forward a third of a step; under ce_control also the control's step
+    beside each (a forward and a backward, a whole step) and its forward at each evaluation.
+    Minutes: the seconds x the fit's time factor 1.5, rounded up. The default corpus's weights 1
+    and 1 share the 4 held-out sequences 2 and 2 (they were once counted 4 and 4: 408 steps' time)."""
+    assert HAND_STEP == pytest.approx(56.163968, abs=1e-9)
+    ce = _hand_job(tmp_path / "ce", monkeypatch, "ce")
+    # 400 steps + 2 sources x (1 + 5 evaluations x 1 model) forwards / 3 = 404 steps' time
+    assert ce.device == "cpu" and ce.estimate.seconds == pytest.approx(404 * HAND_STEP, rel=1e-12)
+    assert ce.runtime == math.ceil(404 * 56.163968 * 1.5 / 60) == 568  # minutes, over the rule's 240
+    control = _hand_job(tmp_path / "control", monkeypatch, "ce_control")
+    # 2 x 400 steps + 2 sources x (1 + 5 evaluations x 2 models) forwards / 3
+    assert control.estimate.seconds == pytest.approx((800 + 22 / 3) * HAND_STEP, rel=1e-12)
+    assert control.runtime == math.ceil((800 + 22 / 3) * 56.163968 * 1.5 / 60) == 1134
+    # the control's part: its whole step at each of the 400 steps, its 10 held-out forwards a third each
+    assert control.estimate.seconds - ce.estimate.seconds == pytest.approx((400 + 10 / 3) * HAND_STEP, rel=1e-9)
 
 
 def test_the_plan_estimates_scoring_sweeps_and_post_training_before_any_job(tmp_path):

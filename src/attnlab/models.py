@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.initialization import no_init_weights
 
 import attnlab.attention.function  # noqa: F401 -- registers the gated attention a sparse copy selects
+from attnlab import conversion_cache
 from attnlab.anatomy.families import family_of
 from attnlab.attention import saved_copy, sparse
 from attnlab.config.checks import check_chat_template, damaged_model_files
@@ -113,8 +114,26 @@ def _load_from_pretrained(source: dict):
 
 def prepare_model(name: str, source: dict, out_dir: str | Path, prompt_format: str | None = None) -> None:
     """Write model ``name`` from ``source`` to ``out_dir`` as safetensors + tokenizer; with
-    ``prompt_format: chat``, refuse a tokenizer without a chat template before writing anything."""
+    ``prompt_format: chat``, refuse a tokenizer without a chat template before writing anything.
+    With ``ATTNLAB_MODEL_CACHE`` set, a packaged GGUF is converted once and then copied
+    (``attnlab.conversion_cache``); parallel preparations of one model wait for its conversion."""
     check_model_source(name, source)
+    cached = conversion_cache.cached_folder(name, source)
+    if cached is None:
+        _convert(name, source, out_dir, prompt_format)
+        return
+    with conversion_cache.locked(cached):
+        if not cached.is_dir():
+            _convert(name, source, out_dir, prompt_format)
+            conversion_cache.keep(Path(out_dir), cached)
+            return
+    check_chat_template(name, prompt_format, bool(AutoTokenizer.from_pretrained(cached).chat_template))
+    with atomic_path(out_dir, directory=True) as tmp:
+        conversion_cache.copy_folder(cached, tmp)
+    log.info("wrote %s: a copy of its conversion kept in %s", out_dir, cached)
+
+
+def _convert(name: str, source: dict, out_dir: str | Path, prompt_format: str | None) -> None:
     with tempfile.TemporaryDirectory(prefix="attnlab-gguf-") as scratch:
         if "hub" in source or "local" in source:
             model, tokenizer = _load_from_pretrained(source)

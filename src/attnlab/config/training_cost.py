@@ -37,7 +37,7 @@ import math
 from attnlab.anatomy.families import text_config
 from attnlab.config import cost
 from attnlab.config.checks import FUSED_LARGEST_HEAD, fused_mode
-from attnlab.config.corpus import shares
+from attnlab.config.corpus import corpus_sources, shares
 
 HELDOUT_LOGITS_BUDGET = 2 ** 31  # bytes of the base's held-out logits a source keeps (heldout.logits_fit)
 FLOAT32 = 4
@@ -120,9 +120,10 @@ def logits_kept(sequences: int, tokens: int, vocab: int) -> bool:
 
 
 def heldout_shares(settings: dict) -> list[int]:
-    """Each corpus source's held-out sequences (``config.corpus.shares`` of its mixture weights)."""
-    mixture = settings["corpus"].get("mixture")
-    return shares(settings["heldout_sequences"], [spec["weight"] for spec in mixture.values()] if mixture else [1.0])
+    """Each corpus source's held-out sequences (``config.corpus.shares`` of its mixture weights,
+    normalised as ``corpus_sources`` gives them to the trainer: shares of raw weights 1 and 1
+    counted 4 + 4 of 4 held-out sequences)."""
+    return shares(settings["heldout_sequences"], [source.weight for source in corpus_sources(settings["corpus"])])
 
 
 def forward_counts(settings: dict, vocab: int, depth: int) -> dict[str, int]:
