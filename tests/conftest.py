@@ -21,6 +21,18 @@ os.environ.setdefault("ATTNLAB_STRICT_FIGURES", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
+def torch_threads():
+    """ATTNLAB_TEST_THREADS=n runs the in-process tests on n torch threads (the suite must pass on
+    1 and on 2: float32 results move with the summation order, and tolerances must hold either
+    way); unset, torch's own default."""
+    if os.environ.get("ATTNLAB_TEST_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(os.environ["ATTNLAB_TEST_THREADS"]))
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def model_conversion_cache(tmp_path_factory):
     """Every packaged model of the session converted once: the fixtures below and every workflow a
     test runs (they inherit the environment) copy it from this cache (attnlab.conversion_cache). An
@@ -216,7 +228,13 @@ def tiny_report(tiny_run, tmp_path_factory) -> Path:
 SHARED_FIXTURE_GROUPS = {"tiny_run": "tiny_run", "tiny_report": "tiny_run"}
 
 
+# The longest groups start first, one on each worker (a worker takes the groups in the order their
+# first test is collected): the tiny run and what reads it, about 9 minutes; the sparse workflow.
+FIRST_GROUPS = ("tiny_run", "test_sparse_workflow")
+
+
 def pytest_collection_modifyitems(config, items):
+    groups = {}
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         group = next((name for fixture, name in SHARED_FIXTURE_GROUPS.items() if fixture in fixtures), None)
@@ -224,6 +242,10 @@ def pytest_collection_modifyitems(config, items):
             group = item.module.__name__
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = group
+    # a stable sort: each group's tests keep their order (test_workflow.py before test_workflow_faults.py)
+    items.sort(key=lambda item: FIRST_GROUPS.index(groups[item.nodeid]) if groups[item.nodeid] in FIRST_GROUPS
+               else len(FIRST_GROUPS))
 
 
 def _has_module_fixture(item) -> bool:

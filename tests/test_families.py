@@ -59,7 +59,8 @@ def test_a_gated_training_step_equals_autograd_of_the_hand_forward(arch, monkeyp
     want_ce, want_density, want_grads = loss_and_gradients(by_hand)
     assert 0.2 < float(density) < 0.8  # the gates are neither all open nor all shut
     assert float(ce) == pytest.approx(float(want_ce), rel=1e-6)
-    assert float(density) == pytest.approx(float(want_density), rel=1e-6)
+    # the library's float32 gates: a mean of ~1e3 sigmoids rounds to ~log2(1e3) eps32 ~1e-6 (seen 1e-7)
+    assert float(density) == pytest.approx(float(want_density), rel=1e-5)
     assert grads.keys() == want_grads.keys()
     for name, grad in want_grads.items():  # the library's gates are float32 (sparse.stochastic_gate)
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()),

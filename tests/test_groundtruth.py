@@ -47,7 +47,11 @@ def _expected(spec: dict) -> set:
 @pytest.fixture(scope="module", params=MODELS)
 def loaded(request):
     folder = FOLDER / request.param
-    model = load_model(folder, torch.device("cpu"), torch.float32)
+    # float64: in float32 the hist programs' numerical MLPs amplify rounding to 7.6e-6 of outputs ≤ 1
+    # (64 float32 ulp, against tracr's reference), so two float32 paths may differ by more than the
+    # 1e-6 bounds below on some CPU; in float64 they differ by ~1e-13, the reference by its own
+    # rounding (≤ 5.9e-7), and the metric's rounding to float32 leaves ≤ 1.2e-7 (1 ulp at 1)
+    model = load_model(folder, torch.device("cpu"), torch.float64)
     return folder, model, load_tokenizer(folder), pairs.read_spec(folder)
 
 

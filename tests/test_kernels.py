@@ -99,7 +99,9 @@ def _compare_with_eager(gate_name: str, window: int | None, **shape):
         hard = _hard(q, k, gate, noise) * allowed
         assert torch.equal(rows["opened"], hard.sum(-1))
         assert 0 < hard.sum() < allowed.expand_as(hard).sum()  # the test sees closed and open edges
-    torch.testing.assert_close(expected, want_expected, atol=1e-5, rtol=0)
+    # a row's expected count sums up to N sigmoids (18 of 29 here, more at N = 70) in float32 in
+    # other orders: ~log2(N) eps32 ≈ 1e-6 of itself (seen 1.9e-6 at 18: 1 ulp); rtol 1e-5 is 10x that
+    torch.testing.assert_close(expected, want_expected, atol=1e-5, rtol=1e-5)
     if gate.kind != launch.SAMPLED:  # received attention: under inference gates only
         columns = launch.received_columns(q.detach(), k.detach(), lse, layout, gate, SCALE)
         later = torch.ones(length, length).tril(-1).bool()
@@ -126,8 +128,10 @@ def _assert_same_gradients(q, k, v, out, expected, want, want_expected, real):
     d_expected = torch.randn(expected.shape, generator=generator)
     got = torch.autograd.grad((out * d_out).sum() + (expected * d_expected).sum(), (q, k, v))
     reference = torch.autograd.grad((want * d_out).sum() + (want_expected * d_expected).sum(), (q, k, v))
+    # gradients ≲ 5 summed over N keys and the head dims in float32 in other orders: seen 1.3e-6 at
+    # 3 (5 ulp); 1e-5 of their scale is 25x that on 29 keys and leaves room for N = 70
     for name, a, b in zip("qkv", got, reference):
-        assert (a - b).abs().max() < 1e-5, name
+        assert (a - b).abs().max() < 1e-5 * max(1.0, float(b.abs().max())), name
 
 
 @pytest.mark.parametrize("gate_name", ["dense", "deterministic"])
