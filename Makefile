@@ -72,15 +72,13 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 	$(BIN)/python -m pip install --quiet -r requirements-test.txt -c constraints.txt
 	touch $@
 
-# Two workers (pytest-xdist): the workflow runs and the in-process tests leave cores idle alone
-# (tests/conftest.py keeps the tests that share a costly fixture on one worker).
-PYTEST_WORKERS ?= -n 2 --dist loadgroup
-
+# One process: two pytest-xdist workers were measured slower on 2 cores (43 min 40 s against 34
+# min 14 s), each worker's torch threads and the workflow's jobs contending for the same cores.
 test: install $(TEST_STAMP)
-	$(BIN)/python -m pytest -ra $(PYTEST_WORKERS)
+	$(BIN)/python -m pytest -ra
 
 test-fast: install $(TEST_STAMP)
-	$(BIN)/python -m pytest -ra -m "not slow" $(PYTEST_WORKERS)
+	$(BIN)/python -m pytest -ra -m "not slow"
 
 # Every entry of tests/mutations.md applied in turn in a scratch copy: lists any bug its tests no
 # longer catch (about an hour on 2 cores; not part of CI).

@@ -40,10 +40,7 @@ def model_conversion_cache(tmp_path_factory):
     if os.environ.get("ATTNLAB_MODEL_CACHE"):
         yield Path(os.environ["ATTNLAB_MODEL_CACHE"])
         return
-    base = tmp_path_factory.getbasetemp()
-    # under pytest-xdist each worker's folder sits in the run's: the workers share the cache
-    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "model-cache"
-    folder.mkdir(exist_ok=True)
+    folder = tmp_path_factory.mktemp("model-cache")
     os.environ["ATTNLAB_MODEL_CACHE"] = str(folder)
     try:
         yield folder
@@ -218,36 +215,3 @@ def tiny_report(tiny_run, tmp_path_factory) -> Path:
     assert result.returncode == 0, result.stdout[-3000:]
     return report
 
-
-# ---------------------------------------------------------------- two workers (pytest-xdist)
-# make test runs the suite on two workers (--dist loadgroup). A session or module fixture is made
-# once per worker that needs it, so the tests sharing a costly one run on the same worker: the tiny
-# run's readers (in file order: test_workflow.py's rerun checks before test_workflow_faults.py
-# forces jobs of it), and each module whose fixtures are module-wide. Converted models are shared
-# across workers by the conversion cache (model_conversion_cache, below the workers' folders).
-SHARED_FIXTURE_GROUPS = {"tiny_run": "tiny_run", "tiny_report": "tiny_run"}
-
-
-# The longest groups start first, one on each worker (a worker takes the groups in the order their
-# first test is collected): the tiny run and what reads it, about 9 minutes; the sparse workflow.
-FIRST_GROUPS = ("tiny_run", "test_sparse_workflow")
-
-
-def pytest_collection_modifyitems(config, items):
-    groups = {}
-    for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        group = next((name for fixture, name in SHARED_FIXTURE_GROUPS.items() if fixture in fixtures), None)
-        if group is None and _has_module_fixture(item):
-            group = item.module.__name__
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-        groups[item.nodeid] = group
-    # a stable sort: each group's tests keep their order (test_workflow.py before test_workflow_faults.py)
-    items.sort(key=lambda item: FIRST_GROUPS.index(groups[item.nodeid]) if groups[item.nodeid] in FIRST_GROUPS
-               else len(FIRST_GROUPS))
-
-
-def _has_module_fixture(item) -> bool:
-    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    return any(fixture.scope == "module" for defs in definitions.values() for fixture in defs)

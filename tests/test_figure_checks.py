@@ -129,3 +129,19 @@ def test_every_figure_is_written_through_the_text_check():
                 writes.append((str(path.relative_to(REPO)), line.strip()))
     assert writes == [("src/attnlab/plots/base.py",
                        'fig.savefig(tmp, dpi=dpi, format=str(out_path).rsplit(".", 1)[-1])')], writes
+
+
+@pytest.mark.parametrize("conditions", [["none"], ["none", "mless", "mful"]])
+def test_the_lambda_heatmap_of_one_condition_keeps_its_title_clear_of_its_panel(tmp_path, monkeypatch, conditions):
+    """A model with one condition (a sparse copy's workflow runs only `none`) draws a narrow figure
+    whose wrapped title once fell over the panel's title: strict saving refused it."""
+    import pandas as pd
+
+    from attnlab.plots.attention import plot_lambda_heatmap
+
+    monkeypatch.setenv("ATTNLAB_STRICT_FIGURES", "1")
+    rows = [{"condition": condition, "layer": layer, "head": head, "lambda_mean": 0.5}
+            for condition in conditions for layer in range(3) for head in range(3)]
+    out = tmp_path / "lambda.png"
+    plot_lambda_heatmap(pd.DataFrame(rows), "smollm2-135m-sparse", "svamp", out, dpi=60)
+    assert out.stat().st_size > 0

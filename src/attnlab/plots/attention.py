@@ -153,7 +153,9 @@ def plot_attention_figure(panels: list[dict], name: str, view: str, zoom: bool, 
 def plot_lambda_heatmap(table: pd.DataFrame, model: str, dataset: str, out_path, dpi: int = 150) -> None:
     """Mean λ (attention mass kept on original tokens) per layer x head, a panel per condition."""
     conditions = list(dict.fromkeys(table["condition"]))
-    fig, axes = plt.subplots(1, len(conditions), figsize=(2.2 + 2.4 * len(conditions), 5), squeeze=False)
+    # constrained: the title's lines (wrapped to a one-condition figure's width) get their own room
+    fig, axes = plt.subplots(1, len(conditions), figsize=(2.2 + 2.4 * len(conditions), 5), squeeze=False,
+                             layout="constrained")
     for ax, condition in zip(axes[0], conditions):
         grid = table[table["condition"] == condition].pivot(index="layer", columns="head", values="lambda_mean")
         image = ax.imshow(grid.to_numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
