@@ -214,4 +214,3 @@ def tiny_report(tiny_run, tmp_path_factory) -> Path:
                        workdir=workdir, snakefile=snakefile)
     assert result.returncode == 0, result.stdout[-3000:]
     return report
-

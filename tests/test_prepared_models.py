@@ -37,3 +37,19 @@ def test_the_prepared_model_computes_what_the_gguf_does(smollm2_dir, tmp_path):
     ids = torch.tensor([[1, 504, 3154, 282, 216, 34, 1232, 216, 37, 47, 2]])
     with torch.inference_mode():
         assert torch.equal(prepared(input_ids=ids).logits, gguf(input_ids=ids).logits)
+
+
+def test_the_light_folder_holds_the_prepared_folders_tokenizer_and_config(smollm2_dir, smollm2_light):
+    """The fixture that spares the fast tests a conversion (tests/conftest.py, smollm2_light) must
+    hold what prepare_model writes: the same tokenizer files, byte for byte, and the same model
+    config apart from what only a saved model records (its dtype and class)."""
+    import json
+
+    tokenizer_files = [path.name for path in smollm2_light.iterdir() if path.name != "config.json"]
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(tokenizer_files)
+    for name in tokenizer_files:
+        assert (smollm2_light / name).read_bytes() == (smollm2_dir / name).read_bytes(), name
+    light, prepared = (json.loads((folder / "config.json").read_text()) for folder in (smollm2_light, smollm2_dir))
+    recorded_on_save = {"architectures", "dtype", "torch_dtype", "transformers_version"}
+    assert {key: value for key, value in light.items() if key not in recorded_on_save} == \
+        {key: value for key, value in prepared.items() if key not in recorded_on_save}
