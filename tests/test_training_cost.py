@@ -220,7 +220,7 @@ def test_the_plan_estimates_scoring_sweeps_and_post_training_before_any_job(tmp_
 @pytest.mark.parametrize("mode, fused, checkpointing", [("post-training step (kernels)", "auto", False),
                                                         ("post-training step (eager blocks, checkpointing)", "off", True)])
 def test_a_post_training_step_on_a_gpu_is_estimated_within_a_quarter_of_the_h200s_peak(mode, fused, checkpointing,
-                                                                                       monkeypatch, smollm2_dir):
+                                                                                       monkeypatch, smollm2_light):
     """benchmarks/results/gpu_h200_2026-11-27: config/sparse-gpu.yaml's SmolLM2 copy (every weight
     trained, the dense control beside it, 16 x 1,024, bfloat16 autocast) on an H200, torch's peak
     in a step, fused kernels and eager blocks with checkpointing: 22,260 and 12,016 MiB. The
@@ -233,7 +233,7 @@ def test_a_post_training_step_on_a_gpu_is_estimated_within_a_quarter_of_the_h200
     settings = config["models"]["smollm2-135m-sparse"]["source"]["sparsify"] | {"gradient_checkpointing": checkpointing}
     measured = json.loads((REPO / "benchmarks/results/gpu_h200_2026-11-27/gpu.json").read_text())["training"]
     assert measured["batch"] == settings["batch_size"] and measured["length"] == settings["seq_len"]
-    smollm2 = json.loads((smollm2_dir / "config.json").read_text())
+    smollm2 = json.loads((smollm2_light / "config.json").read_text())
     monkeypatch.setenv("ATTNLAB_FUSED_ATTENTION", fused)
     found = training_cost.sparsify_estimate(smollm2, settings, "cuda")
     estimated = (found.memory_bytes - found.terms["heldout_logits"]) / 2 ** 20
