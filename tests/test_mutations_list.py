@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from run_mutations import BEFORE, ENTRY  # the list's format, read as make mutations reads it
+
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY = re.compile(r"^(\d+|[a-z])\. `([^`]+)`", re.MULTILINE)
-BEFORE = re.compile(r"^\s+- before: `(.*)`$", re.MULTILINE)
 TEST = re.compile(r"`(tests/[\w/]+\.py)?::(\w+)(?:\[[^\]]*\])?`")
 
 
