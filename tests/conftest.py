@@ -117,6 +117,29 @@ def dry_run(tmp_path: Path, config: dict, *args: str) -> subprocess.CompletedPro
     return snakemake("-n", "--cores", "1", "--configfile", str(path), *args, workdir=tmp_path)
 
 
+def refusal(config: dict, workdir: Path) -> str | None:
+    """The message with which the workflow refuses ``config`` before any job (None: accepted),
+    found in process.
+
+    common.smk calls this same ``check`` while Snakemake parses the workflow, from its working
+    directory (prepared models under ``resources/models``), with the stage's reader of local data
+    files, and prints the ConfigError's text as it is. So this is what a dry run from ``workdir``
+    prints, in milliseconds rather than a second and a half. One command-line run per class of
+    refusal keeps that printing path tested (test_config.py, test_refusals.py)."""
+    import contextlib
+    import copy
+
+    from attnlab.config.validate import ConfigError, check
+    from attnlab.reasoning.data import check_local_dataset
+
+    with contextlib.chdir(workdir):
+        try:
+            check(copy.deepcopy(config), REPO / "config" / "schema.yaml", read_dataset=check_local_dataset)
+        except ConfigError as error:
+            return str(error)
+    return None
+
+
 def job_counts(output: str) -> dict[str, int]:
     """The "Job stats" table of a Snakemake run or dry run."""
     lines = output.split("Job stats:", 1)[1].splitlines()[3:]

@@ -1,11 +1,15 @@
-"""Bad configs fail before any job runs, with messages that say what and where."""
+"""Bad configs fail before any job runs, with messages that say what and where.
+
+Most refusals are found in process (conftest.refusal: the check common.smk runs while Snakemake
+parses); one dry run per class of refusal (the schema, a cross-reference, a model's source, a
+layer out of range) checks that Snakemake prints it before any job."""
 
 import re
 import time
 
 import yaml
 
-from conftest import REPO, dry_run as _dry_run, fake_prepared_model, job_counts, snakemake
+from conftest import REPO, dry_run as _dry_run, fake_prepared_model, job_counts, refusal, snakemake
 
 
 def _tiny():
@@ -26,6 +30,8 @@ def test_tiny_config_dry_run_counts_jobs(tmp_path):
                       "mlp_activations": 4, "mlp_summary": 1, "placement_table": 2,
                       "plot_placement": 2, "score_heads": 1, "sweep_heads": 1, "plot_pruning": 1,
                       "mediate": 1, "plot_mediation": 1, "mediation_table": 1, "all": 1, "total": 56}
+    # --configfile replaces the default config: none of its models or datasets is planned
+    assert "gemma3-270m" not in result.stdout and "math500" not in result.stdout
 
 
 def test_default_config_dry_run_counts_jobs_with_gemmas_edge_circuit(tmp_path):
@@ -69,9 +75,7 @@ def test_edge_circuits_run_for_the_models_named_and_refuse_unknown_ones(tmp_path
     counts = job_counts(_dry_run(tmp_path, config).stdout)
     assert "edge_circuit" not in counts and "plot_edges" not in counts and counts["sweep_heads"] == 1
     config["pruning"]["edges"]["models"] = ["gemma"]
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0
-    assert "pruning.edges.models names ['gemma'], not in models: ['smollm2-135m']" in result.stdout
+    assert "pruning.edges.models names ['gemma'], not in models: ['smollm2-135m']" in refusal(config, tmp_path)
 
 
 def test_length_sweep_adds_one_figure_per_model_and_dataset(tmp_path):
@@ -79,8 +83,7 @@ def test_length_sweep_adds_one_figure_per_model_and_dataset(tmp_path):
     config["conditions"]["mless_25"] = {"kind": "repeat", "unit": "/", "length": 25}
     result = _dry_run(tmp_path, config)
     assert result.returncode == 0, result.stdout
-    assert job_counts(result.stdout)["plot_length_sweep"] == 2
-    assert job_counts(_dry_run(tmp_path, _tiny()).stdout).get("plot_length_sweep") is None
+    assert job_counts(result.stdout)["plot_length_sweep"] == 2  # none without mless_25: the tiny plan's counts
 
 
 def test_placement_sweep_only_when_a_condition_moves_the_insertion(tmp_path):
@@ -93,75 +96,58 @@ def test_placement_sweep_only_when_a_condition_moves_the_insertion(tmp_path):
     assert job_counts(_dry_run(tmp_path, config).stdout)["plot_length_sweep"] == 2
 
 
-def test_mlp_and_arm_settings_are_checked(tmp_path):
+def test_a_cross_reference_refusal_is_printed_by_a_dry_run_before_any_job(tmp_path):
     config = _tiny()
     config["mlp"]["baseline"] = "plain"
     result = _dry_run(tmp_path, config)
     assert result.returncode != 0 and "mlp.baseline is 'plain', not in conditions" in result.stdout
+    assert "Job stats" not in result.stdout and not (tmp_path / "results").exists()
+
+
+def test_mlp_and_arm_settings_are_checked(tmp_path):
+    config = _tiny()
+    config["mlp"]["baseline"] = "plain"
+    assert "mlp.baseline is 'plain', not in conditions" in refusal(config, tmp_path)
     config = _tiny()
     config["models"]["smollm2-135m"]["arm"] = {"pmin": 0.3, "pmax": 0.1}
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0 and "pmin (0.3) is above pmax (0.1)" in result.stdout
+    assert "pmin (0.3) is above pmax (0.1)" in refusal(config, tmp_path)
     config = _tiny()
     config["models"]["smollm2-135m"]["arm"] = {"mode": "swap"}
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0 and "swap" in result.stdout
+    assert "swap" in refusal(config, tmp_path)
     config = _tiny()
     config["conditions"]["mless"]["arm_seed"] = 3
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0 and "conditions.mless sets arm_seed without arm: true" in result.stdout
+    assert "conditions.mless sets arm_seed without arm: true" in refusal(config, tmp_path)
     config = _tiny()
     config["conditions"]["mless"]["placement"] = "middle"
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0 and "middle" in result.stdout
-
-
-def test_configfile_replaces_the_default_config(tmp_path):
-    result = _dry_run(tmp_path, _tiny())
-    assert "gemma3-270m" not in result.stdout and "math500" not in result.stdout
-
-
-def test_unknown_key_is_named(tmp_path):
-    config = _tiny()
-    config["generation"]["max_new_tokenz"] = 5
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0
-    assert "'max_new_tokenz' was unexpected" in result.stdout
-    assert "additionalProperties" in result.stdout
+    assert "middle" in refusal(config, tmp_path)
 
 
 def test_wrong_type_is_named(tmp_path):
     config = _tiny()
     config["generation"]["batch_size"] = "sixteen"
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0
-    assert "'sixteen' is not of type 'integer'" in result.stdout
-    assert "batch_size" in result.stdout
+    message = refusal(config, tmp_path)
+    assert "'sixteen' is not of type 'integer'" in message and "batch_size" in message
 
 
 def test_condition_kind_requires_its_fields(tmp_path):
     config = _tiny()
     config["conditions"]["mless"] = {"kind": "repeat", "length": 5}
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0 and "'unit' is a required property" in result.stdout
+    assert "'unit' is a required property" in refusal(config, tmp_path)
 
 
 def test_names_cannot_escape_results(tmp_path):
     for bad in ["../evil", "a/b", "/abs", ".hidden"]:
         config = _tiny()
         config["conditions"][bad] = {"kind": "none"}
-        result = _dry_run(tmp_path, config)
-        assert result.returncode != 0, bad
-        assert "does not match" in result.stdout and "propertyNames" in result.stdout, bad
+        message = refusal(config, tmp_path)
+        assert "does not match" in message and "propertyNames" in message, bad
 
 
 def test_missing_local_model_folder_fails_before_jobs(tmp_path):
     config = _tiny()
     config["models"]["smollm2-135m"]["source"] = {"local": str(tmp_path / "no-such-model")}
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0
-    assert "models.smollm2-135m.source.local" in result.stdout
-    assert "no config.json" in result.stdout
+    message = refusal(config, tmp_path)
+    assert "models.smollm2-135m.source.local" in message and "no config.json" in message
 
 
 def test_missing_gguf_file_lists_what_is_there(tmp_path):
@@ -175,31 +161,26 @@ def test_missing_gguf_file_lists_what_is_there(tmp_path):
 def test_attention_cross_references_are_checked(tmp_path):
     config = _tiny()
     config["attention"]["top_changed"]["between"] = ["none", "mful"]
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0 and "names ['mful'], not in conditions" in result.stdout
+    assert "names ['mful'], not in conditions" in refusal(config, tmp_path)
     config = _tiny()
     config["attention"]["datasets"] = ["math500"]
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0 and "attention.datasets names ['math500']" in result.stdout
+    assert "attention.datasets names ['math500']" in refusal(config, tmp_path)
 
 
 def test_composite_figures_are_checked_before_any_job(tmp_path):
     config = _tiny()
     config["attention"]["figures"][0]["panels"][0]["dataset"] = "gsm8k"
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0 and "panel 1: dataset 'gsm8k' has no attention files" in result.stdout
+    assert "panel 1: dataset 'gsm8k' has no attention files" in refusal(config, tmp_path)
     config = _tiny()
     config["attention"]["figures"][0]["panels"][1]["layer"] = 30
     result = _dry_run(tmp_path, config)  # before the model is prepared: its GGUF header says
     assert result.returncode != 0 and "has 30 layers x 9 heads" in result.stdout
     assert "Fix attention.figures in the config" in result.stdout and "source's metadata" in result.stdout
     fake_prepared_model(tmp_path / "resources/models/smollm2-135m", layers=32)
-    result = _dry_run(tmp_path, config)  # once prepared, its own config.json
-    assert result.returncode == 0, result.stdout[-2000:]
+    assert refusal(config, tmp_path) is None  # once prepared, its own config.json
     config["attention"]["figures"][0]["panels"][1]["layer"] = 32
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0 and "has 32 layers x 9 heads" in result.stdout
-    assert "resources/models/smollm2-135m/config.json" in result.stdout
+    message = refusal(config, tmp_path)
+    assert "has 32 layers x 9 heads" in message and "resources/models/smollm2-135m/config.json" in message
 
 
 def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
@@ -279,10 +260,12 @@ def test_nested_command_line_values_are_read_as_yaml():
 
 
 def test_unknown_key_prints_the_allowed_keys_not_the_schema(tmp_path):
+    """A schema refusal, printed by a dry run before any job."""
     config = _tiny()
     config["generation"]["max_new_tokenz"] = 5
     result = _dry_run(tmp_path, config)
-    assert result.returncode != 0
+    assert result.returncode != 0 and "Job stats" not in result.stdout
+    assert "'max_new_tokenz' was unexpected" in result.stdout and "additionalProperties" in result.stdout
     assert ("unknown config key generation.max_new_tokenz" in result.stdout
             and "Allowed keys under generation: batch_size, device, dtype, engine, max_new_tokens, seed, "
                 "stop_strings." in result.stdout)
@@ -308,33 +291,25 @@ def test_empty_selection_means_none_and_null_all(tmp_path):
 def test_condition_names_cannot_collide_with_output_suffixes(tmp_path):
     config = _tiny()
     config["mlp"]["datasets"] = ["svamp"]
-    config["conditions"]["none.hist"] = {"kind": "none"}
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0
-    assert "a name under conditions: 'none.hist' does not match" in result.stdout
-    assert "AmbiguousRuleException" not in result.stdout
+    config["conditions"]["none.hist"] = {"kind": "none"}  # refused by the check, before Snakemake's
+    assert "a name under conditions: 'none.hist' does not match" in refusal(config, tmp_path)  # ambiguity
 
 
 def test_bad_template_and_range_fail_in_a_dry_run(tmp_path):
     config = _tiny()
     config["prompt"] = {"raw_template": "{system}\n{user}\nAnswer ({units}):"}
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0 and r"unknown placeholder(s) {units}" in result.stdout
+    assert r"unknown placeholder(s) {units}" in refusal(config, tmp_path)
     config = _tiny()
     config["datasets"]["svamp"]["source"] = {"arithmetic": {"low": 9, "high": 2}}
-    result = _dry_run(tmp_path, config)
-    assert result.returncode != 0
-    assert "datasets.svamp.source.arithmetic: low (9) is above high (2)" in result.stdout
+    assert "datasets.svamp.source.arithmetic: low (9) is above high (2)" in refusal(config, tmp_path)
 
 
 def test_chat_format_on_a_prepared_model_without_template_fails_in_a_dry_run(tmp_path):
     folder = fake_prepared_model(tmp_path / "resources/models/smollm2-135m", chat_template=False)
-    result = _dry_run(tmp_path, _tiny())
-    assert result.returncode != 0
-    assert "models.smollm2-135m.prompt_format is 'chat' but the model's tokenizer has no chat template" \
-        in result.stdout
+    assert ("models.smollm2-135m.prompt_format is 'chat' but the model's tokenizer has no chat template"
+            in refusal(_tiny(), tmp_path))
     (folder / "chat_template.jinja").write_text("{{ messages }}")
-    assert _dry_run(tmp_path, _tiny()).returncode == 0
+    assert refusal(_tiny(), tmp_path) is None
 
 
 def test_one_entry_point_checks_schema_and_cross_references_without_snakemake(tmp_path):

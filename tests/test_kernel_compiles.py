@@ -221,7 +221,10 @@ GPU_TILES = sorted({tile[:2] for table in (launch.TILES, launch.SM80_TILES, *lau
                     for by_bound in table.values() for tile in by_bound.values()})
 
 
-@pytest.mark.parametrize("tile", GPU_TILES, ids=lambda tile: f"{tile[0]}x{tile[1]}")
+# The interpreter's own 16 x 16 tiles run in the fast suite (test_kernels.py and the first shape
+# here); the larger shapes, 3-5 s each in the interpreter, in the full suite.
+@pytest.mark.parametrize("tile", [pytest.param(tile, marks=() if tile == (16, 16) else pytest.mark.slow)
+                                  for tile in GPU_TILES], ids=lambda tile: f"{tile[0]}x{tile[1]}")
 def test_the_kernels_equal_the_eager_formula_on_every_gpu_tile_shape(tile, monkeypatch):
     """The interpreter otherwise runs 16 × 16 blocks: here every kernel runs on a tile shape a GPU
     would, over 70 positions (several query and key blocks, a partial last one): a sampled gate

@@ -1,13 +1,14 @@
-"""Bad input refused before the first job, and damaged model folders named with their fix: each
-case runs the Snakemake CLI as a user would (a dry run where the refusal must come before any
-job) and checks the message and that nothing was written under results/."""
+"""Bad input refused before the first job, and damaged model folders named with their fix. One
+case of each kind runs the Snakemake CLI as a user would (a dry run, where the refusal must come
+before any job) and checks the message and that nothing was written under results/; the other
+cases of a kind are found in process (conftest.refusal: the check the dry run makes)."""
 
 import time
 
 import pytest
 import yaml
 
-from conftest import REPO, dry_run, fake_prepared_model, job_counts, snakemake
+from conftest import REPO, dry_run, fake_prepared_model, job_counts, refusal, snakemake
 
 MODEL = "smollm2-135m"
 
@@ -39,7 +40,16 @@ def _local_dataset(tmp_path, content: bytes, name="mine.jsonl"):
 def test_a_dataset_file_that_does_not_exist_is_refused_before_any_job(tmp_path):
     config = _local_dataset(tmp_path, b"")
     config["datasets"]["mine"]["source"]["path"] = str(tmp_path / "nope.jsonl")
-    _refused(tmp_path, config, "datasets.mine.source.path", str(tmp_path / "nope.jsonl"), "does not exist")
+    message = refusal(config, tmp_path)
+    for needle in ("datasets.mine.source.path", str(tmp_path / "nope.jsonl"), "does not exist"):
+        assert needle in message, (needle, message)
+
+
+def test_a_bad_local_dataset_is_refused_by_a_dry_run_before_any_job(tmp_path):
+    """The job's own reader of the file, called while Snakemake parses: the first bad row named."""
+    content = b'{"id": "a", "question": "1+1?", "answer": "2"}\n{"id": "b", "answer": "3"}\n'
+    _refused(tmp_path, _local_dataset(tmp_path, content), "mine.jsonl",
+             "question field(s) ['question']: no text at row 2 (id 'b')")
 
 
 @pytest.mark.parametrize("content,message", [
@@ -55,7 +65,8 @@ def test_a_dataset_file_that_does_not_exist_is_refused_before_any_job(tmp_path):
      b'{"id": "a", "question": "2+2?", "answer": "4"}\n', "is not unique: 'a' at rows 1, 3"),
 ])
 def test_a_bad_local_dataset_is_refused_before_any_job_naming_file_and_row(tmp_path, content, message):
-    _refused(tmp_path, _local_dataset(tmp_path, content), message)
+    found = refusal(_local_dataset(tmp_path, content), tmp_path)
+    assert message in found and str(tmp_path / "mine.jsonl") in found, found
 
 
 def test_a_key_given_twice_is_refused_naming_it_and_both_lines(tmp_path):
@@ -97,8 +108,10 @@ def test_cut_weights_name_the_file_and_the_rebuild(tmp_path):
     folder = _prepared(tmp_path)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-6])
-    _refused(tmp_path, _tiny(), f"{weights.relative_to(tmp_path)}: ", "where its header describes",
-             f"snakemake -R resources/models/{MODEL}")
+    message = refusal(_tiny(), tmp_path)
+    for needle in (f"{weights.relative_to(tmp_path)}: ", "where its header describes",
+                   f"snakemake -R resources/models/{MODEL}"):
+        assert needle in message, (needle, message)
 
 
 def test_the_default_dry_run_validates_in_under_5_seconds(tmp_path):
@@ -122,8 +135,9 @@ def test_rebuild_requests_are_read_from_the_command_line_while_parsing():
 def test_edge_circuits_of_a_task_without_a_head_sweep_are_refused_before_any_job(tmp_path):
     config = _tiny()
     config["pruning"]["edges"] = {"tasks": ["docstring"]}
-    _refused(tmp_path, config, "pruning.edges.tasks names ['docstring'], which pruning.tasks lacks",
-             "add the task to pruning.tasks")
+    message = refusal(config, tmp_path)
+    assert "pruning.edges.tasks names ['docstring'], which pruning.tasks lacks" in message
+    assert "add the task to pruning.tasks" in message
 
 
 def test_edge_circuits_plan_one_job_per_model_and_task(tmp_path):

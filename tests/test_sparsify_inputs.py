@@ -288,29 +288,29 @@ def test_a_saved_copy_loads_gated_without_a_prior_import_and_never_dense(trained
 from attnlab.models import load_model
 model = load_model({folder!r}, torch.device("cpu"), torch.float32)
 print(model.config._attn_implementation, model(ids).logits[0, -1, :5].tolist())""")
+    # one process for plain transformers: refused, then forced dense (before the folder's module
+    # is imported), then through the folder's module
     dense = _in_a_fresh_process(f"""{probe}
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 try:
     AutoModelForCausalLM.from_pretrained({folder!r})
     print("loaded")
 except ValueError as error:
     print("refused:", error)
+config = AutoConfig.from_pretrained({folder!r}); config._attn_implementation = "sdpa"
+model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained({folder!r}, config=config)
+print(model(ids).logits[0, -1, :5].tolist())
 model = AutoModelForCausalLM.from_pretrained({folder!r}, trust_remote_code=True)
 print(model.config._attn_implementation, model(ids).logits[0, -1, :5].tolist())""")
     implementation, logits = gated.split(" ", 1)
     assert implementation == interventions.IMPLEMENTATION
-    lines = dense.strip().splitlines()
+    refused, plain, remote = dense.strip().splitlines()
     # whatever transformers says, the refusal names both ways that open the copy (issue 67)
-    assert lines[0].startswith("refused:")
-    assert "attnlab.models.load_model(folder" in lines[0] and "trust_remote_code=True" in lines[0]
+    assert refused.startswith("refused:")
+    assert "attnlab.models.load_model(folder" in refused and "trust_remote_code=True" in refused
     card = (trained[0] / "model" / "README.md").read_text()
     assert "load_model(folder" in card and "trust_remote_code=True" in card
     assert f"| held-out density (share of causal query-key edges open) | {trained[1]['heldout_density']} |" in card
-    assert lines[1] == gated.strip()  # the same gated logits through the folder's module
-    plain = _in_a_fresh_process(f"""{probe}
-from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-config = AutoConfig.from_pretrained({folder!r}); config._attn_implementation = "sdpa"
-model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained({folder!r}, config=config)
-print(model(ids).logits[0, -1, :5].tolist())""")
+    assert remote == gated.strip()  # the same gated logits through the folder's module
     assert plain.strip() != logits.strip()  # the gates close edges: a dense forward differs
