@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 CLUSTER = REPO / "tests/slurm/cluster.sh"
 PROFILE = REPO / "profiles/slurm"
+GRADES = ("results/grades/smollm2-135m/svamp/none.csv", "results/grades/smollm2-135m/svamp/none.json")
 LOCAL_RULES = {"all", "accuracy_table", "accuracy_paired", "mediation_table", "placement_table", "prepare_model"}
 
 
@@ -108,7 +109,9 @@ def _minutes(limit: str) -> int:
 
 def test_a_few_rules_run_as_slurm_jobs_with_their_gpus_and_resources(cluster, tmp_path, tiny_run):
     config = _few_rules_config(tmp_path)
-    args = ["--workflow-profile", str(PROFILE), "--configfile", str(config)]
+    # the cell's grades as targets (before --configfile, which takes every value after it): the
+    # accuracy table and its figure would add a local rule and a CPU job like those here
+    args = [*GRADES, "--workflow-profile", str(PROFILE), "--configfile", str(config)]
     dry = snakemake("-n", *args, workdir=tmp_path).stdout
     planned, resources = job_counts(dry), _planned_resources(dry)
     assert GPU_RULES & set(planned) and set(planned) - GPU_RULES - LOCAL_RULES - {"total"}, planned
@@ -132,5 +135,5 @@ def test_a_few_rules_run_as_slurm_jobs_with_their_gpus_and_resources(cluster, tm
         assert job["memory"] == f"{resources[rule][0]}M" and _minutes(job["limit"]) == resources[rule][1], job
     # The outputs are those of the local tiny run, which computed the same cell.
     workdir = tiny_run[0]
-    for table in ("results/grades/smollm2-135m/svamp/none.csv", "results/grades/smollm2-135m/svamp/none.json"):
+    for table in GRADES:
         assert (tmp_path / table).read_bytes() == (workdir / table).read_bytes(), table
