@@ -44,8 +44,10 @@ def test_every_declared_output_exists(tiny_run):
 
 
 def test_continuous_engine_gives_the_tiny_runs_tokens(tiny_run):
-    """Every cell of the tiny run (static engine) generated again with generation.engine:
-    continuous, ARM on for the ARM condition: the same token ids for every prompt."""
+    """Cells of the tiny run (static engine) generated again with generation.engine: continuous,
+    ARM on for the ARM condition: the same token ids for every prompt. Every condition on svamp (a
+    full batch of 4) and gsm8k's plain cell (longer prompts, a batch of 3): the other three cells
+    add 9 s and no case (test_generation.py compares the engines on both embedded models)."""
     import torch
 
     from attnlab.interventions import intervened
@@ -58,7 +60,7 @@ def test_continuous_engine_gives_the_tiny_runs_tokens(tiny_run):
     settings = yaml.safe_load(config.read_text())["generation"]
     folder = workdir / f"resources/models/{MODEL}"
     model, tokenizer = load_model(folder, torch.device("cpu"), torch.float32), load_tokenizer(folder)
-    for dataset, condition in _cells():
+    for dataset, condition in [("svamp", condition) for condition in CONDITIONS] + [("gsm8k", "none")]:
         prompts = pd.read_parquet(workdir / f"results/prompts/{MODEL}/{dataset}/{condition}.parquet")
         static = pd.read_parquet(workdir / f"results/generations/{MODEL}/{dataset}/{condition}.parquet")
         with intervened(model, arm=ArmSettings() if condition == "arm" else None):
