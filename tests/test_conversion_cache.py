@@ -87,3 +87,56 @@ def test_a_cached_tokenizer_without_a_chat_template_is_refused_for_chat_prompts(
     assert not (tmp_path / "out").exists()
     models.prepare_model("m", SOURCE, tmp_path / "out", "raw")
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_a_conversion_killed_while_it_is_kept_leaves_no_entry(cache, monkeypatch, tmp_path, smollm2_light):
+    """The cache entry appears whole or not at all: a copy stopped midway leaves nothing that a
+    later preparation would take for a conversion, and that one converts again."""
+    calls = []
+
+    def convert(name, source, out_dir, prompt_format):
+        calls.append(name)
+        shutil.copytree(smollm2_light, out_dir)
+
+    def killed(source, target):
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source / "config.json", target / "config.json")
+        raise KeyboardInterrupt  # as a job stopped by its scheduler
+    monkeypatch.setattr(models, "_convert", convert)
+    monkeypatch.setattr(models, "check_model_source", lambda name, source: None)
+    monkeypatch.setattr(conversion_cache, "copy_folder", killed)
+    with pytest.raises(KeyboardInterrupt):
+        models.prepare_model("m", SOURCE, tmp_path / "first", "chat")
+    entry = conversion_cache.cached_folder("m", SOURCE)
+    assert not entry.exists() and [path.name for path in cache.iterdir()] == [f"{entry.name}.lock"]
+    monkeypatch.undo()
+    monkeypatch.setenv(conversion_cache.ENVIRONMENT_VARIABLE, str(cache))
+    monkeypatch.setattr(models, "_convert", convert)
+    monkeypatch.setattr(models, "check_model_source", lambda name, source: None)
+    models.prepare_model("m", SOURCE, tmp_path / "second", "chat")
+    assert calls == ["m", "m"] and (entry / "tokenizer.json").is_file()
+
+
+def test_a_preparation_waits_for_the_conversion_under_way_then_copies_it(cache, monkeypatch, tmp_path,
+                                                                        smollm2_light):
+    """Two jobs preparing one model: while the first holds the entry's lock, the second converts
+    nothing and writes nothing; once the first has kept its conversion, the second copies it."""
+    import threading
+
+    calls = []
+
+    def convert(name, source, out_dir, prompt_format):
+        calls.append(name)
+        shutil.copytree(smollm2_light, out_dir)
+    monkeypatch.setattr(models, "_convert", convert)
+    monkeypatch.setattr(models, "check_model_source", lambda name, source: None)
+    entry = conversion_cache.cached_folder("m", SOURCE)
+    second = threading.Thread(target=models.prepare_model, args=("m", SOURCE, tmp_path / "second", "chat"))
+    with conversion_cache.locked(entry):  # the first job, converting
+        second.start()
+        second.join(timeout=1.0)
+        assert second.is_alive() and calls == [] and not (tmp_path / "second").exists()
+        shutil.copytree(smollm2_light, entry)  # the first job's conversion, kept
+    second.join(timeout=60)
+    assert not second.is_alive() and calls == []
+    assert (tmp_path / "second" / "tokenizer.json").read_bytes() == (smollm2_light / "tokenizer.json").read_bytes()

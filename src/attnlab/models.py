@@ -18,7 +18,7 @@ import attnlab.attention.function  # noqa: F401 -- registers the gated attention
 from attnlab import conversion_cache
 from attnlab.anatomy.families import family_of
 from attnlab.attention import saved_copy, sparse
-from attnlab.config.checks import check_chat_template, damaged_model_files
+from attnlab.config.checks import check_chat_template, damaged_model_files, prepared_has_chat_template
 from attnlab.config.sources import check_model_source, package_folder, program_spec
 from attnlab.io import atomic_path
 from attnlab.tokenization import save_tokenizer
@@ -127,7 +127,7 @@ def prepare_model(name: str, source: dict, out_dir: str | Path, prompt_format: s
             _convert(name, source, out_dir, prompt_format)
             conversion_cache.keep(Path(out_dir), cached)
             return
-    check_chat_template(name, prompt_format, bool(AutoTokenizer.from_pretrained(cached).chat_template))
+    check_chat_template(name, prompt_format, prepared_has_chat_template(cached))  # its files: no tokenizer loaded
     with atomic_path(out_dir, directory=True) as tmp:
         conversion_cache.copy_folder(cached, tmp)
     log.info("wrote %s: a copy of its conversion kept in %s", out_dir, cached)
