@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.attnlab-installed
 
-.PHONY: mutations install run mechanism sparse sparse-edges sparse-control sparse-zero sparse-gpu groundtruth groundtruth-models test test-fast lint dry-run report clean bench-peers bench-edge-peers
+.PHONY: mutations install run mechanism sparse sparse-edges sparse-mean sparse-zero sparse-gpu groundtruth groundtruth-models test test-fast lint dry-run report clean bench-peers bench-edge-peers
 
 install: $(STAMP)
 
@@ -39,12 +39,12 @@ sparse: install
 sparse-edges: sparse
 	$(BIN)/snakemake --cores all --configfile config/sparse.yaml config/sparse-edges.yaml
 
-# After make sparse: the copy's heads beside its dense control (fine-tuned alike, no gates).
-sparse-control: sparse
-	$(BIN)/snakemake --cores all --configfile config/sparse.yaml config/sparse-control.yaml
-
-# make sparse with zero ablation too (after make sparse, every scoring job runs again: one job
+# make sparse with mean ablation too (after make sparse, every scoring job runs again: one job
 # scores every configured ablation).
+sparse-mean: install
+	$(BIN)/snakemake --cores all --configfile config/sparse.yaml config/sparse-mean.yaml
+
+# make sparse with zero ablation too (likewise).
 sparse-zero: install
 	$(BIN)/snakemake --cores all --configfile config/sparse.yaml config/sparse-zero.yaml
 

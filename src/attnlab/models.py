@@ -135,7 +135,11 @@ def prepare_model(name: str, source: dict, out_dir: str | Path, prompt_format: s
 
 def _convert(name: str, source: dict, out_dir: str | Path, prompt_format: str | None) -> None:
     with tempfile.TemporaryDirectory(prefix="attnlab-gguf-") as scratch:
-        if "hub" in source or "local" in source:
+        if "format" in source:  # a released sparse model's checkpoint, converted to GPT-2 with its gate
+            from attnlab.released import load_released
+
+            model, tokenizer = load_released(name, source)
+        elif "hub" in source or "local" in source:
             model, tokenizer = _load_from_pretrained(source)
         else:
             model, tokenizer = _load_from_gguf(source, Path(scratch))

@@ -11,7 +11,7 @@ sys.path.insert(0, LIBRARY)
 _paths = os.environ.get("PYTHONPATH", "")
 if LIBRARY not in _paths.split(os.pathsep):  # set for the jobs, not read from the user
     os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [LIBRARY, _paths])))
-from attnlab.config.plan import (arm_of, cell_generation, comparison_pairs, config_label, control_of, fewshot_shots,
+from attnlab.config.plan import (area_inputs, arm_of, cell_generation, comparison_pairs, config_label, control_of, fewshot_shots,
                                  fewshot_spec, figure_files, has_length_sweep, has_placement_sweep, length_families,
                                  gap_pairs, model_datasets, model_job_threads, mediation_cells, model_memory_mb,
                                  models_on, placements, pruning_ablations, selections, sparse_pairs, sweep_folders,
@@ -105,6 +105,10 @@ EDGE_PAIRS = [pair for pair in SPARSE_PAIRS if set(pair) <= set(EDGE_MODELS)]
 EDGE_DENSITY = {kind: {f"{model}/{task}": f"results/circuits/{model}/{task}/{name}"
                        for model in dict.fromkeys(m for pair in EDGE_PAIRS for m in pair) for task in EDGE_TASKS}
                 for kind, name in (("summary", "summary.json"), ("curve", "curve.csv"), ("per_prompt", "per_prompt.parquet"))}
+# Every swept curve (heads under each ablation, edges) whose areas (MIB's CPR and CMD) circuit_areas
+# gives, keyed "unit/model/task/ablation", with every compared pair's differences.
+AREA_INPUTS = area_inputs(PRUNING_MODELS, TASKS, ABLATIONS, EDGE_MODELS, EDGE_TASKS)
+AREA_PAIRS = [pair for pair in comparison_pairs(PRUNING["compare"], PRUNING_MODELS) if set(pair) <= set(PRUNING_MODELS)]
 # Compiled-program models scored against their truth (attnlab.groundtruth), on their own task.
 GROUNDTRUTH = config["groundtruth"]
 GROUNDTRUTH_MODELS = CHOSEN["groundtruth_models"]
@@ -417,6 +421,7 @@ def pruning_targets():
         *expand("results/pruning/{model}/{task}/scores.json", model=PRUNING_MODELS, task=TASKS),
         *expand("results/figures/pruning/{ablation}/{task}.{ext}", ablation=ABLATIONS, task=TASKS, ext=EXT),
         *(["results/tables/heads_vs_density.csv"] if SPARSE_PAIRS and TASKS else []),
+        *(["results/tables/areas.csv"] if TASKS else []),
     ]
 
 

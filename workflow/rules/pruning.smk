@@ -119,3 +119,32 @@ rule heads_vs_density:
         "../../envs/attnlab.yaml"
     script:
         "../scripts/heads_vs_density.py"
+
+
+rule circuit_areas:
+    """MIB's areas (CPR, CMD) of every swept curve, heads and edges, with bootstrap intervals; for
+    every compared pair the differences of the areas, the N× and the kept gap, with intervals; and
+    per ablation one figure with a panel per task (seed 004's)."""
+    input:
+        [path for paths in AREA_INPUTS.values() for path in paths.values()],
+    output:
+        areas="results/tables/areas.csv",
+        differences="results/tables/area_differences.csv",
+        figures=report(
+            [f"results/figures/pruning/{ablation}/tasks.{EXT}" for ablation in ABLATIONS],
+            caption="../report/areas.rst",
+            category="Head pruning",
+        ),
+    params:
+        inputs=AREA_INPUTS,
+        pairs=AREA_PAIRS,
+        ablations=ABLATIONS,  # in the order of output.figures
+        threshold=PRUNING["threshold"],
+        bootstrap=pruning_bootstrap(),
+        dpi=config["plots"]["dpi"],
+    log:
+        "results/logs/circuit_areas.log",
+    conda:
+        "../../envs/attnlab.yaml"
+    script:
+        "../scripts/circuit_areas.py"

@@ -76,6 +76,23 @@ def sweep_folders(models: list[str], tasks: list[str], ablations: list[str]) -> 
             for model in dict.fromkeys(models) for task in tasks for ablation in ablations}
 
 
+def area_inputs(head_models: list[str], tasks: list[str], ablations: list[str], edge_models: list[str],
+                edge_tasks: list[str]) -> dict[str, dict[str, str]]:
+    """Every swept curve whose areas results/tables/areas.csv gives, keyed
+    "unit/model/task/ablation": each head sweep under each ablation and each edge sweep (edges
+    patch from the corrupted run), with its curve, sweep.json and per-prompt metrics."""
+    inputs = {f"heads/{key}": {"sweep": f"{folder}/sweep.csv", "summary": f"{folder}/sweep.json",
+                               "per_prompt": f"{folder}/per_prompt.parquet"}
+              for key, folder in sweep_folders(head_models, tasks, ablations).items()}
+    for model in dict.fromkeys(edge_models):
+        for task in edge_tasks:
+            folder = f"results/circuits/{model}/{task}"
+            inputs[f"edges/{model}/{task}/corrupted"] = {"sweep": f"{folder}/curve.csv",
+                                                         "summary": f"{folder}/summary.json",
+                                                         "per_prompt": f"{folder}/per_prompt.parquet"}
+    return inputs
+
+
 def selected(names: list[str] | None, everything: list[str]) -> list[str]:
     """A configured selection (``attention.datasets``, ``pruning.models``): null means all,
     an empty list none."""

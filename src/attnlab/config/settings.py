@@ -125,6 +125,7 @@ class Sweep:
     coarse_points: int  # bisection: the coarse grid (the rounds' grid: the fine one near the threshold)
     threshold: float
     bootstrap: dict[str, Any]  # n_resamples, confidence
+    mib_sizes: bool = True  # also measure MIB's circuit sizes (circuits.areas)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ class EdgeSweep:
     n_counted: int | None  # the first n of the head sweep's counted prompts (None: all)
     threshold: float
     bootstrap: dict[str, Any]  # n_resamples, confidence
+    mib_sizes: bool = True  # also measure MIB's circuit sizes (circuits.areas)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 from attnlab.anatomy.families import GGUF_ARCHITECTURES
 from attnlab.config.checks import ConfigError
 from attnlab.config.corpus import check_corpus
+from attnlab.config.released import check_source as check_released_source, released_config
 
 
 PROGRAM_SPEC = "attnlab_program.json"  # a compiled-program model's spec (attnlab.groundtruth)
@@ -45,6 +46,9 @@ def check_model_source(name: str, source: dict) -> None:
     what = f"model '{name}'"
     if "sparsify" in source:
         return  # its base is checked by check_sparse_models, with the whole config at hand
+    if "format" in source:  # a released sparse model's checkpoint (config.released)
+        check_released_source(name, source)
+        return
     if "local" in source:
         folder = Path(source["local"]).expanduser()
         if not (folder / "config.json").is_file():
@@ -179,9 +183,12 @@ def source_config(source: dict) -> dict | None:
     """A model's config.json (or, from a GGUF header, its model_type, layers and heads) from its
     configured source without loading it: a local folder's, a hub model's in the local cache, a
     GGUF header (for a GGUF split into part packages, the first part's); None where none is at
-    hand (a hub model not downloaded yet, a sparse copy: its base's)."""
+    hand (a hub model not downloaded yet, a sparse copy: its base's). A released sparse model's
+    (``format``): GPT-2's family and shape, read from its checkpoint's shapes."""
     import json
 
+    if "format" in source:  # a released model's config.json is TransformerLens's: its shape instead
+        return released_config(source)
     if "local" in source:
         path = Path(source["local"]).expanduser() / "config.json"
         return json.loads(path.read_text()) if path.is_file() else None

@@ -8,6 +8,7 @@ figure and table steps run without it.
 
 from attnlab.steps.analysis import (extract_attention, lambda_summary, mlp_activations, mlp_summary,
                                     plot_attention_figure, plot_attention_head, rank_attention_heads)
+from attnlab.steps.areas import circuit_areas
 from attnlab.steps.circuits import (heads_vs_density, plot_pruning, plot_sparsify, score_heads,
                                     sparsify_model, sweep_heads)
 from attnlab.steps.common import LATER_COLUMNS, log_request, setup_logging
@@ -19,7 +20,7 @@ from attnlab.steps.reasoning import (accuracy_paired, accuracy_table, generate, 
                                      plot_accuracy, plot_length_sweep, plot_placement)
 
 __all__ = [
-    "LATER_COLUMNS", "accuracy_paired", "accuracy_table", "edge_circuit", "extract_attention", "generate", "grade",
+    "LATER_COLUMNS", "accuracy_paired", "accuracy_table", "circuit_areas", "edge_circuit", "extract_attention", "generate", "grade",
     "groundtruth_score", "groundtruth_table",
     "heads_vs_density", "lambda_summary", "log_request", "make_prompts", "mediate_condition", "mediation_table", "mlp_activations",
     "mlp_summary", "plot_mediation",

@@ -104,13 +104,15 @@ def _log_estimates(model_dir: str, circuits, settings, batch_size: int, scoring:
 def _swept_count(circuits, order, settings, bootstrap, counted_on):
     """The count over edges kept in ``order``: a log grid refined around the first crossing
     (search ``rounds``), or the crossing and the interval's ends bisected (``bisection``)."""
+    from attnlab.circuits.areas import with_mib_sizes
     from attnlab.circuits.counting import count_heads
     from attnlab.circuits.crossing_search import searched_count
     from attnlab.circuits.curves import k_grid
 
-    grid = k_grid(len(order), 0, settings.log_points)
+    grid = with_mib_sizes(k_grid(len(order), 0, settings.log_points), len(order), settings.mib_sizes)
     if settings.search == "bisection":
-        return searched_count(circuits, order, k_grid(len(order), 0, settings.coarse_points), grid,
+        coarse = with_mib_sizes(k_grid(len(order), 0, settings.coarse_points), len(order), settings.mib_sizes)
+        return searched_count(circuits, order, coarse, grid,
                               settings.threshold, bootstrap, counted_on, settings.interval_points)
     return count_heads(circuits, order, grid, settings.threshold, bootstrap, counted_on, settings.interval_points)
 

@@ -1,0 +1,130 @@
+"""MIB's areas (CPR, CMD) over an explained-effect curve, against areas worked out by hand."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from attnlab.circuits.areas import (MIB_SHARES, AreaError, area_difference, curve_areas, grid_areas, mib_areas,
+                                    mib_sizes, with_mib_sizes)
+from attnlab.circuits.curves import resample_draws
+
+
+def _rows(metrics: dict[int, list[float]]) -> pd.DataFrame:
+    """Long per-prompt rows (heads_kept, prompt, metric) from {k: each prompt's metric}."""
+    return pd.DataFrame([{"heads_kept": k, "prompt": p, "metric": m}
+                         for k, values in metrics.items() for p, m in enumerate(values)])
+
+
+def test_mib_sizes_are_the_floor_of_each_share_of_the_components():
+    # MIB's evaluate_area_under_curve: int(pct * N) for N components
+    assert mib_sizes(270) == [0, 0, 1, 2, 5, 13, 27, 54, 135, 270]
+    assert mib_sizes(5644) == [5, 11, 28, 56, 112, 282, 564, 1128, 2822, 5644]
+    assert with_mib_sizes([0, 10, 270], 270, True) == [0, 1, 2, 5, 10, 13, 27, 54, 135, 270]
+    assert with_mib_sizes([0, 10, 270], 270, False) == [0, 10, 270]
+
+
+def test_a_step_curve_by_hand():
+    """1000 components; the effect is 0 up to 50 kept (5%) and 1 from 100 (10%) on: on MIB's
+    shares the trapezoids are 0 up to 5%, (0.1 − 0.05) × (0 + 1) / 2 = 0.025 from 5% to 10%,
+    and 1 × 0.9 after: CPR 0.925; |1 − f| gives 0.049 (0.1% to 5%) + 0.025: CMD 0.074."""
+    n = 1000
+    ks = np.array(sorted(set(mib_sizes(n)) | {0}))
+    effects = np.where(ks >= 100, 1.0, 0.0)
+    areas = mib_areas(ks, effects, n)
+    assert areas["cpr"] == pytest.approx(0.925, abs=1e-12)
+    assert areas["cmd"] == pytest.approx(0.049 + 0.025, abs=1e-12)
+    # on the measured grid, x = k / n from 0: the same plus the sliver from 0 to 0.1% (f = 0 there)
+    grid = grid_areas(ks, effects, n)
+    assert grid["cpr"] == pytest.approx(0.925, abs=1e-12)
+    assert grid["cmd"] == pytest.approx(0.05 + 0.025, abs=1e-12)
+
+
+def test_a_linear_curve_by_hand():
+    """f(p) = p: the trapezoid rule is exact on a line, so CPR = ∫ p dp over [0.001, 1] =
+    (1 − 0.001²) / 2 and CMD = ∫ (1 − p) dp = 0.999 − CPR."""
+    n = 1000
+    ks = np.array(sorted(set(mib_sizes(n)) | {0}))
+    effects = ks / n
+    areas = mib_areas(ks, effects, n)
+    assert areas["cpr"] == pytest.approx((1 - 0.001 ** 2) / 2, abs=1e-12)
+    assert areas["cmd"] == pytest.approx(0.999 - (1 - 0.001 ** 2) / 2, abs=1e-12)
+    assert grid_areas(ks, effects, n)["cpr"] == pytest.approx(0.5, abs=1e-12)
+
+
+def test_an_overshooting_curve_counts_the_overshoot_in_its_cmd():
+    """f = 0 below 50%, 1.5 at 50%, 1 at 100%: CPR = 0.3 × 1.5 / 2 + 0.5 × 2.5 / 2 = 0.85 (the
+    overshoot adds to it); CMD counts |1 − 1.5| as much as a shortfall: 0.199 (0.1% to 20%, f = 0)
+    + 0.3 × (1 + 0.5) / 2 + 0.5 × (0.5 + 0) / 2 = 0.774. A curve that stopped at 1 would have
+    CMD 0.199 + 0.15 = 0.349."""
+    n = 1000
+    ks = np.array(sorted(set(mib_sizes(n)) | {0}))
+    effects = np.select([ks == 1000, ks == 500], [1.0, 1.5], 0.0)
+    areas = mib_areas(ks, effects, n)
+    assert areas["cpr"] == pytest.approx(0.3 * 1.5 / 2 + 0.5 * 2.5 / 2, abs=1e-12)
+    assert areas["cmd"] == pytest.approx(0.199 + 0.3 * 1.5 / 2 + 0.5 * 0.5 / 2, abs=1e-12)
+    capped = mib_areas(ks, np.minimum(effects, 1.0), n)
+    assert capped["cmd"] == pytest.approx(0.199 + 0.3 * 1.0 / 2, abs=1e-12)
+
+
+def test_an_area_is_never_interpolated_over_a_size_not_measured():
+    ks = np.array([0, 1, 2, 5, 13, 27, 54, 270])  # 135 (50% of 270) missing
+    with pytest.raises(AreaError, match=r"\[135\] of 270 components.*pruning.mib_sizes"):
+        mib_areas(ks, ks / 270, 270)
+    with pytest.raises(AreaError, match="k = 0 and k = 270"):
+        grid_areas(np.array([1, 270]), np.array([0.1, 1.0]), 270)
+    # curve_areas says so and keeps the measured grid's areas
+    rows = _rows({k: [k / 270, k / 270 + 0.01] for k in ks})
+    out = curve_areas(rows, 270, resample_draws(2, 50, 0), 0.95)
+    assert "135" in out["mib_missing"] and "cpr_mib" not in out and out["cpr_discretisation"] is None
+    assert out["cpr_grid"] == pytest.approx(0.5, abs=1e-12)
+
+
+def test_curve_areas_point_interval_and_discretisation():
+    """Two prompts whose metrics climb linearly with k at different slopes, normalised by their
+    mean's m(0) and m(all): the point area is the mean curve's, the interval holds it, and the
+    discretisation is |MIB's − the grid's|."""
+    n = 20
+    ks = sorted(set(mib_sizes(n)) | {0, 3, 7, 15})
+    rows = _rows({k: [2 * k / n, (k / n) ** 2] for k in ks})
+    out = curve_areas(rows, n, resample_draws(2, 200, 1), 0.95)
+    mean = np.array([(2 * k / n + (k / n) ** 2) / 2 for k in ks])
+    effects = (mean - mean[0]) / (mean[-1] - mean[0])
+    x = np.array(ks) / n
+    assert out["cpr_grid"] == pytest.approx(float(np.sum(np.diff(x) * (effects[1:] + effects[:-1]) / 2)), abs=1e-12)
+    assert out["cpr_grid_low"] <= out["cpr_grid"] <= out["cpr_grid_high"]
+    assert out["cpr_discretisation"] == pytest.approx(abs(out["cpr_mib"] - out["cpr_grid"]), abs=1e-15)
+    assert out["points"] == len(ks) and out["components"] == n
+
+
+def test_a_copy_identical_to_its_base_differs_by_exactly_zero():
+    n = 270
+    ks = sorted(set(mib_sizes(n)) | {0, 9, 100})
+    rng = np.random.default_rng(0)
+    rows = _rows({k: list(k / n + rng.normal(0, 0.2, 16)) for k in ks})
+    draws = resample_draws(16, 300, 0)
+    out = area_difference(rows, rows.copy(), (n, n), draws, draws, 0.95)
+    for name in ("cpr", "cmd"):
+        assert out[f"{name}_difference"] == 0
+        assert out[f"{name}_difference_low"] == 0 and out[f"{name}_difference_high"] == 0
+
+
+def test_a_difference_is_second_minus_first_and_paired_draws_narrow_it():
+    """A copy whose every prompt's metric is its base's plus a curve-wide lift keeps the base's
+    noise: paired resamples cancel it, independent ones do not."""
+    n = 270
+    ks = sorted(set(mib_sizes(n)) | {0})
+    rng = np.random.default_rng(1)
+    noise = rng.normal(0, 0.3, 24)
+    base = _rows({k: list(k / n + noise * (k not in (0, n))) for k in ks})
+    copy = _rows({k: list(min(1.0, 1.5 * k / n) + noise * (k not in (0, n))) for k in ks})
+    draws = resample_draws(24, 400, 2)
+    paired = area_difference(base, copy, (n, n), draws, draws, 0.95)
+    assert paired["cpr_difference"] > 0  # the copy's curve lies above: second − first > 0
+    independent = area_difference(base, copy, (n, n), draws, resample_draws(24, 400, 3), 0.95)
+    assert (paired["cpr_difference_high"] - paired["cpr_difference_low"]
+            < independent["cpr_difference_high"] - independent["cpr_difference_low"])
+    assert paired["cpr_difference_low"] <= paired["cpr_difference"] <= paired["cpr_difference_high"]
+
+
+def test_mib_shares_are_the_benchmarks():
+    assert MIB_SHARES == (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
