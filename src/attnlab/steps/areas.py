@@ -22,8 +22,16 @@ def _key(key: str) -> tuple[str, str, str, str]:
 
 def read_sweeps(inputs: dict[str, dict[str, str]]) -> dict[tuple, object]:
     """``inputs``: "unit/model/task/ablation" -> the sweep's files (sweep, summary, per_prompt),
-    read with components named heads (``steps.circuits._read_sweep``)."""
-    return {_key(key): _read_sweep(paths, unit=_key(key)[0]) for key, paths in inputs.items()}
+    read with components named heads (``steps.circuits._read_sweep``); each summary's
+    ``components`` is the number of the unit's components (an edge sweep's summary.json names
+    its model's heads too)."""
+    read = {}
+    for key, paths in inputs.items():
+        unit = _key(key)[0]
+        swept = _read_sweep(paths, unit=unit)
+        swept.summary["components"] = io.read_json(paths["summary"])[unit]
+        read[_key(key)] = swept
+    return read
 
 
 def area_rows(read: dict, bootstrap: dict) -> pd.DataFrame:
@@ -39,7 +47,7 @@ def area_rows(read: dict, bootstrap: dict) -> pd.DataFrame:
                      "counted_prompts": prompts, "count": summary.get("heads_to_reach_threshold"),
                      "count_low": summary.get("heads_interval", [None, None])[0],
                      "count_high": summary.get("heads_interval", [None, None])[1],
-                     **curve_areas(swept.per_prompt, summary["heads"], boot.draws(prompts), boot.confidence)})
+                     **curve_areas(swept.per_prompt, summary["components"], boot.draws(prompts), boot.confidence)})
     return pd.DataFrame(rows)
 
 
@@ -61,7 +69,7 @@ def difference_rows(read: dict, pairs: list[tuple[str, str]], threshold: float, 
             paired = a.summary.get("counted_prompts_digest") == b.summary.get("counted_prompts_digest")
             draws_a = boot.draws(a.per_prompt["prompt"].nunique())
             draws_b = draws_a if paired else boot.draws(b.per_prompt["prompt"].nunique(), stream=1)
-            sizes = (a.summary["heads"], b.summary["heads"])
+            sizes = (a.summary["components"], b.summary["components"])
             row = {"unit": unit, "task": task, "ablation": ablation, "first": first, "second": second,
                    "paired": paired, "count_first": a.summary.get("heads_to_reach_threshold"),
                    "count_second": b.summary.get("heads_to_reach_threshold")}
