@@ -92,6 +92,17 @@ def test_curve_areas_point_interval_and_discretisation():
     x = np.array(ks) / n
     assert out["cpr_grid"] == pytest.approx(float(np.sum(np.diff(x) * (effects[1:] + effects[:-1]) / 2)), abs=1e-12)
     assert out["cpr_grid_low"] <= out["cpr_grid"] <= out["cpr_grid_high"]
+    # the interval by hand: each resample's mean curve, normalised by its own ends, its trapezoid,
+    # and the 2.5th and 97.5th order statistics of the 200 areas
+    draws = resample_draws(2, 200, 1)
+    matrix = np.array([[2 * k / n, (k / n) ** 2] for k in ks])
+    by_hand = []
+    for rows_drawn in draws:
+        means = matrix[:, rows_drawn].mean(1)
+        curve = (means - means[0]) / (means[-1] - means[0])
+        by_hand.append(np.sum(np.diff(x) * (np.abs(1 - curve[1:]) + np.abs(1 - curve[:-1])) / 2))
+    assert out["cmd_grid_low"] == pytest.approx(np.quantile(by_hand, 0.025, method="lower"), abs=1e-12)
+    assert out["cmd_grid_high"] == pytest.approx(np.quantile(by_hand, 0.975, method="higher"), abs=1e-12)
     assert out["cpr_discretisation"] == pytest.approx(abs(out["cpr_mib"] - out["cpr_grid"]), abs=1e-15)
     assert out["points"] == len(ks) and out["components"] == n
 
@@ -128,3 +139,60 @@ def test_a_difference_is_second_minus_first_and_paired_draws_narrow_it():
 
 def test_mib_shares_are_the_benchmarks():
     assert MIB_SHARES == (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+class _CountingPatcher:
+    """A stand-in patcher for ``steps.circuits._head_count``: the metric of each of 24 prompts
+    climbs with the heads kept (a late climb, as real curves do), and every k measured is noted."""
+
+    def __init__(self, n=270):
+        self.measured, self.n = set(), n
+        self.offsets = np.linspace(-0.2, 0.2, 24)
+
+    def kept(self, order, k):
+        return k
+
+    def per_prompt(self, k):
+        self.measured.add(k)
+        values = (k / self.n) ** 0.5 + self.offsets * (0 < k < self.n)
+        return float(values.mean()), values
+
+
+@pytest.mark.parametrize("search", ["bisection", "rounds"])
+def test_a_head_sweep_measures_every_mib_size(search):
+    """With pruning.mib_sizes the sweep's grid holds MIB's sizes, whatever the search; without,
+    it keeps its own points (make run's)."""
+    from attnlab.circuits.counting import Bootstrap
+    from attnlab.config.settings import Sweep
+    from attnlab.steps.circuits import _head_count
+
+    order = [(layer, head) for layer in range(30) for head in range(9)]
+    measured = {}
+    for enabled in (True, False):
+        settings = Sweep(seed=0, ablation="corrupted", ranking="exact", sweep_other_ranking=False, mean_pool=None,
+                         batch_size=8, device="cpu", all_k_up_to=10, log_points=12, search=search, coarse_points=6,
+                         threshold=0.9, bootstrap={}, mib_sizes=enabled)
+        patcher = _CountingPatcher()
+        _head_count(patcher, order, settings, Bootstrap(100, 0.95, 0), list(range(24)), configured=True)
+        measured[enabled] = patcher.measured
+    assert set(mib_sizes(270)) <= measured[True]
+    assert not set(mib_sizes(270)) <= measured[False]
+
+
+@pytest.mark.parametrize("search", ["bisection", "rounds"])
+def test_an_edge_sweep_measures_every_mib_size(search):
+    from attnlab.circuits.counting import Bootstrap
+    from attnlab.config.settings import EdgeSweep
+    from attnlab.steps.edges import _swept_count
+
+    n = 5644
+    measured = {}
+    for enabled in (True, False):
+        settings = EdgeSweep(seed=0, steps=1, batch_size=8, score_chunk=None, cache_gb=None, device="cpu",
+                             log_points=20, search=search, coarse_points=8, refine_points=4, interval_points=4,
+                             n_counted=None, threshold=0.9, bootstrap={}, mib_sizes=enabled)
+        patcher = _CountingPatcher(n)
+        _swept_count(patcher, list(range(n)), settings, Bootstrap(100, 0.95, 0), list(range(24)))
+        measured[enabled] = patcher.measured
+    assert set(mib_sizes(n)) <= measured[True]
+    assert not set(mib_sizes(n)) <= measured[False]

@@ -92,3 +92,16 @@ def test_every_pair_differs_by_second_minus_first_paired_on_the_same_prompts(com
         counts = [s["heads_to_reach_threshold"] for s in summaries]
         if all(counts):
             assert row.n_x == pytest.approx(counts[0] / counts[1])
+
+
+def test_a_model_beside_itself_differs_by_exactly_zero_paired(compared):
+    """difference_rows pairs the resamples of two sweeps on the same prompts: a model beside
+    itself differs by 0 in every resample, so its interval is [0, 0]."""
+    root, inputs = compared
+    read = steps.areas.read_sweeps({key: paths for key, paths in inputs.items() if "/copy/" in key})
+    rows = steps.areas.difference_rows(read, [("copy", "copy")], 0.9, BOOTSTRAP)
+    assert len(rows) == len(TASKS) and rows["paired"].all()
+    for name in ("cpr", "cmd"):
+        for where in ("mib", "grid"):
+            columns = [f"{name}_{where}_difference{end}" for end in ("", "_low", "_high")]
+            assert (rows[columns] == 0).all().all()

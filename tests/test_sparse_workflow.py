@@ -12,6 +12,7 @@ from conftest import REPO, copy_config, dry_run as _dry_run, job_counts, refusal
 
 pytestmark = pytest.mark.slow
 DENSE, SPARSE = "smollm2-135m", "smollm2-135m-sparse"
+CONTROL = f"{SPARSE}-control"
 
 
 def _config():
@@ -19,16 +20,18 @@ def _config():
 
 
 def test_a_copys_dense_control_is_prepared_after_its_post_training_and_compared(tmp_path):
-    """config/sparse-control.yaml's overlay on the tiny config: the control's folder is not there
-    before the copy's post-training, yet the workflow plans its preparation after it."""
+    """The tiny config declares the copy's dense control as a model, as config/sparse.yaml does:
+    its folder is not there before the copy's post-training, yet the workflow plans its
+    preparation after it, and sweeps it beside base and copy; a copy whose constraint trains no
+    control is refused."""
     config = _config()
-    config["models"]["control"] = {"source": {"local": f"resources/sparsify/{SPARSE}/control"}, "datasets": []}
-    config["pruning"]["compare"] = [[DENSE, SPARSE], ["control", SPARSE]]
     result = _dry_run(tmp_path, config)
     assert result.returncode == 0, result.stdout[-3000:]
     counts = job_counts(result.stdout)
     assert counts["prepare_model"] == 2 and counts["score_heads"] == 3 and counts["sweep_heads"] == 3 * 2  # corrupted, mean
+    assert counts["circuit_areas"] == 1
     assert f"input: results/sparsify/{SPARSE}/summary.json" in result.stdout
+    assert f"output: resources/models/{CONTROL}" in result.stdout
     config["models"][SPARSE]["source"]["sparsify"]["constraint"] = {"type": "kl", "slack": 0.1}
     (tmp_path / "kl").mkdir()
     refused = _dry_run(tmp_path / "kl", config)
@@ -39,9 +42,9 @@ def test_dry_run_plans_one_post_training_and_treats_the_copy_as_a_model(tmp_path
     result = _dry_run(tmp_path, _config())
     assert result.returncode == 0, result.stdout
     counts = job_counts(result.stdout)
-    assert counts["prepare_model"] == 1 and counts["sparsify_model"] == 1 and counts["plot_sparsify"] == 1
-    assert counts["generate"] == 2 and counts["extract_attention"] == 2  # 2 models x 1 condition
-    assert counts["score_heads"] == 2 and counts["sweep_heads"] == 2 * 2  # corrupted and mean
+    assert counts["prepare_model"] == 2 and counts["sparsify_model"] == 1 and counts["plot_sparsify"] == 1
+    assert counts["generate"] == 2 and counts["extract_attention"] == 2  # 2 models x 1 condition (the control: none)
+    assert counts["score_heads"] == 3 and counts["sweep_heads"] == 3 * 2  # base, control, copy; corrupted and mean
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -116,6 +119,7 @@ def test_every_stage_runs_on_the_sparse_copy(sparse_run):
     assert heads.loc[SPARSE, "task_lost"] == (gaps[SPARSE] / gaps[DENSE] < 0.8)
     assert (workdir / "results/figures/pruning/heads_vs_density.png").stat().st_size > 10_000
     _check_edge_circuits(workdir)
+    _check_areas(workdir)
     # Extraction of the copy is gated: it says so, and its received attention differs from the base's.
     with h5py.File(workdir / f"results/attention/{SPARSE}/svamp/none.h5") as sparse_h5, \
             h5py.File(workdir / f"results/attention/{DENSE}/svamp/none.h5") as dense_h5:
@@ -126,6 +130,29 @@ def test_every_stage_runs_on_the_sparse_copy(sparse_run):
         assert difference > 1e-3
     accuracy = pd.read_csv(workdir / "results/tables/accuracy.csv")
     assert set(accuracy["model"]) == {DENSE, SPARSE}
+
+
+def _check_areas(workdir):
+    """The control is a model of the workflow (its folder the post-training's control), swept
+    beside base and copy; every curve has MIB's areas on measured sizes, and every compared pair
+    (the fine-tuning, the gates, both) its differences; the per-task figure is drawn."""
+    from safetensors.torch import load_file
+
+    control = load_file(workdir / f"resources/models/{CONTROL}/model.safetensors")
+    trained = load_file(workdir / f"resources/sparsify/{SPARSE}/control/model.safetensors")
+    base = load_file(workdir / f"resources/models/{DENSE}/model.safetensors")
+    assert control.keys() == trained.keys() and all(control[name].equal(trained[name]) for name in control)
+    assert any(not control[name].equal(base[name]) for name in control)  # fine-tuned: not the base
+    areas = pd.read_csv(workdir / "results/tables/areas.csv")
+    heads = areas[areas["unit"] == "heads"]
+    assert sorted(set(heads["model"])) == sorted([DENSE, CONTROL, SPARSE]) and len(heads) == 3 * 2
+    assert sorted(areas.loc[areas["unit"] == "edges", "model"]) == sorted([DENSE, SPARSE])
+    assert areas["mib_missing"].isna().all() and (areas["components"][areas["unit"] == "heads"] == 270).all()
+    differences = pd.read_csv(workdir / "results/tables/area_differences.csv")
+    pairs = set(zip(differences["first"], differences["second"]))
+    assert pairs == {(DENSE, CONTROL), (CONTROL, SPARSE), (DENSE, SPARSE)} and differences["paired"].all()
+    for ablation in ("corrupted", "mean"):
+        assert (workdir / f"results/figures/pruning/{ablation}/tasks.png").stat().st_size > 20_000
 
 
 def _check_edge_circuits(workdir):
