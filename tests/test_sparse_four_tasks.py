@@ -12,7 +12,9 @@ import torch
 
 from attnlab import sparsify, steps
 from attnlab.circuits.areas import mib_sizes
-from sparse_tiny import post_train_tiny, tiny_settings
+from sparse_tiny import tiny_settings
+
+pytestmark = pytest.mark.slow  # a post-training and 12 scorings and sweeps: 40 s
 
 TASKS = {"ioi": 16, "greater_than": 8, "docstring": 8, "ioi_long": 8}
 HEADS = 2 * 4
