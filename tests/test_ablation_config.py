@@ -22,11 +22,14 @@ def test_every_configured_ablation_gets_its_sweeps_and_figures_from_one_scoring_
     result = _dry_run(tmp_path, config)
     assert result.returncode == 0, result.stdout[-3000:]
     counts = job_counts(result.stdout)
-    assert (counts["score_heads"], counts["sweep_heads"], counts["plot_pruning"]) == (2, 2 * 3, 3)
+    models = ("smollm2-135m", "smollm2-135m-sparse", "smollm2-135m-sparse-control")  # the tiny config's three
+    assert (counts["score_heads"], counts["sweep_heads"], counts["plot_pruning"]) == (3, 3 * 3, 3)
     assert counts["heads_vs_density"] == 1 and counts["edge_circuit"] == 2  # edges: as with one ablation
+    assert counts["circuit_areas"] == 1  # every ablation's curves, a figure of the tasks for each
     for ablation in ("mean", "corrupted", "zero"):
         assert f"results/figures/pruning/{ablation}/ioi.png" in result.stdout
-        for model in ("smollm2-135m", "smollm2-135m-sparse"):
+        assert f"results/figures/pruning/{ablation}/tasks.png" in result.stdout
+        for model in models:
             assert f"results/pruning/{model}/ioi/{ablation}/sweep.json" in result.stdout
     density = re.search(r"rule heads_vs_density:\n\s+input: (.*)", result.stdout).group(1)
     assert density.count("/sweep.json") == 2 * 3

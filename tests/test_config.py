@@ -28,8 +28,8 @@ def test_tiny_config_dry_run_counts_jobs(tmp_path):
                       "plot_attention_head": 1, "rank_attention_heads": 1, "lambda_summary": 1,
                       "plot_attention_figure": 1,
                       "mlp_activations": 4, "mlp_summary": 1, "placement_table": 2,
-                      "plot_placement": 2, "score_heads": 1, "sweep_heads": 1, "plot_pruning": 1,
-                      "mediate": 1, "plot_mediation": 1, "mediation_table": 1, "all": 1, "total": 56}
+                      "plot_placement": 2, "score_heads": 1, "sweep_heads": 1, "plot_pruning": 1, "circuit_areas": 1,
+                      "mediate": 1, "plot_mediation": 1, "mediation_table": 1, "all": 1, "total": 57}
     # --configfile replaces the default config: none of its models or datasets is planned
     assert "gemma3-270m" not in result.stdout and "math500" not in result.stdout
 
@@ -46,8 +46,8 @@ def test_default_config_dry_run_counts_jobs_with_gemmas_edge_circuit(tmp_path):
                       "generate": cells, "grade": cells, "accuracy_table": 1, "accuracy_paired": 2, "plot_accuracy": 2,
                       "extract_attention": 2 * 4, "plot_attention_head": 2 * 2, "rank_attention_heads": 2,
                       "lambda_summary": 2, "mlp_activations": 2 * 4, "mlp_summary": 2,
-                      "score_heads": 2, "sweep_heads": 2, "plot_pruning": 1,
-                      "edge_circuit": 1, "plot_edges": 1, "plot_circuit": 1, "all": 1, "total": 94}
+                      "score_heads": 2, "sweep_heads": 2, "plot_pruning": 1, "circuit_areas": 1,
+                      "edge_circuit": 1, "plot_edges": 1, "plot_circuit": 1, "all": 1, "total": 95}
     assert "results/circuits/gemma3-270m/ioi/curve.csv" in result.stdout
     assert "results/figures/circuits/gemma3-270m/ioi.circuit.png" in result.stdout
     assert "results/circuits/smollm2-135m" not in result.stdout
@@ -206,7 +206,7 @@ def test_paper_config_dry_run_is_fast_and_its_dag_stays_small(tmp_path):
         "rank_attention_heads": on_datasets, "lambda_summary": on_datasets, "mlp_activations": on_datasets * 13,
         "mlp_summary": on_datasets, "score_heads": swept * 4, "sweep_heads": swept * 4, "plot_pruning": 4,
         "heads_vs_density": 1, "edge_circuit": 4 * 2, "plot_circuit": 4 * 2, "plot_edges": 2,
-        "edges_vs_density": 1, "all": 1, "total": 569}
+        "edges_vs_density": 1, "all": 1, "circuit_areas": 1, "total": 570}
     assert elapsed < 10, f"dry run of the paper config took {elapsed:.1f} s"
 
 

@@ -231,7 +231,8 @@ def test_head_sweeps_search_the_configured_ranking_and_take_the_coarse_grid_for_
     order = list(range(N))
     settings = Sweep(seed=0, ablation="corrupted", ranking="exact", batch_size=8, device="cpu", all_k_up_to=0,
                      log_points=40, search="bisection", coarse_points=16, threshold=THRESHOLD,
-                     sweep_other_ranking=True, mean_pool=64, bootstrap={"n_resamples": 200, "confidence": 0.95})
+                     sweep_other_ranking=True, mean_pool=64, bootstrap={"n_resamples": 200, "confidence": 0.95},
+                     mib_sizes=False)  # MIB's sizes on top: test_areas
     bootstrap = Bootstrap(200, 0.95, 0)
     prompt_ids = list(range(PROMPTS))
     coarse, fine = k_grid(N, 0, 16), k_grid(N, 0, 40)

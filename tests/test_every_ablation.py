@@ -24,6 +24,7 @@ SCORING = {"seed": 0, "ranking": "exact", "exact": True, "rank_share": 0.5, "bat
            "n": N_PROMPTS, "mean_pool": MEAN_POOL}
 SWEEP = {"seed": 0, "ranking": "exact", "batch_size": 64, "device": "cpu", "all_k_up_to": 300, "log_points": 40,
          "search": "rounds", "coarse_points": 16, "threshold": 0.9, "sweep_other_ranking": True, "mean_pool": MEAN_POOL,
+         "mib_sizes": True,
          "bootstrap": {key: BOOTSTRAP[key] for key in ("n_resamples", "confidence")}}
 
 

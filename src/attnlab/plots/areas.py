@@ -81,6 +81,9 @@ def plot_task_panels(curves: dict[tuple[str, str], object], areas: pd.DataFrame,
     axes[0][0].set_ylabel("Explained Effect")
     fig.suptitle(f"Heads kept against explained effect, ablation = {ablation}\n{EFFECT_DEFINITIONS['heads']}",
                  fontsize=10)
-    fig.text(0.01, 0.01, textwrap.fill(AREA_DEFINITION, 200), fontsize=6.5, va="bottom")
-    fig.tight_layout(rect=(0, 0.04, 1, 0.92))
+    # about 20 characters of 6.5-point text to the inch; the panels start above the definition's lines
+    definition = textwrap.fill(AREA_DEFINITION, int(18 * fig.get_figwidth()))
+    fig.text(0.01, 0.01, definition, fontsize=6.5, va="bottom")
+    lines_height = (definition.count("\n") + 1) * 6.5 * 1.3 / 72 / fig.get_figheight()
+    fig.tight_layout(rect=(0, 0.02 + lines_height, 1, 0.92))
     _save(fig, out_path, dpi)
