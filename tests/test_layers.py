@@ -7,7 +7,7 @@ from test_imports import import_graph
 LAYERS = (
     ("parse time, no torch", ("attnlab.config", "attnlab.anatomy.families")),
     ("base", ("attnlab.io", "attnlab.anatomy", "attnlab.tokenization")),
-    ("attention and models", ("attnlab.attention", "attnlab.models", "attnlab.conversion_cache")),
+    ("attention and models", ("attnlab.attention", "attnlab.models", "attnlab.conversion_cache", "attnlab.released")),
     ("interventions", ("attnlab.interventions",)),
     ("the patching engine", ("attnlab.patching",)),
     ("reasoning", ("attnlab.reasoning",)),

@@ -103,12 +103,13 @@ def _jobs(output: str) -> list[dict]:
 
 
 def test_the_scoring_job_writes_the_reference_and_only_the_mean_sweep_reads_it(tmp_path):
-    """config/sparse.yaml (corrupted and mean): each scoring job writes mean/means.safetensors, each
-    mean sweep reads its own model's and task's, no other job names it; without mean ablation
-    (config/config.yaml) no job does."""
+    """make sparse-mean (config/sparse.yaml with config/sparse-mean.yaml: corrupted and mean): each
+    scoring job writes mean/means.safetensors, each mean sweep reads its own model's and task's, no
+    other job names it; without mean ablation (config/config.yaml) no job does."""
     from conftest import REPO, snakemake
 
-    sparse = snakemake("-n", "--cores", "2", "--configfile", str(REPO / "config/sparse.yaml"), workdir=tmp_path / "s")
+    sparse = snakemake("-n", "--cores", "2", "--configfile", str(REPO / "config/sparse.yaml"),
+                       str(REPO / "config/sparse-mean.yaml"), workdir=tmp_path / "s")
     assert sparse.returncode == 0, sparse.stdout
     jobs = _jobs(sparse.stdout)
     for job in jobs:
@@ -121,8 +122,8 @@ def test_the_scoring_job_writes_the_reference_and_only_the_mean_sweep_reads_it(t
             assert named == [f"{folder}/mean/means.safetensors"] and named[0] in job["input"]
         else:
             assert not named, job
-    assert sum(job["rule"] == "score_heads" for job in jobs) == 4
-    assert sum(job["rule"] == "sweep_heads" and "/mean/" in job["output"][0] for job in jobs) == 4
+    assert sum(job["rule"] == "score_heads" for job in jobs) == 3 * 4  # base, control, copy x four tasks
+    assert sum(job["rule"] == "sweep_heads" and "/mean/" in job["output"][0] for job in jobs) == 3 * 4
     plain = snakemake("-n", "--cores", "2", workdir=tmp_path / "d")
     assert plain.returncode == 0 and "score_heads" in plain.stdout and "means.safetensors" not in plain.stdout
 

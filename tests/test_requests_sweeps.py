@@ -103,12 +103,13 @@ def test_a_sweep_runs_the_forwards_its_request_counts(tiny_base, monkeypatch):
 
 def test_a_sweep_job_asks_the_heads_fit_for_its_counted_prompts_and_its_ks(tmp_path):
     """OLMo-7B's 1,024 heads, rounds: the configured ranking's grid (40 log points: 37 distinct k,
-    with 0 and all), every k inside its widest step and 40 more for the interval; the other
-    ranking's grid alone."""
+    with 0 and all, and MIB's sizes: pruning.mib_sizes), every k inside its widest step and 40 more
+    for the interval; the other ranking's grid alone."""
     config = _config_with_olmo(tmp_path)
     pruning = config["pruning"] | {"search": "rounds", "all_k_up_to": 300, "log_points": 40, "exact": True,
                                    "ranking": "exact", "sweep_other_ranking": True}
-    grid = k_grid(1024, 300, 40)
+    assert pruning["mib_sizes"]  # the schema's default
+    grid = sorted(set(k_grid(1024, 300, 40)) | {1, 2, 5, 10, 20, 51, 102, 204, 512})  # int(share × 1,024)
     widest = max(np.diff(grid))
     assert requests.sweep_points(1024, pruning, True) == len(grid) + widest - 1 + 40
     asked = requests.job_request("sweep_heads", {**config, "pruning": pruning},

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from attnlab.circuits.curves import heads_to_reach, k_grid
+from attnlab.config.plan import with_mib_sizes
 
 from conftest import job_counts, snakemake
 
@@ -231,7 +232,8 @@ def test_pruning_outputs(tiny_run):
     assert set(curves["ranking"]) == {"exact", "attribution"}
     crossed = json.loads((folder / "corrupted/sweep.json").read_text())
     assert crossed["ranking"] == "exact" and crossed["n_prompts_counted_on"] == 4
-    grid = k_grid(270, max_all=100)  # the log grid, with every k between the two points around the crossing
+    # the log grid and MIB's sizes (pruning.mib_sizes), with every k between the two points around the crossing
+    grid = with_mib_sizes(k_grid(270, max_all=100), 270, True)
     per_prompt = pd.read_parquet(folder / "corrupted/per_prompt.parquet")
     for ranking, sweep in curves.groupby("ranking"):
         kept = sweep["heads_kept"]
@@ -304,8 +306,8 @@ def test_rerun_after_a_plot_option_changes(tiny_run, tmp_path):
         config["plots"] = {"dpi": 100}
     assert _planned(tiny_run, tmp_path, edit) == {
         "plot_accuracy": 2, "plot_placement": 2, "plot_attention_head": 1, "rank_attention_heads": 1,
-        "lambda_summary": 1, "mlp_summary": 1, "plot_pruning": 1, "plot_attention_figure": 1, "plot_mediation": 1,
-        "all": 1}
+        "lambda_summary": 1, "mlp_summary": 1, "plot_pruning": 1, "circuit_areas": 1, "plot_attention_figure": 1,
+        "plot_mediation": 1, "all": 1}
 
 
 def test_rerun_after_a_subset_size_changes(tiny_run, tmp_path):

@@ -30,6 +30,7 @@ def test_report_holds_every_figure_and_table_with_definitions(tiny_report):
     expected += [f"results/figures/attention/{MODEL}/svamp/{name}.png" for name in ("layer0_head0", "lambda")]
     expected += ["results/figures/attention/composite/head1_layers1-2.png"]
     expected += [f"results/figures/mlp/{MODEL}/svamp.png", "results/figures/pruning/corrupted/ioi.png",
+                 "results/figures/pruning/corrupted/tasks.png",
                  "results/tables/accuracy.csv", f"results/tables/mlp/{MODEL}/svamp.csv"]
     expected += [f"results/tables/placement/{d}.csv" for d in DATASETS]
     expected += [f"results/tables/accuracy_paired/{d}.csv" for d in DATASETS]
@@ -40,7 +41,7 @@ def test_report_holds_every_figure_and_table_with_definitions(tiny_report):
     # captions state the definitions
     for definition in ("mean over i > j", "Explained effect = (m(k)", "verify(parse(gold), parse(pred))",
                        "act_fn(gate_proj(x))", "Gini coefficient", "1.4826", "Wilson score", "Newcombe",
-                       "mean effect over items / the mean total effect"):
+                       "mean effect over items / the mean total effect", "CPR, the area under the curve"):
         assert definition in page, definition
     # no docutils message (a red "System Message" box inside a caption): tests/test_report_captions.py
     # renders every caption alone, this the report as built

@@ -1,6 +1,7 @@
 rule prepare_model:
     """Hub id, local folder or packaged GGUF -> a plain Hugging Face folder, once (a sparse copy's
-    dense control once that copy's post-training has written it)."""
+    dense control once that copy's post-training has written it; a released sparse checkpoint,
+    source.format, converted to a gated GPT-2: attnlab.released)."""
     input:
         unpack(control_training),
     output:

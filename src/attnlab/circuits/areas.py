@@ -33,24 +33,13 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab.circuits.curves import order_interval, per_prompt_matrix, resampled_effects
+from attnlab.config.plan import MIB_SHARES, mib_sizes, with_mib_sizes  # noqa: F401 -- the sizes: what a sweep runs
 
-MIB_SHARES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 AREAS = ("cpr", "cmd")
 
 
 class AreaError(ValueError):
     """An area that the measured points cannot give without interpolating."""
-
-
-def mib_sizes(n_components: int) -> list[int]:
-    """The circuit sizes MIB measures for ``n_components``: int(p × N) for each share, in order
-    (small N repeats a size: 270 heads give 0 heads at both 0.1% and 0.2%)."""
-    return [int(share * n_components) for share in MIB_SHARES]
-
-
-def with_mib_sizes(grid: list[int], n_components: int, enabled: bool) -> list[int]:
-    """A sweep's grid with MIB's sizes added when ``enabled`` (``pruning.mib_sizes``)."""
-    return sorted(set(grid) | set(mib_sizes(n_components))) if enabled else list(grid)
 
 
 def _trapezoid(x: np.ndarray, y: np.ndarray) -> np.ndarray:

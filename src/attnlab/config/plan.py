@@ -76,6 +76,22 @@ def sweep_folders(models: list[str], tasks: list[str], ablations: list[str]) -> 
             for model in dict.fromkeys(models) for task in tasks for ablation in ablations}
 
 
+# MIB's circuit sizes (Mueller et al. 2025): shares of the components, each circuit keeping
+# int(share × all) of them (circuits.areas; docs/pipeline.md, "Areas over the whole curve")
+MIB_SHARES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def mib_sizes(n_components: int) -> list[int]:
+    """The circuit sizes MIB measures for ``n_components``: int(p × N) for each share, in order
+    (small N repeats a size: 270 heads give 0 heads at both 0.1% and 0.2%)."""
+    return [int(share * n_components) for share in MIB_SHARES]
+
+
+def with_mib_sizes(grid: list[int], n_components: int, enabled: bool) -> list[int]:
+    """A sweep's grid with MIB's sizes added when ``enabled`` (``pruning.mib_sizes``)."""
+    return sorted(set(grid) | set(mib_sizes(n_components))) if enabled else list(grid)
+
+
 def area_inputs(head_models: list[str], tasks: list[str], ablations: list[str], edge_models: list[str],
                 edge_tasks: list[str]) -> dict[str, dict[str, str]]:
     """Every swept curve whose areas results/tables/areas.csv gives, keyed

@@ -41,7 +41,7 @@ from attnlab.anatomy.families import text_config
 from attnlab.config import cost
 from attnlab.config.budget import (FLOAT32, TASK_TOKENS, JobEstimate, edge_estimate, estimates, model_config,
                                    prompt_split, whole_prompts)
-from attnlab.config.plan import cell_generation, model_memory_mb, pruning_ablations, weights_bytes
+from attnlab.config.plan import cell_generation, model_memory_mb, pruning_ablations, weights_bytes, with_mib_sizes
 from attnlab.config.training_cost import sparsify_estimate
 
 # the process before it loads a model (Python, torch, transformers, attnlab's stages imported:
@@ -169,9 +169,10 @@ def sweep_points(n_heads: int, pruning: dict, configured: bool) -> int:
     not a proven bound (a curve crossing the threshold many times opens a bracket each time, and
     the search starts again after every point), but one no curve of the tests exceeded, by
     far."""
-    fine = log_grid(n_heads, pruning["all_k_up_to"], pruning["log_points"])
+    mib = pruning.get("mib_sizes", True)  # MIB's sizes measured too (plan.with_mib_sizes)
+    fine = with_mib_sizes(log_grid(n_heads, pruning["all_k_up_to"], pruning["log_points"]), n_heads, mib)
     if pruning["search"] == "bisection":
-        coarse = log_grid(n_heads, 0, pruning["coarse_points"])
+        coarse = with_mib_sizes(log_grid(n_heads, 0, pruning["coarse_points"]), n_heads, mib)
         points = len(coarse) + (len(fine) + math.ceil(math.log2(n_heads + 1)) + pruning["log_points"]
                                 if configured else 0)
     else:

@@ -375,8 +375,8 @@ def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, chec
     for source, measured in summary["heldout_by_source"].items():
         log.info("held-out, %s (weight %.3g): density %.4f, KL %.4f, CE dense %.4f, sparse %.4f", source,
                  measured["weight"], measured["density"], measured["kl"], measured["ce_dense"], measured["ce_sparse"])
-    # a ce_control run's dense control beside the checkpoint (not a rule output): the model to compare
-    # the copy's circuits with (config/sparse-control.yaml)
+    # a ce_control run's dense control beside the checkpoint (not a rule output): a model whose local
+    # source names this folder is prepared from it after this job (config/sparse.yaml's control)
     write_control(result, name, str(Path(checkpoint).parent / "control"))
     Path(checkpoint).unlink(missing_ok=True)  # the finished model supersedes it
 
