@@ -75,7 +75,7 @@ def test_an_area_is_never_interpolated_over_a_size_not_measured():
     # curve_areas says so and keeps the measured grid's areas
     rows = _rows({k: [k / 270, k / 270 + 0.01] for k in ks})
     out = curve_areas(rows, 270, resample_draws(2, 50, 0), 0.95)
-    assert "135" in out["mib_missing"] and "cpr_mib" not in out and out["cpr_discretisation"] is None
+    assert "135" in out["mib_missing"] and out["cpr_mib"] is None and out["cpr_discretisation"] is None
     assert out["cpr_grid"] == pytest.approx(0.5, abs=1e-12)
 
 
@@ -196,3 +196,32 @@ def test_an_edge_sweep_measures_every_mib_size(search):
         measured[enabled] = patcher.measured
     assert set(mib_sizes(n)) <= measured[True]
     assert not set(mib_sizes(n)) <= measured[False]
+
+
+def test_circuit_areas_without_mibs_sizes_gives_the_grids_areas_and_says_why(tmp_path):
+    """make run's sweeps keep their own points (pruning.mib_sizes: false): the tables keep MIB's
+    columns, empty, with the reason, the grid's areas beside them, and the figure is drawn."""
+    from attnlab import io, steps
+
+    ks = [0, 3, 9, 30, 100, 270]  # no MIB size but 0 and 270
+    inputs = {}
+    for model, lift in (("a", 0.0), ("b", 0.1)):
+        folder = tmp_path / model
+        folder.mkdir()
+        rows = _rows({k: [min(1.0, k / 100 + lift * (0 < k < 270)) + p / 10 * (k > 0) for p in range(3)] for k in ks})
+        io.write_parquet(rows.assign(ranking="exact"), str(folder / "per_prompt.parquet"))
+        means = rows.groupby("heads_kept")["metric"].mean()
+        effect = (means - means[0]) / (means[270] - means[0])
+        io.write_csv(pd.DataFrame({"heads_kept": ks, "explained_effect": effect.to_numpy(), "ranking": "exact"}),
+                     str(folder / "sweep.csv"))
+        io.write_json({"ranking": "exact", "heads": 270, "threshold": 0.9, "heads_to_reach_threshold": 100,
+                       "heads_interval": [30, 270], "counted_prompts_digest": "same"}, str(folder / "sweep.json"))
+        inputs[f"heads/{model}/ioi/corrupted"] = {"sweep": str(folder / "sweep.csv"), "per_prompt":
+                                                 str(folder / "per_prompt.parquet"), "summary": str(folder / "sweep.json")}
+    outputs = {"areas": str(tmp_path / "areas.csv"), "differences": str(tmp_path / "differences.csv"),
+               "figures": {"corrupted": str(tmp_path / "tasks.png")}}
+    steps.circuit_areas(inputs, [["a", "b"]], 0.9, {"n_resamples": 100, "confidence": 0.95, "seed": 0}, outputs, 60)
+    areas, differences = pd.read_csv(outputs["areas"]), pd.read_csv(outputs["differences"])
+    assert areas["cpr_mib"].isna().all() and areas["mib_missing"].str.contains("pruning.mib_sizes").all()
+    assert areas["cpr_grid"].notna().all() and differences["cpr_grid_difference"].notna().all()
+    assert differences["cpr_mib_difference"].isna().all() and (tmp_path / "tasks.png").stat().st_size > 10_000

@@ -90,8 +90,9 @@ def curve_areas(per_prompt, n_components: int, draws: np.ndarray, confidence: fl
         mib_areas(ks, effects, n_components)
         measured["mib"] = mib_areas
         out["mib_missing"] = None
-    except AreaError as error:
+    except AreaError as error:  # the columns stay, empty, beside the reason
         out["mib_missing"] = str(error)
+        out.update({f"{name}_mib{end}": None for name in AREAS for end in ("", "_low", "_high")})
     for where, areas in measured.items():
         point, spread = areas(ks, effects, n_components), areas(ks, resampled, n_components)
         for name in AREAS:

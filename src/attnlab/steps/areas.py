@@ -82,7 +82,9 @@ def difference_rows(read: dict, pairs: list[tuple[str, str]], threshold: float, 
                     difference = area_difference(a.per_prompt, b.per_prompt, sizes, draws_a, draws_b,
                                                  boot.confidence, where)
                 except ValueError as error:  # MIB's sizes not measured: said, never interpolated
-                    difference = {"mib_missing": str(error)}
+                    difference = {"mib_missing": str(error),
+                                  **{f"{name}_difference{end}": None for name in ("cpr", "cmd")
+                                     for end in ("", "_low", "_high")}}
                 row.update({f"{key.replace('difference', where + '_difference')}": value
                             for key, value in difference.items()})
             gap = kept_gap(a.summary, b.summary, boot) if unit == "heads" else {}
