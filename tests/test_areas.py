@@ -4,8 +4,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from attnlab.circuits.areas import (MIB_SHARES, AreaError, area_difference, curve_areas, grid_areas, mib_areas,
-                                    mib_sizes, with_mib_sizes)
+from attnlab.circuits.areas import MIB_SHARES, AreaError, area_difference, curve_areas, grid_areas, mib_areas
+from attnlab.config.plan import mib_sizes, with_mib_sizes
 from attnlab.circuits.curves import resample_draws
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnlab import sparsify, steps
-from attnlab.circuits.areas import mib_sizes
+from attnlab.config.plan import mib_sizes
 from sparse_tiny import tiny_settings
 
 pytestmark = pytest.mark.slow  # a post-training and 12 scorings and sweeps: 40 s

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab.circuits.curves import order_interval, per_prompt_matrix, resampled_effects
-from attnlab.config.plan import MIB_SHARES, mib_sizes, with_mib_sizes  # noqa: F401 -- the sizes: what a sweep runs
+from attnlab.config.plan import MIB_SHARES, mib_sizes  # the sizes a sweep measures: the plan's
 
 AREAS = ("cpr", "cmd")
 

@@ -217,10 +217,10 @@ def _head_count(patcher, order, settings: Sweep, bootstrap, counted_on: list[int
     the configured ranking refined at the first crossing and below the interval's ends
     (``counting.count_heads``). bisection: the configured ranking searched from a coarse grid
     with that grid as the fine one (``crossing_search``), any other ranking on the coarse grid."""
-    from attnlab.circuits.areas import with_mib_sizes
     from attnlab.circuits.counting import count_heads
     from attnlab.circuits.crossing_search import searched_count
     from attnlab.circuits.curves import k_grid
+    from attnlab.config.plan import with_mib_sizes
 
     grid = with_mib_sizes(k_grid(len(order), settings.all_k_up_to, settings.log_points), len(order),
                           settings.mib_sizes)

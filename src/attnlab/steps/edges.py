@@ -104,10 +104,10 @@ def _log_estimates(model_dir: str, circuits, settings, batch_size: int, scoring:
 def _swept_count(circuits, order, settings, bootstrap, counted_on):
     """The count over edges kept in ``order``: a log grid refined around the first crossing
     (search ``rounds``), or the crossing and the interval's ends bisected (``bisection``)."""
-    from attnlab.circuits.areas import with_mib_sizes
     from attnlab.circuits.counting import count_heads
     from attnlab.circuits.crossing_search import searched_count
     from attnlab.circuits.curves import k_grid
+    from attnlab.config.plan import with_mib_sizes
 
     grid = with_mib_sizes(k_grid(len(order), 0, settings.log_points), len(order), settings.mib_sizes)
     if settings.search == "bisection":
