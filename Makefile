@@ -94,43 +94,43 @@ dry-run: install
 report: install
 	$(BIN)/snakemake --cores 1 --report results/report.html
 
-# attnlab side by side with TransformerLens and nnsight (benchmarks/peers.py). The peers
+# attnlab side by side with TransformerLens and nnsight (benchmarks/peers/heads.py). The peers
 # live in their own virtualenv, never in the project's: torch first (the pinned build),
 # then the peers with constraints that keep torch and transformers at the project's pins.
 PEERS_VENV  ?= .venv-peers
 PEERS_STAMP  = $(PEERS_VENV)/.peers-installed
 PEERS_MODELS = resources/models/smollm2-135m resources/models/gemma3-270m
 
-$(PEERS_STAMP): benchmarks/peers-requirements.txt benchmarks/peers-constraints.txt
+$(PEERS_STAMP): benchmarks/peers/requirements.txt benchmarks/peers/constraints.txt
 	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(PEERS_VENV)/bin/python -m pip install --quiet torch==2.13.0
-	$(PEERS_VENV)/bin/python -m pip install --quiet -r benchmarks/peers-requirements.txt -c benchmarks/peers-constraints.txt
+	$(PEERS_VENV)/bin/python -m pip install --quiet -r benchmarks/peers/requirements.txt -c benchmarks/peers/constraints.txt
 	touch $@
 
 $(PEERS_MODELS): | $(STAMP)
 	$(BIN)/snakemake --cores 1 $@
 
 bench-peers: install $(PEERS_STAMP) $(PEERS_MODELS)
-	$(BIN)/python benchmarks/peers.py --peer-python $(PEERS_VENV)/bin/python $(PEERS_ARGS)
+	$(BIN)/python -m benchmarks.peers.heads --peer-python $(PEERS_VENV)/bin/python $(PEERS_ARGS)
 
-# attnlab's edge scores beside auto-circuit's (benchmarks/edge_peers.py). auto-circuit 1.0.1 needs
+# attnlab's edge scores beside auto-circuit's (benchmarks/peers/edges.py). auto-circuit 1.0.1 needs
 # TransformerLens' HookedTransformer, which 4.x removed: its own virtualenv, TransformerLens 3.9
-# (benchmarks/autocircuit-requirements.txt says why each piece is there).
+# (benchmarks/peers/autocircuit-requirements.txt says why each piece is there).
 AUTOCIRCUIT_VENV  ?= .venv-autocircuit
 AUTOCIRCUIT_STAMP  = $(AUTOCIRCUIT_VENV)/.autocircuit-installed
 
-$(AUTOCIRCUIT_STAMP): benchmarks/autocircuit-requirements.txt benchmarks/peers-constraints.txt
+$(AUTOCIRCUIT_STAMP): benchmarks/peers/autocircuit-requirements.txt benchmarks/peers/constraints.txt
 	test -x $(AUTOCIRCUIT_VENV)/bin/python || $(PYTHON) -m venv $(AUTOCIRCUIT_VENV)
 	$(AUTOCIRCUIT_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(AUTOCIRCUIT_VENV)/bin/python -m pip install --quiet torch==2.13.0
-	grep -v '^transformer-lens' benchmarks/peers-constraints.txt > $(AUTOCIRCUIT_VENV)/constraints.txt
-	$(AUTOCIRCUIT_VENV)/bin/python -m pip install --quiet -r benchmarks/autocircuit-requirements.txt -c $(AUTOCIRCUIT_VENV)/constraints.txt
+	grep -v '^transformer-lens' benchmarks/peers/constraints.txt > $(AUTOCIRCUIT_VENV)/constraints.txt
+	$(AUTOCIRCUIT_VENV)/bin/python -m pip install --quiet -r benchmarks/peers/autocircuit-requirements.txt -c $(AUTOCIRCUIT_VENV)/constraints.txt
 	$(AUTOCIRCUIT_VENV)/bin/python -m pip install --quiet --no-deps auto-circuit==1.0.1
 	touch $@
 
 bench-edge-peers: install $(AUTOCIRCUIT_STAMP)
-	$(BIN)/python benchmarks/edge_peers.py --peer-python $(AUTOCIRCUIT_VENV)/bin/python $(EDGE_PEERS_ARGS)
+	$(BIN)/python -m benchmarks.peers.edges --peer-python $(AUTOCIRCUIT_VENV)/bin/python $(EDGE_PEERS_ARGS)
 
 clean:
 	rm -rf results/* resources .snakemake

@@ -34,7 +34,7 @@ def test_the_readmes_example_config_validates_and_plans_jobs(tmp_path):
 
 
 def _check_quotes():
-    spec = importlib.util.spec_from_file_location("check_quotes", REPO / "benchmarks" / "check_quotes.py")
+    spec = importlib.util.spec_from_file_location("check_quotes", REPO / "benchmarks" / "tools" / "check_quotes.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

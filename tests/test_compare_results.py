@@ -1,4 +1,4 @@
-"""benchmarks/compare_results.py, imported as a module (issue 67: it read sys.argv at import)."""
+"""benchmarks/tools/compare_results.py, imported as a module (issue 67: it read sys.argv at import)."""
 
 import importlib.util
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_results.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "tools" / "compare_results.py"
 
 
 def _module():

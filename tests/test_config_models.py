@@ -19,7 +19,7 @@ def test_a_7b_models_jobs_ask_for_the_memory_its_weights_need(tmp_path):
     stay for small models."""
     import struct
 
-    from attnlab.config.plan import model_memory_mb
+    from attnlab.cost.defaults import model_memory_mb
 
     assert model_memory_mb(0, 16000) == 16000 and model_memory_mb(0, 8000, attempt=2) == 16000
     assert model_memory_mb(27_600_000_000, 16000) == 38500 and model_memory_mb(27_600_000_000, 16000, 2) == 77000

@@ -1,4 +1,4 @@
-"""The cost fit (attnlab.config.cost) and the GPU-memory refusal (attnlab.config.budget).
+"""The cost fit (attnlab.cost.model) and the GPU-memory refusal (attnlab.cost.budget).
 
 The terms counted exactly (a model's parameters, the corrupted recordings of edge circuits) are
 checked against what a built model and a real recording hold, at two sizes; the refusal through
@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from attnlab.config import budget, cost
+from attnlab.cost import budget, model as cost
 from attnlab.config.checks import ConfigError
 from attnlab.patching.edges import EdgeCircuits, recording_bytes
 from conftest import REPO, dry_run
 from test_attention import TINY
 from test_edges_references import _batch, _pads
 
-CONFIGS = REPO / "benchmarks" / "model_configs"
+CONFIGS = REPO / "benchmarks" / "scale" / "model_configs"
 
 
 def _shape(model) -> cost.Shape:

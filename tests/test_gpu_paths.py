@@ -1,7 +1,7 @@
 """What the GPU paths do on the host, checked on the CPU: a post-training step reads its numbers in
 one transfer after its backward pass (not six reads between forward and backward), the kernels'
 seeds come from a host generator (a draw from a CUDA one waits for the queued kernels), and
-benchmarks/gpu.py writes its JSON before any model work, so a short GPU window never ends with
+benchmarks/gpu/node.py writes its JSON before any model work, so a short GPU window never ends with
 nothing recorded."""
 
 import json
@@ -59,9 +59,9 @@ def test_gpu_benchmark_writes_its_json_before_any_model_work(tmp_path):
     """A section that fails (here: no model at the given folder) is recorded with its error; the
     JSON holds the device and the versions from the start."""
     out = tmp_path / "gpu.json"
-    finished = subprocess.run([sys.executable, "gpu.py", "--smoke", "--sections", "checks", "--model-dir",
+    finished = subprocess.run([sys.executable, "-m", "benchmarks.gpu.node", "--smoke", "--sections", "checks", "--model-dir",
                                str(tmp_path / "missing"), "--out", str(out)],
-                              cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=300)
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["sections"] == ["checks"] and "torch" in result["versions"]
@@ -88,8 +88,7 @@ def test_checkpointing_is_enabled_under_both_transformers_names(tiny_base):
 
 
 def test_a_failing_training_mode_keeps_the_modes_timed_around_it(tiny_base, monkeypatch):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import gpu_speed
+    from benchmarks.gpu import speed as gpu_speed
     from sparse_tiny import tiny_settings
 
     base, corpus = tiny_base
@@ -109,8 +108,7 @@ def test_a_failing_training_mode_keeps_the_modes_timed_around_it(tiny_base, monk
 
 
 def test_engines_that_did_not_run_are_not_reported_as_agreeing():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from gpu_speed import same_tokens
+    from benchmarks.gpu.speed import same_tokens
 
     assert same_tokens(None, None) is None and same_tokens([[1]], None) is None
     assert same_tokens([[1, 2]], [[1, 2]]) is True and same_tokens([[1, 2]], [[1, 3]]) is False
@@ -118,23 +116,21 @@ def test_engines_that_did_not_run_are_not_reported_as_agreeing():
 
 def test_gpu_benchmark_puts_this_checkout_first_on_its_path():
     """A machine's own Python, without the project installed, imports attnlab from src/: the
-    path is set before the first import that reaches attnlab (common)."""
+    path is set before the first import that reaches attnlab (benchmarks.tools.harness)."""
     import ast
 
-    tree = ast.parse((REPO / "benchmarks" / "gpu.py").read_text())
+    tree = ast.parse((REPO / "benchmarks" / "gpu" / "node.py").read_text())
     statements = [ast.unparse(node) for node in tree.body]
     inserts = [i for i, text in enumerate(statements) if text.startswith("sys.path.insert") and "'src'" in text]
     first_local = min(i for i, node in enumerate(tree.body) if isinstance(node, ast.ImportFrom)
-                      and node.module.split(".")[0] in ("common", "attnlab"))
+                      and node.module.split(".")[0] in ("benchmarks", "attnlab"))
     assert inserts and inserts[0] < first_local
 
 
 @pytest.mark.slow
 def test_gpu_benchmark_records_which_transformers_converted_the_model(smollm2_dir, tmp_path):
     import transformers
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from gpu import converted_by
+    from benchmarks.gpu.node import converted_by
 
     recorded = converted_by(smollm2_dir)
     assert recorded["transformers"] == transformers.__version__ and recorded["torch"] == torch.__version__
@@ -143,8 +139,7 @@ def test_gpu_benchmark_records_which_transformers_converted_the_model(smollm2_di
 
 
 def test_the_gpu_summary_reads_the_committed_h200_run():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from gpu_summary import summary
+    from benchmarks.gpu.summary import summary
 
     lines = "\n".join(summary(REPO / "benchmarks" / "results" / "gpu_h200_2026-11-27"))
     assert '"static_cache bfloat16": 9449' in lines and '"static bfloat16": 553' in lines
@@ -154,12 +149,11 @@ def test_the_gpu_summary_reads_the_committed_h200_run():
 
 def test_the_sparse_section_hands_its_scripts_absolute_folders_and_pairs_counts_task_by_task(
         tmp_path, monkeypatch):
-    """The scripts run in benchmarks/: a relative model folder given to gpu.py (as the offline-node
+    """The scripts run in the checkout's root: a relative model folder given to the node's script (as the offline-node
     script gives it) must reach them resolved (the 2026-11-28 H200 call lost its sparse section
     to that). Counts go task by task, the dense model's then the copy's; a failing count leaves
     the other tasks to run, a failing post-training stops them (no copy to count)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import gpu
+    from benchmarks.gpu import node as gpu
 
     calls = []
 
@@ -188,7 +182,7 @@ def test_the_sparse_section_hands_its_scripts_absolute_folders_and_pairs_counts_
 
 @pytest.mark.slow
 def test_the_offline_node_session_runs_end_to_end_at_smoke_sizes(smollm2_dir, tmp_path):
-    """benchmarks/gpu_session.sh's run phase on this CPU, as on a node whose Python has the
+    """benchmarks/gpu/session.sh's run phase on this CPU, as on a node whose Python has the
     packages (INSTALLED=1) and a prepared model: a first section, then the scale section in the
     background, each JSON, the results' tarball and the summary. (Not ``checks``: the kernels in
     Triton's interpreter take minutes at smoke sizes; test_kernels runs them.)"""
@@ -200,7 +194,7 @@ def test_the_offline_node_session_runs_end_to_end_at_smoke_sizes(smollm2_dir, tm
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(out),
            "WORK": str(work), "INSTALLED": "1", "MODEL_DIR": str(smollm2_dir), "GPU_ARGS": "--smoke", "SMOKE": "0",
            "FIRST_SECTIONS": "extraction", "BACKGROUND": "scale", "BUDGET_S": "400"}
-    finished = subprocess.run(["bash", "benchmarks/gpu_session.sh", "run"], cwd=REPO, env=env, capture_output=True,
+    finished = subprocess.run(["bash", "benchmarks/gpu/session.sh", "run"], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=600)
     assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-2000:]
     assert "scale done (rc 0)" in finished.stdout, finished.stdout[-2000:]
@@ -214,9 +208,8 @@ def test_the_offline_node_session_runs_end_to_end_at_smoke_sizes(smollm2_dir, tm
 
 
 def test_a_scale_run_stopped_by_its_deadline_keeps_the_stages_it_finished():
-    """scale.py's row of a killed process: the model's line and each finished stage's line."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from scale import finished_stages
+    """benchmarks.scale.measure's row of a killed process: the model's line and each finished stage's line."""
+    from benchmarks.scale.measure import finished_stages
 
     printed = "\n".join([
         'importing...', '{"model": "olmo-7b" cut off', '{"other": "a library\'s line"}',
@@ -232,8 +225,7 @@ def test_a_scale_run_stopped_by_its_deadline_keeps_the_stages_it_finished():
 def test_open_edge_differences_are_judged_head_by_head_on_the_side_each_needs():
     """The first differing layer's heads: n more edges open in the kernels need n eager edges
     within rounding below the threshold (near closed); n fewer need n near open ones."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from gpu_checks import open_edge_differences
+    from benchmarks.gpu.checks import open_edge_differences
 
     def tracker(open_edges: dict, near_open=None, near_closed=None):
         made = sparse.GateTracker()
@@ -264,9 +256,7 @@ def test_a_profiled_run_names_its_host_waits_and_writes_its_trace(tmp_path):
     """gpu_profile on the CPU: a run that reads a tensor's value twice shows two host waits; its
     matrix product is in the host table once; the trace is whole, gzipped Chrome JSON."""
     import gzip
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from gpu_profile import profiled
+    from benchmarks.gpu.profiles import profiled
 
     big = torch.randn(256, 256)
 

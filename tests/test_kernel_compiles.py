@@ -1,6 +1,6 @@
 """The fused kernels compiled ahead of time for GPUs this machine does not have (sm_90, sm_80):
 with the dtypes the models really hand them, and without spilled registers where the launcher's
-tiles promise none (attnlab.attention.kernels.compiled; the full table: benchmarks/kernel_resources.py);
+tiles promise none (attnlab.attention.kernels.compiled; the full table: benchmarks/gpu/kernel_resources.py);
 and every tile shape those tables pick run in the interpreter against the eager formula.
 
 Under bfloat16 autocast Llama's rotary embedding returns float32 queries and keys beside bfloat16
@@ -126,7 +126,7 @@ def test_launch_parameters_that_would_recompile_or_waste_rows():
 def test_triton_3_6_takes_its_own_tiles(monkeypatch):
     """The GPU machines' Triton 3.6 spills with 3.7.1's tiles: before 3.7 the launcher reads the
     target's ``TRITON36_TILES`` where they have an entry; 3.7 and later keep ``TILES`` (and
-    ``SM80_TILES`` on sm_80). (The 3.6 tables' resource report: benchmarks/kernel_resources.py
+    ``SM80_TILES`` on sm_80). (The 3.6 tables' resource report: benchmarks/gpu/kernel_resources.py
     under 3.6.)"""
     from attnlab.attention.kernels import launch
 

@@ -1,4 +1,4 @@
-"""benchmarks/kernel_work.py: the inner loop found in SASS, its instructions counted per edge by
+"""benchmarks/gpu/kernel_work.py: the inner loop found in SASS, its instructions counted per edge by
 unit, and (compiled for sm_90 here) what the sampled gate adds to the dense kernels."""
 
 import json
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu.kernel_work import LANES_PER_CLOCK, TENSOR_FLOPS_PER_CLOCK, loop_body, per_edge
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-from kernel_work import LANES_PER_CLOCK, TENSOR_FLOPS_PER_CLOCK, loop_body, per_edge  # noqa: E402
 
 # A made-up listing in cuobjdump's layout: an outer loop (0x0010-0x0090) around an inner one
 # (0x0030-0x0070) that holds the matrix instruction, and a loop without one (0x00a0-0x00c0).
@@ -60,7 +60,7 @@ def test_the_sampled_gate_adds_integer_work_and_its_noise_draws_once_per_four_ed
     lane-instructions per edge (one Philox call per edge, before 2026-11-29: 74.4)."""
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     out = tmp_path / "kernel_work.json"
-    finished = subprocess.run([sys.executable, "kernel_work.py", "--out", str(out)], cwd=REPO / "benchmarks",
+    finished = subprocess.run([sys.executable, "-m", "benchmarks.gpu.kernel_work", "--out", str(out)], cwd=REPO,
                               env=environment, capture_output=True, text=True, timeout=900)
     assert finished.returncode == 0, finished.stderr[-3000:]
     rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}

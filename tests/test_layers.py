@@ -5,7 +5,7 @@ from test_imports import import_graph
 
 # bottom first; a module's layer is its longest prefix's here
 LAYERS = (
-    ("parse time, no torch", ("attnlab.config", "attnlab.anatomy.families")),
+    ("parse time, no torch", ("attnlab.config", "attnlab.cost", "attnlab.anatomy.families")),
     ("base", ("attnlab.io", "attnlab.anatomy", "attnlab.tokenization")),
     ("attention and models", ("attnlab.attention", "attnlab.models", "attnlab.conversion_cache", "attnlab.released")),
     ("interventions", ("attnlab.interventions",)),
@@ -50,3 +50,21 @@ def test_every_module_has_a_stated_layer_and_every_layer_modules():
 def test_an_upward_import_is_found():
     graph = {"attnlab.config.plan": {"attnlab.steps.circuits"}, "attnlab.steps.circuits": {"attnlab.config.plan"}}
     assert upward_imports(graph) == ["attnlab.config.plan -> attnlab.steps.circuits (parse time, no torch imports steps)"]
+
+
+def test_the_cost_model_sits_above_the_config_and_neither_imports_torch():
+    """attnlab.cost reads the config's checks and plan; the config never reads the cost model (the
+    schema, validation and plan stand without it). Snakemake imports both while it parses, so
+    neither may reach torch, directly or through another module."""
+    import subprocess
+    import sys
+
+    graph = import_graph()
+    assert not [(module, target) for module, targets in graph.items() if module.startswith("attnlab.config")
+                for target in targets if target.startswith("attnlab.cost")]
+    assert any(target.startswith("attnlab.config") for target in graph["attnlab.cost.requests"])
+    modules = sorted(module for module in graph if module.startswith(("attnlab.cost", "attnlab.config")))
+    probe = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
+    finished = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert finished.stdout.strip() == "False"

@@ -148,7 +148,7 @@ def test_figure_heads_are_checked_against_the_model_shape():
 
 
 def test_model_jobs_take_half_the_local_cores_and_eight_on_a_cluster():
-    from attnlab.config.plan import model_job_threads
+    from attnlab.cost.defaults import model_job_threads
 
     assert [model_job_threads(cores, local=True) for cores in (1, 2, 3, 7, 16, 64)] == [1, 1, 1, 3, 8, 8]
     assert model_job_threads(None, local=True) == 8  # --cores not given (remote submission)

@@ -1,4 +1,4 @@
-"""What GPU rules' jobs ask the scheduler for (attnlab.config.requests): the cost fit's estimate
+"""What GPU rules' jobs ask the scheduler for (attnlab.cost.requests): the cost fit's estimate
 with its margins on the CPU, the weights rule on a GPU, the rule's old request where nothing can
 be estimated, and the values Snakemake's plan shows."""
 
@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from attnlab.config import cost, requests
-from attnlab.config.plan import model_memory_mb
+from attnlab.cost import model as cost, requests
+from attnlab.cost.defaults import model_memory_mb
 from conftest import REPO, dry_run
 from test_cost import CONFIGS, _big_model_config, _validated
 
@@ -214,7 +214,7 @@ def test_a_logged_estimate_beyond_the_measured_depth_says_it_is_extrapolated():
 def test_an_edge_jobs_time_is_its_scoring_and_one_circuit_per_count_of_its_sweep():
     """config/paper.yaml's OLMo-7B IOI edge job on the CPU: EAP-IG once, then the sweep's circuits
     (under bisection: its coarse grid, the refined points and the interval's points)."""
-    from attnlab.config import budget
+    from attnlab.cost import budget
 
     config = _validated(yaml.safe_load((REPO / "config/paper.yaml").read_text()))
     pruning = config["pruning"]

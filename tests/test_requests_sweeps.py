@@ -1,4 +1,4 @@
-"""What a head sweep's and an MLP-activation job ask for (attnlab.config.requests): the sweep's k
+"""What a head sweep's and an MLP-activation job ask for (attnlab.cost.requests): the sweep's k
 counted against the sweeps the job runs (``steps.circuits._head_count`` on synthetic curves),
 its forwards and the MLP forward's counted by hand."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from attnlab.circuits.counting import Bootstrap
 from attnlab.circuits.curves import k_grid
-from attnlab.config import cost, requests
+from attnlab.cost import model as cost, requests
 from attnlab.config.settings import Sweep
 from attnlab.steps.circuits import _head_count
 from test_crossing_search import CurvePatcher

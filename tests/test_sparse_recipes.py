@@ -1,17 +1,15 @@
-"""benchmarks/sparse_recipes.py's adopt: a copy the workflow made stands for a recipe only when its
+"""benchmarks/sparse/recipes.py's adopt: a copy the workflow made stands for a recipe only when its
 recorded settings are that recipe's, and arrives whole (every output, its control) or not at all."""
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from benchmarks.sparse import recipes as sparse_recipes
 
-import sparse_recipes  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _made_by_the_workflow(tmp_path, settings: dict) -> SimpleNamespace:

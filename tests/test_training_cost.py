@@ -1,4 +1,4 @@
-"""What a sparse copy's post-training job asks for (attnlab.config.training_cost): the trained
+"""What a sparse copy's post-training job asks for (attnlab.cost.training): the trained
 parameters counted from the config against what peft and the trainer actually train on built
 tiny models, and the paper's OLMo-7B copy counted term by term."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from attnlab.config import cost, requests, training_cost
+from attnlab.cost import model as cost, requests, training as training_cost
 from attnlab.sparsify.train import trainable_parameters, with_lora
 from conftest import REPO
 from test_attention import TINY
@@ -184,7 +184,7 @@ def test_the_plan_estimates_scoring_sweeps_and_post_training_before_any_job(tmp_
     """An OLMo-7B-shaped model swept on IOI and its LoRA copy: every job the settings alone size
     is estimated on a GPU, and a card too small for the copy's post-training (its three bfloat16
     models alone: 41 GB) is refused naming the job and what lowers it."""
-    from attnlab.config import budget
+    from attnlab.cost import budget
     from attnlab.config.checks import ConfigError
 
     config = yaml.safe_load((REPO / "tests/configs/tiny.yaml").read_text())

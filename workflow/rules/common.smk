@@ -13,15 +13,15 @@ if LIBRARY not in _paths.split(os.pathsep):  # set for the jobs, not read from t
     os.environ.update(PYTHONPATH=os.pathsep.join(filter(None, [LIBRARY, _paths])))
 from attnlab.config.plan import (area_inputs, arm_of, cell_generation, comparison_pairs, config_label, control_of, fewshot_shots,
                                  fewshot_spec, figure_files, has_length_sweep, has_placement_sweep, length_families,
-                                 gap_pairs, model_datasets, model_job_threads, mediation_cells, model_memory_mb,
-                                 models_on, placements, pruning_ablations, selections, sparse_pairs, sweep_folders,
-                                 weights_bytes)
+                                 gap_pairs, model_datasets, mediation_cells, models_on, placements,
+                                 pruning_ablations, selections, sparse_pairs, sweep_folders)
+from attnlab.cost.defaults import model_job_threads, model_memory_mb, weights_bytes
 from attnlab.config import settings as typed
 from attnlab.config.sources import sparse_bases
 from attnlab.config.schema import check_unique_keys
 from attnlab.config.validate import ConfigError, check, rebuild_requests
-from attnlab.config.budget import check_gpu_memory, gpu_memory_limit
-from attnlab.config.requests import READ_INPUTS, job_request, planned_estimates
+from attnlab.cost.budget import check_gpu_memory, gpu_memory_limit
+from attnlab.cost.requests import READ_INPUTS, job_request, planned_estimates
 
 
 def check_local_dataset(name, spec):
@@ -61,7 +61,7 @@ PLACEMENT_SWEEP = has_placement_sweep(PLACEMENTS)
 
 CHOSEN = selections(config)  # what runs: attention and MLP datasets, composite figures, swept models
 # A declared GPU memory (--resources gpu_mem_gb=80): every planned job the cost fit can estimate
-# must fit it, before any job runs (attnlab.config.budget).
+# must fit it, before any job runs (attnlab.cost.budget).
 try:
     _GPU_MEMORY = gpu_memory_limit(workflow.global_resources.get("gpu_mem_gb"))
     if _GPU_MEMORY is not None:  # nothing to read otherwise (every job parses this file again)
@@ -155,7 +155,7 @@ def sparse_base_dir(wildcards):
 
 def model_memory(least_mb):
     """``mem_mb`` of a job that loads ``{model}`` (a sparse copy not yet trained: its base): at
-    least ``least_mb``, more for a model whose weights need it (plan.model_memory_mb)."""
+    least ``least_mb``, more for a model whose weights need it (attnlab.cost.defaults.model_memory_mb)."""
     def memory(wildcards, attempt):
         folder = f"resources/models/{wildcards.model}"
         weights = weights_bytes(folder) or weights_bytes(f"resources/models/{SPARSE_BASES.get(wildcards.model, '')}")
@@ -165,7 +165,7 @@ def model_memory(least_mb):
 
 def fitted(rule, batch):
     """``mem_mb`` and ``runtime`` of a GPU rule whose job the cost fit estimates, at the attempt's
-    ``batch`` (attnlab.config.requests: the rule's old request where it cannot estimate)."""
+    ``batch`` (attnlab.cost.requests: the rule's old request where it cannot estimate)."""
     def asked(wildcards, input, attempt):
         inputs = {name: getattr(input, name, None) for name in READ_INPUTS}
         return job_request(rule, config, dict(wildcards.items()), inputs, attempt=attempt, local=workflow.local_exec,

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 ABLATIONS = ("corrupted", "mean", "zero")
 # Tokens in one resumed pass of exact patching on a CPU: larger passes run out of cache and
 # cost more per head (SmolLM2, Docstring, measured before the readout kept only the logits read:
-# 0.46 forwards per head at about 3,400 tokens a pass, 0.62 at 10,000; benchmarks/pruning_cost.py).
+# 0.46 forwards per head at about 3,400 tokens a pass, 0.62 at 10,000; benchmarks/throughput/pruning_cost.py).
 # Elsewhere only the batch size bounds a pass.
 RESUMED_TOKENS = {"cpu": 4096}
 
@@ -243,7 +243,7 @@ class Patcher:
         the first token where the corrupted prompt differs), whose keys and values are the
         clean run's. Equal to ``exact_one_forward_per_head`` up to float rounding; a head of
         layer L costs at most (layers − L − 1) layers and L's o_proj and MLP: half a forward on
-        average over the layers, a third measured (fewer positions; benchmarks/pruning_cost.py).
+        average over the layers, a third measured (fewer positions; benchmarks/throughput/pruning_cost.py).
         """
         full, ablated = self._exact_runs()
         return (_mean(full, self.batch.n_prompts) - ablated.sum(0) / self.batch.n_prompts).float()

@@ -186,7 +186,7 @@ def _log_sweep_estimate(model_dir: str, patcher, n_heads: int, settings: Sweep, 
     each ranking's search can measure (``requests.sweep_points``); returns that many k."""
     import torch
 
-    from attnlab.config.requests import SWEEP_FORWARDS, sweep_points
+    from attnlab.cost.requests import SWEEP_FORWARDS, sweep_points
 
     most = sum(sweep_points(n_heads, dataclasses.asdict(settings), r == settings.ranking) for r in rankings)
     rows = len(patcher.batch.clean)
@@ -354,7 +354,7 @@ def sparsify_model(name: str, base_dir: str, settings: dict, outputs: dict, chec
 
     import torch
 
-    from attnlab.config.training_cost import sparsify_estimate
+    from attnlab.cost.training import sparsify_estimate
     from attnlab.sparsify import Outputs, SparsifySettings, post_train, sparsify_device, write_control, write_outputs
 
     torch.set_num_threads(threads)

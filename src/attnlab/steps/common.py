@@ -11,7 +11,7 @@ import sys
 import pandas as pd
 
 from attnlab import io
-from attnlab.config.cost import described
+from attnlab.cost.model import described
 from attnlab.config.settings import Extraction, MlpAnalysis
 
 
@@ -119,8 +119,8 @@ def log_replaced_rows(table: pd.DataFrame, out_path: str, keys: list[str]) -> No
 
 def log_request(rule: str, smk) -> None:
     """What this job asked the scheduler for (its resources) and what that rests on: the cost fit,
-    or its rule's request where the fit cannot estimate it (``attnlab.config.requests``)."""
-    from attnlab.config.requests import READ_INPUTS, job_request
+    or its rule's request where the fit cannot estimate it (``attnlab.cost.requests``)."""
+    from attnlab.cost.requests import READ_INPUTS, job_request
     from attnlab.config.sources import sparse_bases
 
     resources = smk.resources
@@ -133,7 +133,7 @@ def log_request(rule: str, smk) -> None:
 
 
 def log_cost_estimate(stage: str, model_dir: str, work: dict, dtype, device, repeats: int = 1) -> None:
-    """The cost fit's estimate of this job's peak memory and time (``attnlab.config.cost``; its
+    """The cost fit's estimate of this job's peak memory and time (``attnlab.cost.model``; its
     stages and workload sizes), in the log, so a cluster's request can be checked against it."""
     config = io.read_json(os.path.join(model_dir, "config.json"))
     log.info("%s", described(stage, config, work, dtype.itemsize, device.type, repeats))

@@ -82,7 +82,7 @@ def _scored_edges(model, model_dir: str, batch, settings, size: int):
 
 
 def _log_estimates(model_dir: str, circuits, settings, batch_size: int, scoring: bool = True) -> None:
-    """The cost fit's estimate of scoring's or the circuits' peak (attnlab.config.cost) in the log,
+    """The cost fit's estimate of scoring's or the circuits' peak (attnlab.cost.model) in the log,
     beside the peak reached so far on CUDA."""
     import torch
 

@@ -18,7 +18,7 @@ def mediate_condition(model_dir: str, inputs: dict, out_effects: str, out_summar
     from attnlab import anatomy
     from attnlab.interventions.mlp import ArmSettings
     from attnlab.mechanism.mediation import SHARE_DEFINITION, items_from_tables, mediate
-    from attnlab.config.requests import mediation_sizes
+    from attnlab.cost.requests import mediation_sizes
     from attnlab.models import load_model, pick_device, pick_dtype
     from attnlab.tokenization import load_tokenizer
 

@@ -7,7 +7,7 @@ dimension × dtype, with the tiles, warps and stages ``launch.blocks`` chooses f
 ``compile_variant`` builds one for a target (``triton.compile`` of the kernel's source with the
 launcher's argument types and constants, for ``GPUTarget("cuda", arch, 32)``: PTX and a cubin,
 on the CPU) and ``resources`` reads the cubin with the ``cuobjdump`` bundled in Triton's NVIDIA
-backend. tests/test_kernel_compiles.py compiles a representative set; benchmarks/kernel_resources.py
+backend. tests/test_kernel_compiles.py compiles a representative set; benchmarks/gpu/kernel_resources.py
 compiles all of them into a table.
 """
 

@@ -1,5 +1,5 @@
 """The eager training gate drawing the kernels' own noise: the reference a fused training step is
-checked against (tests/test_kernels.py, benchmarks/gpu.py). The eager path draws its noise from
+checked against (tests/test_kernels.py, benchmarks/gpu/node.py). The eager path draws its noise from
 a torch.Generator, the kernels from Philox counters (``launch.sampled_noise``); with this gate in
 place of ``sparse.training_gate`` both paths sample the very same gates, so a step's loss,
 densities and gradients must agree to float rounding."""

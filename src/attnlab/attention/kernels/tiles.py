@@ -46,7 +46,7 @@ def logistic_noise(seed, bh, offs_m, offs_n, M, N):
     (forward, backward, a checkpointed layer's replay), from Philox counters, not from state.
 
     One Philox call gives four 32-bit numbers, and the generator's integer work bound the sampled
-    kernels (benchmarks/kernel_work.py): the four edges 4c..4c+3 of a row share counter c and
+    kernels (benchmarks/gpu/kernel_work.py): the four edges 4c..4c+3 of a row share counter c and
     each takes one of the four numbers, chosen by j mod 4 alone, so every tile shape (``offs_n``
     starts at a multiple of 4) draws the same number for the same edge."""
     quarter: tl.constexpr = offs_n.shape[0] // 4
