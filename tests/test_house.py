@@ -1,20 +1,18 @@
 """The house rules of the library's source, and of the tests, workflow scripts and benchmarks that
 hold logic: no module over 400 lines, no function or method over 60 (from its ``def`` line to its
-last, docstring included), so that each file is one concern and each function can be read at once."""
+last, docstring included), so that each file is one concern and each function can be read at once.
+And of the pages: benchmarks/ in a few packages with short READMEs, each page under its length,
+and every path a page or the Makefile names there to open."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "src" / "attnlab"
-# The two peer workers run inside the peer tools' own virtualenvs (make bench-peers,
-# make bench-edge-peers), which a change here cannot run to check a split; they still break the
-# rules (peers_worker.py 510 lines, its scoring_transformerlens 75; autocircuit_worker.py's main 126).
-NOT_YET = {REPO / "benchmarks" / "peers" / "heads_worker.py", REPO / "benchmarks" / "peers" / "edges_worker.py"}
-OTHERS = sorted(path for folder in ("tests", "workflow/scripts", "benchmarks")
-                for path in (REPO / folder).rglob("*.py") if path not in NOT_YET)
+OTHERS = sorted(path for folder in ("tests", "workflow/scripts", "benchmarks") for path in (REPO / folder).rglob("*.py"))
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
@@ -55,3 +53,113 @@ def test_the_rules_catch_a_long_function_and_a_long_module(tmp_path):
     assert too_long(long_function) == [f"{long_function}:1 f: {MAX_FUNCTION_LINES + 1} lines"]
     assert too_long(short_function) == []
     assert too_long(long_module) == [f"{long_module}: {MAX_MODULE_LINES + 1} lines"]
+
+
+# The rooms a newcomer opens first (issue 82): benchmarks/ in packages by concern, each with a
+# short README of its current results; every page short enough to read; every path a page names
+# there to open.
+BENCHMARKS = REPO / "benchmarks"
+BENCHMARK_EXTRAS = {"README.md", "results", "results-history.md"}  # beside the packages
+NOT_COMMITTED = {"out", "__pycache__"}  # written by runs, ignored by git
+MAX_BENCHMARK_PACKAGES = 6
+MAX_BENCHMARK_README_LINES = 150
+MAX_README_LINES, MAX_RESULTS_LINES, MAX_PAGE_LINES = 200, 300, 400
+
+
+def benchmark_packages() -> list[Path]:
+    return sorted(path for path in BENCHMARKS.iterdir() if path.is_dir() and path.name not in BENCHMARK_EXTRAS | NOT_COMMITTED)
+
+
+def test_benchmarks_are_a_few_packages_each_with_a_short_readme():
+    loose = sorted(path.name for path in BENCHMARKS.iterdir() if path.is_file() and path.name not in BENCHMARK_EXTRAS
+                   and not path.name.startswith("results-history"))
+    assert loose == [], "benchmarks/ holds packages by concern: move these into one"
+    assert 0 < len(benchmark_packages()) <= MAX_BENCHMARK_PACKAGES
+    for package in benchmark_packages():
+        readme = package / "README.md"
+        assert readme.is_file(), f"{package.name}/ has no README.md of its current results"
+        assert len(readme.read_text().splitlines()) <= MAX_BENCHMARK_README_LINES, readme
+
+
+def library_imports(path: Path) -> list[str]:
+    """The modules ``path`` imports by absolute name, at its top or inside a function."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def test_benchmarks_import_only_down_into_the_library_their_own_package_and_the_shared_tools():
+    """A benchmark reads attnlab, its own folder and benchmarks.tools (the shared harness); never
+    another folder's script, the tests or the workflow's scripts, and attnlab never reads a benchmark."""
+    wrong = []
+    for path in BENCHMARKS.rglob("*.py"):
+        own = f"benchmarks.{path.relative_to(BENCHMARKS).parts[0]}"
+        for name in library_imports(path):
+            if name.startswith("benchmarks.") and not name.startswith((own + ".", "benchmarks.tools.")):
+                wrong.append(f"{path.relative_to(REPO)} imports {name}")
+            if name.split(".")[0] in ("tests", "workflow", "conftest"):
+                wrong.append(f"{path.relative_to(REPO)} imports {name}")
+    for path in LIBRARY.rglob("*.py"):
+        wrong += [f"{path.relative_to(REPO)} imports {name}" for name in library_imports(path)
+                  if name.split(".")[0] == "benchmarks"]
+    assert wrong == []
+
+
+def doc_pages() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(BENCHMARKS.glob("*.md")),
+            *sorted(BENCHMARKS.glob("*/README.md"))]
+
+
+def test_every_page_is_short_enough_to_read():
+    limits = {REPO / "README.md": MAX_README_LINES, REPO / "docs" / "results.md": MAX_RESULTS_LINES}
+    long = [f"{page.relative_to(REPO)}: {len(page.read_text().splitlines())} lines" for page in doc_pages()
+            if len(page.read_text().splitlines()) > limits.get(page, MAX_PAGE_LINES)]
+    assert long == []
+
+
+def test_the_docs_index_lists_every_page():
+    index = (REPO / "docs" / "README.md").read_text()
+    assert [page.name for page in sorted((REPO / "docs").iterdir())
+            if page.name != "README.md" and f"docs/{page.name}" not in index] == []
+
+
+# A path a page names: under one of the checkout's folders, or a script run as python -m.
+# Written by a run, not committed: benchmarks/out/, .ci/logs/ (results/ and resources/ are not
+# matched). A name with a placeholder ({model}, <copy>, *) stands for many and is not checked.
+FOLDERS = ("src", "tests", "workflow", "config", "docs", "benchmarks", "data", "profiles", "envs", ".ci")
+NAMED_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./{}*<>\[\]-]*[\w*}>\]])" % "|".join(re.escape(f) for f in FOLDERS))
+NAMED_MODULE = re.compile(r"(?<![\w./-])-m (benchmarks(?:\.\w+)+|attnlab(?:\.\w+)+)")
+WRITTEN_BY_RUNS = ("benchmarks/out", ".ci/logs")
+
+
+def named_paths(text: str) -> set[str]:
+    paths = {match.group(1).rstrip(".") for match in NAMED_PATH.finditer(text)}
+    paths = {path for path in paths if not set("{}*<>[]") & set(path) and not path.startswith(WRITTEN_BY_RUNS)}
+    for match in NAMED_MODULE.finditer(text):
+        module = match.group(1).replace(".", "/")
+        paths.add(f"src/{module}.py" if module.startswith("attnlab") else f"{module}.py")
+    return paths
+
+
+def missing_paths(pages: list[Path]) -> list[str]:
+    return sorted(f"{page.relative_to(REPO)} names {path}" for page in pages
+                  for path in named_paths(page.read_text()) if not (REPO / path).exists())
+
+
+def test_every_path_the_docs_and_the_makefile_name_exists():
+    assert missing_paths([*doc_pages(), REPO / "Makefile"]) == []
+
+
+def test_a_moved_path_is_found(tmp_path):
+    page = REPO / "docs" / "a-page-written-by-this-test.md"
+    page.write_text("Run `python -m benchmarks.tools.gone` on `docs/gone.md`; see `benchmarks/out/x.json`,"
+                    " `results/tables/x.csv` and `docs/{stage}.md`; `docs/README.md` is here.\n")
+    try:
+        assert missing_paths([page]) == [f"docs/a-page-written-by-this-test.md names {path}"
+                                         for path in ("benchmarks/tools/gone.py", "docs/gone.md")]
+    finally:
+        page.unlink()

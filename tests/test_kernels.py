@@ -37,7 +37,7 @@ def _inputs(batch=2, heads=4, kv_heads=2, length=29, head_dim=16, seed=0, dtype=
 
 
 def _eager(q, k, v, allowed, gate: launch.Gate, noise=None):
-    """The eager formula (docs/sparse.md): output [B, M, H, D], expected rows, gated weights."""
+    """The eager formula (docs/sparsify.md): output [B, M, H, D], expected rows, gated weights."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     logits = q @ k.transpose(-1, -2) * SCALE

@@ -2,7 +2,7 @@
 
 A synthetic checkpoint is laid out as CircuitLab's loader reads the released ones (circuits-research/
 CircuitLab at dcf4cc8: ``final.pth`` is a TransformerLens state dict, the vocabulary padded to a
-multiple of 64, the dimensions and ``use_sparse_attn`` in config.json; docs/sparse.md). Prepared and
+multiple of 64, the dimensions and ``use_sparse_attn`` in config.json; docs/sparsify.md). Prepared and
 loaded by attnlab, it gives the logits of a float64 forward written here from the checkpoint alone
 (LayerNorm, attention under the causal mask and the mask ``scores > 0`` on the unrenormalised softmax,
 a gelu_new MLP, the unembedding), over the tokenizer's ids only. Each bad layout or padding is refused

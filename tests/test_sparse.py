@@ -1,4 +1,4 @@
-"""Edge-gated attention and its losses (arXiv 2512.05865, docs/sparse.md): the gates, their
+"""Edge-gated attention and its losses (arXiv 2512.05865, docs/sparsify.md): the gates, their
 gradients, the density penalty, the constraint's multiplier, chunked losses, generation and
 checkpointing through the gates."""
 

@@ -1,4 +1,4 @@
-"""Sparse post-training on a tiny model (docs/sparse.md): what a run writes, reloading, resuming,
+"""Sparse post-training on a tiny model (docs/sparsify.md): what a run writes, reloading, resuming,
 the gate-bias calibration (global and per layer). The tiny model and its trained copy are the
 session's fixtures (tests/sparse_tiny.py, conftest.py)."""
 

@@ -1,4 +1,4 @@
-"""Sparse post-training's settings and inputs (docs/sparse.md): precision, LoRA and the CE control,
+"""Sparse post-training's settings and inputs (docs/sparsify.md): precision, LoRA and the CE control,
 a NaN loss, the corpus and its split into training, held-out and calibration documents, devices,
 snapshots; and the heads a copy needs (head counts, the padding check)."""
 

@@ -1,5 +1,5 @@
 """The kept-gap flag (``circuits.task_gap``): a copy is flagged as having lost a task by its point
-estimate of the kept gap against ``KEPT_GAP_FLOOR`` (0.8), as docs/pipeline.md says
+estimate of the kept gap against ``KEPT_GAP_FLOOR`` (0.8), as docs/patching.md says
 ("``task_lost`` (kept_gap < ``task_gap.KEPT_GAP_FLOOR``, 0.8)"), whatever its interval spans."""
 
 import pytest

@@ -7,7 +7,7 @@ the target and its bundled ptxas and cuobjdump read them.
                                                    [--dtypes bfloat16 float16 float32] [--kernels ...]
 
 Writes benchmarks/out/kernel_resources.json (one row per variant and target, with Triton's
-version) and prints the markdown table benchmarks/README.md keeps. Under another Triton (the GPU
+version) and prints the markdown table benchmarks/gpu/README.md keeps. Under another Triton (the GPU
 machine's 3.6, say), run it with that Triton first on PYTHONPATH (a ``pip install --target DIR
 triton==3.6.0``): the table says which version compiled it.
 """

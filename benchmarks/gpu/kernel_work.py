@@ -18,7 +18,7 @@ modelled cost in SM cycles: those lane-instructions divided by the unit's lanes 
 IMAD to its FMA pipe, so the ALU figure is an upper bound), every instruction against the
 schedulers' issue rate (``issue``: 128 lanes per clock), the matrix products as FLOPs over the
 card's dense 16-bit tensor rate. It is a static model: no latencies, stalls, occupancy or
-memory; it ranks where the time can go, it does not time anything. ``benchmarks/README.md`` ("Kernel work") keeps its table.
+memory; it ranks where the time can go, it does not time anything. ``benchmarks/gpu/README.md`` ("Kernel work") keeps its table.
 """
 
 from __future__ import annotations

@@ -108,13 +108,13 @@ def main() -> None:
         ours_circuits[f"top{n}"] = {"edges": n, "metric": circuits.metric(circuits.kept(top.index.to_numpy(), n))}
     circuits_path.write_text(json.dumps({f"top{n}": order.head(n)[["sender_name", "receiver_name"]].values.tolist()
                                          for n in args.circuits}))
-    worker = [args.peer_python, str(REPO / "benchmarks/peers/edges_worker.py"), "--model", str(path),
+    worker = [args.peer_python, "-m", "benchmarks.peers.edges_worker", "--model", str(path),
               "--inputs", str(out / "inputs.json"), "--out", str(out), "--threads", str(args.threads)]
     worker += [] if args.reference_eap else ["--skip-slow-eap"]
     worker += [] if args.curve else ["--no-curve"]
     worker += [] if args.ig else ["--ig-samples", "0"]
     worker += ["--circuits", str(circuits_path)] if args.circuits else []
-    subprocess.run(worker, check=True)
+    subprocess.run(worker, check=True, cwd=REPO)  # the module is found from the checkout's root
     peer_timing = json.loads((out / "autocircuit_timing.json").read_text())
     result = {"model": "smollm2-135m", "task": "ioi", "prompts": args.n, "tokens": batch.clean.shape[1],
               **seconds, "autocircuit": peer_timing,

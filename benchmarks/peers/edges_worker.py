@@ -206,7 +206,7 @@ def write_scores(path: Path, scores: dict[tuple[str, str], float]) -> None:
     frame.to_csv(path, index=False)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="resources/models/smollm2-135m")
     parser.add_argument("--inputs", default="/tmp/edge_peer/inputs.json")
@@ -218,28 +218,40 @@ def main() -> None:
                         "circuit's metric to autocircuit_circuits.json")
     parser.add_argument("--skip-slow-eap", action="store_true",
                         help="use mask_gradient(mask_val=0) for the EAP file instead of the per-edge reference EAP")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    timing: dict[str, float | str | int] = {"threads": args.threads, "device": "cpu", "dtype": "float32"}
+    return parser.parse_args()
 
-    data = json.loads(Path(args.inputs).read_text())
+
+class Timing(dict):
+    """The run's timings and checks, written to autocircuit_timing.json after each algorithm."""
+
+    def __init__(self, out: Path, **fields):
+        super().__init__(**fields)
+        self.out = out
+
+    def save(self) -> None:
+        (self.out / "autocircuit_timing.json").write_text(json.dumps(self, indent=2))
+
+    def timed(self, name, fn):
+        t0 = time.perf_counter()
+        result = fn()
+        self[f"{name}_s"] = time.perf_counter() - t0
+        print(name, self[f"{name}_s"], flush=True)
+        return result
+
+
+def read_pairs(path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(clean, corrupted, answers, distractors) from inputs.json (one distractor per prompt)."""
+    data = json.loads(Path(path).read_text())
     if any(len(d) != 1 for d in data["distractors"]):
         raise SystemExit("auto-circuit's avg_diff equals logit[answer] - max logit[distractors] only with one distractor")
-    clean = torch.tensor(data["clean"])
-    corrupted = torch.tensor(data["corrupted"])
-    answers = torch.tensor(data["answers"])
-    distractors = torch.tensor(data["distractors"])
-    n_prompts, seq_len = clean.shape
+    return (torch.tensor(data["clean"]), torch.tensor(data["corrupted"]), torch.tensor(data["answers"]),
+            torch.tensor(data["distractors"]))
 
-    t0 = time.perf_counter()
-    hf, tl = load_models(args.model)
-    timing["load_s"] = time.perf_counter() - t0
-    cfg = tl.cfg
-    kv_group = cfg.n_heads // (cfg.n_key_value_heads or cfg.n_heads)
 
-    # ---- TL vs HF logits, clean metric, plain-forward time ----
+def check_against_transformers(hf, tl, pairs, timing: Timing) -> None:
+    """TransformerLens' logits against transformers', the clean and corrupted metric, and one
+    plain forward's time in each (after a warm-up)."""
+    clean, corrupted, answers, distractors = pairs
     with torch.no_grad():
         tl(clean)  # warm-up
         t0 = time.perf_counter()
@@ -256,10 +268,12 @@ def main() -> None:
     timing["metric_clean_tl"] = metric(tl_clean[:, -1], answers, distractors).mean().item()
     timing["metric_clean_hf"] = metric(hf_clean[:, -1], answers, distractors).mean().item()
     timing["metric_corrupted_tl"] = metric(tl_corr[:, -1], answers, distractors).mean().item()
-    del hf, hf_clean, hf_corr
-    print({k: v for k, v in timing.items()}, flush=True)
 
-    # ---- auto-circuit data + patchable model ----
+
+def patchable(tl, pairs, timing: Timing):
+    """auto-circuit's loader (every prompt in one batch) and patchable model."""
+    clean, corrupted, answers, distractors = pairs
+    n_prompts, seq_len = clean.shape
     dataset = PromptDataset(list(clean), list(corrupted), [a.view(1) for a in answers], list(distractors))
     loader = PromptDataLoader(dataset, seq_len=seq_len, diverge_idx=0, batch_size=n_prompts, shuffle=False)
     t0 = time.perf_counter()
@@ -269,68 +283,85 @@ def main() -> None:
     timing["autocircuit_edges"] = len(model.edges)
     timing["autocircuit_src_nodes"] = len(model.srcs)
     timing["autocircuit_dest_nodes"] = len(model.dests)
+    return model, loader
 
-    def save_timing() -> None:
-        (out / "autocircuit_timing.json").write_text(json.dumps(timing, indent=2))
 
-    def timed(name, fn):
-        t0 = time.perf_counter()
-        result = fn()
-        timing[f"{name}_s"] = time.perf_counter() - t0
-        print(name, timing[f"{name}_s"], flush=True)
-        return result
-
-    # Every file is written as soon as its algorithm finishes (the IG run is the slowest).
+def eap_scores(model, loader, kv_group: int, skip_slow_eap: bool, timing: Timing):
+    """EAP's scores (the reference EAP, or mask gradients at mask 0 with --skip-slow-eap), and the
+    other beside it with their largest difference; each file written as soon as it is done."""
+    def mask0():
+        return mask_gradient_prune_scores(model, loader, None, grad_function="logit", answer_function="avg_diff",
+                                          mask_val=0.0)
     mg0 = None
-    if args.skip_slow_eap:
-        eap = mg0 = timed("mask_gradient_mask0", lambda: mask_gradient_prune_scores(
-            model, loader, None, grad_function="logit", answer_function="avg_diff", mask_val=0.0))
+    if skip_slow_eap:
+        eap = mg0 = timing.timed("mask_gradient_mask0", mask0)
         timing["eap_source"] = "mask_gradient_prune_scores(mask_val=0)"
     else:
-        eap = timed("eap", lambda: edge_attribution_patching_prune_scores(model, loader, None, answer_diff=True))
+        eap = timing.timed("eap", lambda: edge_attribution_patching_prune_scores(model, loader, None, answer_diff=True))
         timing["eap_source"] = "edge_attribution_patching_prune_scores"
         gc.collect()  # its run_with_cache caches (with autograd graphs) held ~11 GB at peak
-    write_scores(out / "autocircuit_eap.csv", scores_by_name(model, eap, kv_group))
-    save_timing()
+    write_scores(timing.out / "autocircuit_eap.csv", scores_by_name(model, eap, kv_group))
+    timing.save()
     if mg0 is None:
-        mg0 = timed("mask_gradient_mask0", lambda: mask_gradient_prune_scores(
-            model, loader, None, grad_function="logit", answer_function="avg_diff", mask_val=0.0))
+        mg0 = timing.timed("mask_gradient_mask0", mask0)
         timing["eap_vs_mask0_max_abs_diff"] = max((eap[k] - mg0[k]).abs().max().item() for k in eap)
         timing["max_abs_eap"] = max(eap[k].abs().max().item() for k in eap)
-        write_scores(out / "autocircuit_maskgrad0.csv", scores_by_name(model, mg0, kv_group))
-        save_timing()
+        write_scores(timing.out / "autocircuit_maskgrad0.csv", scores_by_name(model, mg0, kv_group))
+        timing.save()
+    return eap
 
-    # ---- faithfulness curve: top-n edges by |EAP| keep clean, the rest corrupted ----
+
+def faithfulness_curve(model, loader, eap, answers, distractors, timing: Timing) -> None:
+    """The metric when the top-n edges by |EAP| keep the clean run and the rest the corrupted one."""
+    n_edges = len(model.edges)
+    counts = sorted({n for n in (0, 10, 100, 1000, 10000) if n <= n_edges} | {n_edges})
+    t0 = time.perf_counter()
+    outs = run_circuits(model, loader, counts, eap, patch_type=PatchType.TREE_PATCH,
+                        ablation_type=AblationType.RESAMPLE)
+    timing["curve_s"] = time.perf_counter() - t0
+    rows = []
+    for kept, batch_outs in sorted(outs.items()):  # run_circuits keys by the circuit's edge count
+        logits = torch.cat(list(batch_outs.values()))
+        rows.append((kept, metric(logits, answers, distractors).mean().item()))
+    rows.sort()
+    (timing.out / "autocircuit_curve.csv").write_text("n,metric\n" + "".join(f"{n},{m!r}\n" for n, m in rows))
+    print(rows, flush=True)
+
+
+def main() -> None:
+    args = arguments()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timing = Timing(out, threads=args.threads, device="cpu", dtype="float32")
+    pairs = read_pairs(args.inputs)
+    _, _, answers, distractors = pairs
+
+    t0 = time.perf_counter()
+    hf, tl = load_models(args.model)
+    timing["load_s"] = time.perf_counter() - t0
+    kv_group = tl.cfg.n_heads // (tl.cfg.n_key_value_heads or tl.cfg.n_heads)
+    check_against_transformers(hf, tl, pairs, timing)
+    del hf
+    print(dict(timing), flush=True)
+
+    model, loader = patchable(tl, pairs, timing)
+    eap = eap_scores(model, loader, kv_group, args.skip_slow_eap, timing)
     if not args.no_curve:
-        n_edges = len(model.edges)
-        counts = sorted({n for n in (0, 10, 100, 1000, 10000) if n <= n_edges} | {n_edges})
-        t0 = time.perf_counter()
-        outs = run_circuits(model, loader, counts, eap, patch_type=PatchType.TREE_PATCH,
-                            ablation_type=AblationType.RESAMPLE)
-        timing["curve_s"] = time.perf_counter() - t0
-        rows = []
-        for kept, batch_outs in sorted(outs.items()):  # run_circuits keys by the circuit's edge count
-            logits = torch.cat(list(batch_outs.values()))
-            rows.append((kept, metric(logits, answers, distractors).mean().item()))
-        rows.sort()
-        (out / "autocircuit_curve.csv").write_text(
-            "n,metric\n" + "".join(f"{n},{m!r}\n" for n, m in rows))
-        print(rows, flush=True)
-        save_timing()
-
+        faithfulness_curve(model, loader, eap, answers, distractors, timing)
+        timing.save()
     if args.circuits:
         kept = json.loads(Path(args.circuits).read_text())
-        timing["circuits"] = timed("circuits", lambda: circuit_metrics(model, loader, kept, eap, kv_group, answers,
-                                                                       distractors))
-        save_timing()
-
+        timing["circuits"] = timing.timed("circuits", lambda: circuit_metrics(model, loader, kept, eap, kv_group,
+                                                                              answers, distractors))
+        timing.save()
     if args.ig_samples > 0:
-        ig = timed(f"mask_gradient_ig{args.ig_samples}", lambda: mask_gradient_prune_scores(
+        ig = timing.timed(f"mask_gradient_ig{args.ig_samples}", lambda: mask_gradient_prune_scores(
             model, loader, None, grad_function="logit", answer_function="avg_diff",
             integrated_grad_samples=args.ig_samples))
         write_scores(out / f"autocircuit_ig{args.ig_samples}.csv", scores_by_name(model, ig, kv_group))
-        save_timing()
-    save_timing()
+        timing.save()
+    timing.save()
     print(json.dumps(timing, indent=2))
 
 

@@ -56,7 +56,7 @@ from benchmarks.tools.harness import OUT, math500_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "resources" / "models"
-WORKER = Path(__file__).resolve().parent / "heads_worker.py"
+WORKER = "benchmarks.peers.heads_worker"  # run as a module from the checkout's root, in either virtualenv
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 
 ATTENTION = [  # (tool, label, virtualenv)
@@ -103,7 +103,7 @@ def run_tool(tool: str, venv: str, model_dir: Path, inputs: Path, out: Path, rep
     prefix = out / tool.replace(":", "_")
     for suffix in (".json", ".npy"):
         prefix.with_suffix(suffix).unlink(missing_ok=True)
-    command = [python, str(WORKER), tool, "--model", str(model_dir), "--inputs", str(inputs),
+    command = [python, "-m", WORKER, tool, "--model", str(model_dir), "--inputs", str(inputs),
                "--out", str(prefix), "--repeats", str(repeats), "--threads", str(args.threads),
                "--device", args.device]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

@@ -1,6 +1,6 @@
 """One tool, one measurement, one process: the worker behind benchmarks/peers/heads.py.
 
-    PYTHON benchmarks/peers/heads_worker.py TOOL --model DIR --inputs JSON --out PREFIX [--repeats 3] [--threads N]
+    PYTHON -m benchmarks.peers.heads_worker TOOL --model DIR --inputs JSON --out PREFIX [--repeats 3] [--threads N]
                                       [--device auto]
 
 TOOL is one of TOOLS below. attnlab and the plain transformers runs use the
@@ -30,12 +30,8 @@ forward-pass equivalents.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
-import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -47,108 +43,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-# Where every tool runs: --device sets it before any tool is loaded (auto: CUDA when present).
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-# ---------------------------------------------------------------- measuring
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    return 0
-
-
-def held_bytes() -> int:
-    """What the process holds now: resident set (CPU) or torch's allocation (CUDA)."""
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.memory_allocated()
-    return _status_kib("VmRSS") * 1024
-
-
-def timed_with_peak(run):
-    """(result, seconds, peak bytes held during run())."""
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current VmRSS
-    started = time.perf_counter()
-    result = run()
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = _status_kib("VmHWM") * 1024
-    return result, time.perf_counter() - started, peak
-
-
-def settle() -> int:
-    """What the process holds once freed memory has gone back to the system."""
-    gc.collect()
-    if DEVICE.type == "cpu":
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:
-            pass
-    return held_bytes()
-
-
-def measure(run, unit, repeats: int, warm_up: bool = True, unit_each: int = 1) -> tuple[object, dict]:
-    """Time run() `repeats` times (after one warm-up), with the unit forward timed
-    before the first run and after the last (`unit_each` times before each run and
-    after the last when more than 1), so the ratio of the medians sees the same load.
-
-    Returns run()'s last result and times, the unit's median and the peak held during
-    run() above what the process held after the warm-up (model, inputs, buffers).
-    """
-    if unit is not None:
-        unit()
-    if warm_up:
-        run()
-    base = settle()
-    times, unit_times, peaks, result = [], [], [], None
-
-    def time_unit():
-        if unit is not None:
-            unit_times.extend(timed_with_peak(unit)[1] for _ in range(unit_each))
-    for index in range(repeats):
-        if index == 0 or unit_each > 1:
-            time_unit()
-        result = None
-        settle()
-        result, seconds, peak = timed_with_peak(run)
-        times.append(seconds)
-        peaks.append(peak)
-    time_unit()
-    median = statistics.median(times)
-    stats = {"seconds": [round(t, 4) for t in times], "median_s": median,
-             "peak_above_model_mib": round((max(peaks) - base) / 2**20, 1)}
-    if unit is not None:
-        stats["unit_seconds"] = [round(t, 4) for t in unit_times]
-        stats["unit_s"] = statistics.median(unit_times)
-        stats["unit_ratio"] = median / stats["unit_s"]
-    return result, stats
-
-
-def versions() -> dict:
-    found = {"python": sys.version.split()[0], "torch": torch.__version__,
-             "transformers": transformers.__version__, "numpy": np.__version__,
-             "threads": torch.get_num_threads(), "device": str(DEVICE),
-             "device_name": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
-             "dtype": "float32"}
-    for name in ("transformer_lens", "nnsight", "attnlab"):
-        try:
-            from importlib.metadata import version
-            found[name] = version(name)
-        except Exception:  # noqa: BLE001 - not installed in this virtualenv
-            pass
-    return found
+from benchmarks.peers import measuring  # noqa: E402
+from benchmarks.peers.measuring import measure, versions  # noqa: E402
+from benchmarks.peers.transformerlens_scoring import scoring_transformerlens  # noqa: E402
 
 
 # ---------------------------------------------------------------- received attention
@@ -174,7 +73,7 @@ def received_from_maps(maps) -> np.ndarray:
 
 def _load_hf(model_dir: str, implementation: str, dtype=torch.float32):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=implementation)
-    return model.to(DEVICE).eval()
+    return model.to(measuring.DEVICE).eval()
 
 
 def attention_sdpa(model_dir, ids, _):
@@ -209,7 +108,7 @@ def attention_attnlab(model_dir, ids, _):
     from attnlab.extraction.extract import extract
     from attnlab.models import load_model
 
-    model = load_model(model_dir, DEVICE, torch.float32)
+    model = load_model(model_dir, measuring.DEVICE, torch.float32)
     batch, length = ids.shape
     # extract() takes prompts as a table; the inserted span only feeds λ, not received attention.
     prompts = pd.DataFrame({"id": [f"p{i}" for i in range(batch)], "input_ids": ids.cpu().tolist(),
@@ -225,7 +124,7 @@ def attention_attnlab(model_dir, ids, _):
 def attention_transformerlens(model_dir, ids, _):
     from transformer_lens.model_bridge import TransformerBridge
 
-    bridge = TransformerBridge.boot_transformers(model_dir, device=DEVICE, dtype=torch.float32)
+    bridge = TransformerBridge.boot_transformers(model_dir, device=measuring.DEVICE, dtype=torch.float32)
     names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(bridge.cfg.n_layers)]
 
     def run():
@@ -239,7 +138,7 @@ def attention_transformerlens_hook(model_dir, ids, _):
     """The memory-lean way: reduce each layer's pattern in a hook, keep no maps."""
     from transformer_lens.model_bridge import TransformerBridge
 
-    bridge = TransformerBridge.boot_transformers(model_dir, device=DEVICE, dtype=torch.float32)
+    bridge = TransformerBridge.boot_transformers(model_dir, device=measuring.DEVICE, dtype=torch.float32)
     layers = bridge.cfg.n_layers
 
     def run():
@@ -261,7 +160,7 @@ def _nnsight_model(model_dir):
 
     model = TransformersModel(model_dir, task="text-generation", dispatch=True, dtype=torch.float32,
                               attn_implementation="eager")
-    model.to(DEVICE)
+    model.to(measuring.DEVICE)
     return model, model.config.get_text_config().num_hidden_layers
 
 
@@ -305,7 +204,7 @@ def _left_padded(rows, pad_id):
 def scoring_unit(model_dir, ioi):
     """One plain forward (sdpa, all logits) of the clean batch, left padded as attnlab pads."""
     model = _load_hf(model_dir, "sdpa")
-    ids, mask, positions = (t.to(DEVICE) for t in _left_padded(ioi["clean"], ioi["pad_id"]))
+    ids, mask, positions = (t.to(measuring.DEVICE) for t in _left_padded(ioi["clean"], ioi["pad_id"]))
 
     def run():
         with torch.no_grad():
@@ -319,7 +218,7 @@ def scoring_attnlab(model_dir, ioi, method):
     from attnlab.patching.tasks import generate_task
     from attnlab.tokenization import load_tokenizer
 
-    model = load_model(model_dir, DEVICE, torch.float32)
+    model = load_model(model_dir, measuring.DEVICE, torch.float32)
     tokenizer = load_tokenizer(model_dir)
     batch = build_batch(generate_task("ioi", tokenizer, ioi["n"], seed=ioi["seed"]), tokenizer)
     # The peers get these very pairs (benchmarks/peers/heads.py); the driver checks they match.
@@ -334,100 +233,12 @@ def scoring_attnlab(model_dir, ioi, method):
 
     def warm():  # one forward: weights resident, kernels built, before memory is counted
         with torch.no_grad():
-            model(input_ids=batch.clean.to(DEVICE), attention_mask=batch.mask.to(DEVICE), use_cache=False)
+            model(input_ids=batch.clean.to(measuring.DEVICE), attention_mask=batch.mask.to(measuring.DEVICE), use_cache=False)
 
     def metrics():  # untimed
         patcher = Patcher(model, batch, "corrupted", batch_size=512)
         return {"clean_metric": patcher.metric(), "corrupted_metric": patcher.corrupted_metric()}
     return run, {"pairs": check, "metrics": metrics, "warm": warm}
-
-
-def _ioi_tensors(ioi):
-    """Right-padded clean/corrupted ids (padding after the last token cannot change a
-    causal model's earlier positions) and each row's last real position."""
-    width = max(len(r) for r in ioi["clean"])
-    pad = ioi["pad_id"]
-    clean = torch.tensor([r + [pad] * (width - len(r)) for r in ioi["clean"]])
-    corrupted = torch.tensor([r + [pad] * (width - len(r)) for r in ioi["corrupted"]])
-    last = torch.tensor([len(r) - 1 for r in ioi["clean"]])
-    return clean.to(DEVICE), corrupted.to(DEVICE), last.to(DEVICE)
-
-
-def scoring_transformerlens(model_dir, ioi, method):
-    from transformer_lens.model_bridge import TransformerBridge
-
-    bridge = TransformerBridge.boot_transformers(model_dir, device=DEVICE, dtype=torch.float32)
-    clean, corrupted, last = _ioi_tensors(ioi)
-    answers = torch.tensor(ioi["answers"], device=DEVICE)
-    wrong = torch.tensor(ioi["distractors"], device=DEVICE)
-    rows = torch.arange(len(last), device=DEVICE)
-    layers, heads = bridge.cfg.n_layers, bridge.cfg.n_heads
-
-    def metric(logits):  # mean logit difference over the batch, at each row's last token
-        final = logits[rows, last].float()
-        return (final[rows, answers] - final[rows, wrong]).mean()
-
-    def exact():
-        import pandas as pd
-        from transformer_lens.patching import generic_activation_patch, layer_head_vector_patch_setter
-
-        names = [f"blocks.{layer}.attn.hook_z" for layer in range(layers)]
-        # Every `every`-th head (all when 1): a check that the numbers are attnlab's.
-        every = ioi.get("same_direction_every", 1)
-        heads_patched = [(l, h) for l in range(layers) for h in range(heads) if (l * heads + h) % every == 0]
-        with torch.no_grad():
-            full = metric(bridge(clean))
-            _, corrupted_cache = bridge.run_with_cache(corrupted, names_filter=names)
-            # TransformerLens patches a run with another run's cached activations. To get
-            # attnlab's quantity (ablate a head of the clean run by giving it the corrupted
-            # run's output), the clean run is the one patched, from the corrupted cache.
-            # (get_act_patch_attn_head_out_all_pos is this call over every (layer, head).)
-            patched = generic_activation_patch(
-                bridge, clean, corrupted_cache, metric, layer_head_vector_patch_setter, "z",
-                index_df=pd.DataFrame(heads_patched, columns=["layer", "head"]))
-        scores = np.full((layers, heads), np.nan, np.float32)
-        for (layer, head), value in zip(heads_patched, (full - patched).cpu().numpy()):
-            scores[layer, head] = value
-        return scores
-
-    def exact_denoising():
-        """TransformerLens's own direction: each head's clean output patched into the
-        corrupted run; score = how much of the metric it restores."""
-        from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
-
-        names = [f"blocks.{layer}.attn.hook_z" for layer in range(layers)]
-        with torch.no_grad():
-            floor = metric(bridge(corrupted))
-            _, clean_cache = bridge.run_with_cache(clean, names_filter=names)
-            patched = get_act_patch_attn_head_out_all_pos(bridge, corrupted, clean_cache, metric)
-        return (patched - floor).cpu().numpy()
-
-    def attribution():
-        from transformer_lens.tools.analysis.attribution_patching import attribution_patch
-
-        scores = torch.zeros(layers, heads)
-        for i in range(len(last)):
-            n = int(last[i]) + 1
-
-            def pair_metric(logits, i=i):
-                return logits[0, -1, answers[i]] - logits[0, -1, wrong[i]]
-            result = attribution_patch(bridge, clean[i:i + 1, :n], corrupted[i:i + 1, :n], pair_metric)
-            for node, score in result.node_scores.items():
-                if node.kind == "attn_head_out":  # one node per (layer, head, position)
-                    scores[node.layer, node.head] += float(score)  # a CUDA scalar cannot add into a CPU tensor
-        return (scores / len(last)).numpy()
-
-    def metrics():  # untimed
-        with torch.no_grad():
-            return {"clean_metric": float(metric(bridge(clean))),
-                    "corrupted_metric": float(metric(bridge(corrupted)))}
-
-    def warm():
-        with torch.no_grad():
-            bridge(clean)
-
-    methods = {"exact": exact, "exact_denoising": exact_denoising, "attribution": attribution}
-    return methods[method], {"metrics": metrics, "warm": warm}
 
 
 TOOLS = {
@@ -458,9 +269,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     args = parser.parse_args()
-    global DEVICE
-    if args.device != "auto":
-        DEVICE = torch.device(args.device)
+    if args.device != "auto":  # every tool reads measuring.DEVICE when it runs
+        measuring.DEVICE = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -472,7 +282,7 @@ def main() -> None:
     try:
         started = time.perf_counter()
         if kind == "attention":
-            ids = torch.tensor(inputs["attention_ids"], device=DEVICE)
+            ids = torch.tensor(inputs["attention_ids"], device=measuring.DEVICE)
             run = TOOLS[args.tool](args.model, ids, inputs)
             unit = None if args.tool == "attention:sdpa" else attention_sdpa(args.model, ids, inputs)
         else:

@@ -91,7 +91,7 @@ def _check_no_unembedding_bias(bias: torch.Tensor, vocab: int, where: str) -> No
     if largest != 0.0:
         raise ReleasedModelError(f"{where}: unembed.b_U is not zero (largest |b_U| {largest:.3g}); transformers' "
                                  "GPT-2 has no output bias, so the converted model would give other logits. "
-                                 "Not supported: docs/sparse.md, 'The released sparse models'")
+                                 "Not supported: docs/sparsify.md, 'The released sparse models'")
 
 
 def gpt2(dims: Dims, settings: Settings, vocab: int, tokenizer, state: dict) -> GPT2LMHeadModel:

@@ -160,7 +160,7 @@ def family_of(model_type: str, model: str = "the model", stages=STAGES) -> Famil
             f"(attnlab.anatomy.families) does not know; it knows {', '.join(known_model_types())}. "
             f"The stages this config runs on it ({', '.join(stages)}) need its blocks, attention "
             "projections (q, k, v, o), norms and their places, MLP and activation located. Use a model "
-            "of a known family, or add a Family for it (docs/pipeline.md, \"Model families\")")
+            "of a known family, or add a Family for it (docs/anatomy.md, \"Model families\")")
     return family
 
 

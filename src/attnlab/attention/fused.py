@@ -61,7 +61,7 @@ def _say_once(reason: str) -> None:
 def float32_kernels(device_type: str) -> bool:
     """Whether float32 layers on ``device_type`` go through the kernels: not on CUDA unless asked
     (``on``). Compiled for sm_80 and sm_90, every float32 variant spills 15-37 KB of registers per
-    thread (FMA, no tensor cores; benchmarks/README.md, "Kernel resources"), and the eager blocks
+    thread (FMA, no tensor cores; benchmarks/gpu/README.md, "Kernel resources"), and the eager blocks
     scored SmolLM2's 270 heads on 32 prompts in 2.1 s on an H200: float32 stays eager there until a
     GPU measures the kernels faster. The CPU interpreter (tests) runs them in float32."""
     return device_type != "cuda" or fused_mode() == "on"

@@ -2,7 +2,7 @@
 
 Per layer and head, with causal logits ``s_ij = q_i·k_j·scaling`` (after any
 soft-capping, before masks), every edge (i, j) has a gate on ``s_ij + b``
-(arXiv 2512.05865; docs/sparse.md):
+(arXiv 2512.05865; docs/sparsify.md):
 
 - training: ``e_ij ~ Bernoulli(σ(s_ij + b))``, drawn as ``1[s_ij + b + logistic noise > 0]``,
   with the straight-through estimator ``e + σ − stopgrad(σ)`` (σ of the noisy logit as an option);
@@ -71,7 +71,7 @@ def stochastic_gate(logits: torch.Tensor, bias: float, generator: torch.Generato
                     gradient: str = "expected") -> tuple[torch.Tensor, torch.Tensor]:
     """(straight-through gate, σ(s + b)): a Bernoulli(σ(s + b)) sample, exactly 0/1 forward.
 
-    Its gradient is that of σ(s + b) (``expected``, docs/sparse.md) or of σ(s + b + noise), the
+    Its gradient is that of σ(s + b) (``expected``, docs/sparsify.md) or of σ(s + b + noise), the
     sample's own logistic noise (``noisy``, as in a co-author's public kernel): the latter
     reaches edges far from the threshold more strongly.
     """

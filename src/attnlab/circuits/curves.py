@@ -154,7 +154,7 @@ def heads_to_reach(sweep: pd.DataFrame, threshold: float) -> int | None:
 # - overshoot: the largest explained effect exceeds 1 by more than OVERSHOOT_TOLERANCE (heads
 #   that work against the task are ablated in part of the sweep; the normalisation misleads).
 # - cross-back: the curve falls below the threshold again after its first crossing.
-# workflow/report/pruning.rst and docs/pipeline.md quote these numbers: change them together.
+# workflow/report/pruning.rst and docs/patching.md quote these numbers: change them together.
 CLIMB_DEPTH = 0.25
 PLATEAU_BAND = 0.1
 PLATEAU_SHARE = 0.25

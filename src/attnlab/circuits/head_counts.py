@@ -1,4 +1,4 @@
-"""How many heads a model needs, under each way of measuring it (docs/sparse.md, docs/results.md).
+"""How many heads a model needs, under each way of measuring it (docs/sparsify.md, docs/results.md).
 
 The head-pruning figure's "N×" rests on choices the paper does not publish in full:
 how heads are ranked (attribution patching, a linear estimate, or exact one-head

@@ -77,7 +77,7 @@ def sweep_folders(models: list[str], tasks: list[str], ablations: list[str]) -> 
 
 
 # MIB's circuit sizes (Mueller et al. 2025): shares of the components, each circuit keeping
-# int(share × all) of them (circuits.areas; docs/pipeline.md, "Areas over the whole curve")
+# int(share × all) of them (circuits.areas; docs/patching.md, "Areas over the whole curve")
 MIB_SHARES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 

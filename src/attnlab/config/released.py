@@ -3,7 +3,7 @@ their layout as the lead author's public loader reads it, checked without torch.
 
 What that loader reads (circuits-research/CircuitLab at dcf4cc8, ``src/clt_forge/transformer_lens/``:
 ``sparse_patching.py``, ``files_to_patch/loading_from_pretrained.py`` and
-``files_to_patch/components/abstract_attention.py``; docs/sparse.md): the hub repository's
+``files_to_patch/components/abstract_attention.py``; docs/sparsify.md): the hub repository's
 ``final.pth``, loaded with ``torch.load`` and used as it is as a TransformerLens ``HookedTransformer``
 state dict (no key renamed: ``embed.W_E`` [d_vocab, d_model], ``blocks.{l}.attn.W_Q`` [heads, d_model,
 d_head], ``unembed.W_U`` [d_model, d_vocab], ...), the vocabulary padded to 50,304 rows (GPT-2's 50,257
@@ -53,9 +53,9 @@ LLAMA_REFUSAL = (
     "public code or text read here spells that file out (the loader's branch for these models reads only "
     "d_model, d_head, d_vocab, d_mlp, n_layers, n_ctx, act_fn, tokenizer_name and use_sparse_attn). A conversion "
     "written blind could load wrong weights without a word. Use a released GPT-2 (format: circuitlab_gpt2) or "
-    "attnlab's own sparse copy of a Llama (source.sparsify); docs/sparse.md says more")
+    "attnlab's own sparse copy of a Llama (source.sparsify); docs/sparsify.md says more")
 LAYOUT_FIX = (f"This format reads final.pth exactly as released and as {LOADER} reads it: a TransformerLens "
-              "state dict (docs/sparse.md, 'The released sparse models'). Point the source at the released "
+              "state dict (docs/sparsify.md, 'The released sparse models'). Point the source at the released "
               "file itself, not a training checkpoint or a re-saved model")
 
 

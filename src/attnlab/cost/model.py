@@ -187,7 +187,7 @@ def time_features(stage: str, shape: Shape, work: dict) -> dict[str, float]:
       width per receiver and point (memory traffic, no multiply-adds);
     - ``runs``: 1, a constant per run (building the batch, the first pass's setup), in the
       stages of a few passes only: beside hundreds of passes it is not identifiable, and fitted
-      anyway it made a family left out of the fit many times worse (benchmarks/README.md).
+      anyway it made a family left out of the fit many times worse (benchmarks/scale/README.md).
 
     A pass reads the logits the stage's metric reads: exact patching and edges a few tokens'
     (``readout``), mediation every token's at its scored positions, generation every token's
@@ -325,5 +325,5 @@ def described(stage: str, config: dict, work: dict, dtype_bytes: int, device: st
     times = f", {repeats} times" if repeats > 1 else ""
     reach = ("" if Shape.of(config).depth <= MEASURED_DEPTH else
              f" (extrapolated: the fit measured 1 to {MEASURED_DEPTH} layers; a deep narrow model's time can be "
-             f"over-estimated many times, benchmarks/README.md)")
+             f"over-estimated many times, benchmarks/scale/README.md)")
     return f"{stage} ({sizes}{times}): estimated peak and time of this workload {found.describe()}{reach}"

@@ -25,7 +25,7 @@ patching where asked for: the larger peak, both times), sweep_heads (the heads f
 patched forwards, one per k at most as many as its search can measure: ``sweep_points``),
 edge_circuit (scoring, then the sweep's circuits), mediate, mlp_activations (a forward stopped
 at the recorded layer) and sparsify_model (the one measured training step composed with what
-the settings say the job holds and runs: ``training_cost``). Generation, extraction and the
+the settings say the job holds and runs: ``attnlab.cost.training``). Generation, extraction and the
 MLP forward are timed over every batch of the job's prompts, each as long as the longest.
 The ground-truth jobs keep their rule's request: their compiled models are tiny.
 """
@@ -223,7 +223,7 @@ def _workload(rule: str, config: dict, wildcards: dict, inputs: dict, batch: int
         sizes = _first_prompts(sizes, section["max_prompts"])
         return stage, section, sizes and {"prompts": sizes[0], "batch": min(batch, sizes[0]), "tokens": sizes[1],
                                           "layers_run": section["layer"] + 1}, 1
-    if stage == "sparsify":  # the copy's post-training settings (training_cost reads them itself)
+    if stage == "sparsify":  # the copy's post-training settings (attnlab.cost.training reads them itself)
         section = config["models"][wildcards["model"]]["source"]["sparsify"]
         return stage, section, section, 1
     if stage == "sweep":

@@ -15,7 +15,7 @@ and one step's activations from the fit:
 - the step's activations: the ``lora_step`` fit at the job's batch and sequence length (measured
   on the CPU's eager path), in bfloat16 under autocast on a GPU; there the fused kernels hold no
   T x T, and gradient checkpointing keeps one layer's share and every layer's input
-  (``_step_terms``): derived, not measured on a GPU (benchmarks/README.md compares the one GPU
+  (``_step_terms``): derived, not measured on a GPU (benchmarks/scale/README.md compares the one GPU
   peak measured);
 - the base's logits on a batch under ``constraint: kl``; the held-out logits of each source whose
   set fits 2 GB (``sparsify.heldout.logits_fit``: a larger set is computed again at every

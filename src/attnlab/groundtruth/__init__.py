@@ -7,7 +7,7 @@ circuit is derived from the program, to score every circuit method against (``ma
   folder (exact: LayerNorm reduced to x - mean), a word-level tokenizer with BOS and the spec;
 - ``program``: the serialized program's evaluator, with interchange interventions;
 - ``truth``: the circuit that same-length clean/corrupted patching can see, derived from the
-  program and its blocks (docs/pipeline.md, "Circuits known by construction");
+  program and its blocks (docs/groundtruth.md, "Circuits known by construction");
 - ``pairs``: the tasks ``program`` and ``program_control`` of attnlab's task system;
 - ``scoring``: precision, recall and ROC AUC of each method against the truth.
 

@@ -1,4 +1,4 @@
-"""The circuit a ground-truth model's task can show, derived from its program (docs/pipeline.md,
+"""The circuit a ground-truth model's task can show, derived from its program (docs/groundtruth.md,
 "Circuits known by construction").
 
 1. **Edges by construction.** Each operation of the read program is computed by known blocks

@@ -8,7 +8,7 @@ import pandas as pd
 from attnlab.plots.base import _save, fitted_suptitle, plt
 
 DEFINITION = ("ROC of |score| as a classifier of truth membership; truth: the heads / edges whose program-level "
-              "interchange changes the read output on at least one of the task's pairs (docs/pipeline.md)")
+              "interchange changes the read output on at least one of the task's pairs (docs/groundtruth.md)")
 
 
 def plot_roc(curves: pd.DataFrame, table: pd.DataFrame, out_path, dpi: int = 150) -> None:

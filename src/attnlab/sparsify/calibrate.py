@@ -1,4 +1,4 @@
-"""The inference gate bias b' of the saved copy, globally and per layer (docs/sparse.md,
+"""The inference gate bias b' of the saved copy, globally and per layer (docs/sparsify.md,
 "Calibrated inference gate")."""
 
 from __future__ import annotations

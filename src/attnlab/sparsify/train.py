@@ -1,5 +1,5 @@
 """The trainer: the gated student, its frozen dense reference (and dense control), the
-optimiser, the GECO multiplier and checkpoints (held-out evaluation: ``heldout``; docs/sparse.md)."""
+optimiser, the GECO multiplier and checkpoints (held-out evaluation: ``heldout``; docs/sparsify.md)."""
 
 from __future__ import annotations
 

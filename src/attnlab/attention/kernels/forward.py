@@ -1,6 +1,6 @@
 """Forward kernel: ``y_i = Σ_j softmax(s)_ij · g_ij · v_j`` in one pass over the keys.
 
-The softmax is over every allowed key and is not renormalised after gating (docs/sparse.md), so
+The softmax is over every allowed key and is not renormalised after gating (docs/sparsify.md), so
 the online rescaling of flash attention carries two sums under one running maximum: the ungated
 normaliser ``l_i = Σ_j exp(s_ij - m_i)`` and the gated numerator ``Σ_j exp(s_ij - m_i) g_ij v_j``.
 With every gate open (GATE 0) it is flash attention. Per query row the same pass also gives the

@@ -36,7 +36,7 @@ class Gate:
 
 # Tiles per (kernel, 16-bit or float32 operands, head-dimension bound): (BLOCK_M, BLOCK_N, warps,
 # stages) on CUDA. Chosen from the compiler's resource report for sm_90 and sm_80 under Triton
-# 3.7.1 (benchmarks/gpu/kernel_resources.py, its table in benchmarks/README.md): no spilled register
+# 3.7.1 (benchmarks/gpu/kernel_resources.py, its table in benchmarks/gpu/README.md): no spilled register
 # in 16 bits at any head dimension, the training kernels included.
 TILES = {
     ("forward", "16bit"): {64: (64, 32, 4, 2), 128: (64, 32, 8, 2), 256: (64, 16, 8, 1)},
