@@ -32,8 +32,8 @@ ENTRY = re.compile(r"^(\d+|[a-z])\. `([^`]+)`", re.MULTILINE)
 BEFORE = re.compile(r"^\s+- before: `(.*)`$", re.MULTILINE)
 AFTER = re.compile(r"^\s+- after: `(.*)`$", re.MULTILINE)
 TEST = re.compile(r"`(tests/[\w/]+\.py)?::(\w+(?:\[[^\]]*\])?)`")
-COPIED = ("src", "tests", "workflow", "config", "profiles", "envs", "data", "benchmarks", "Snakefile",
-          "pyproject.toml")
+COPIED = ("src", "tests", "workflow", "config", "profiles", "envs", "data", "benchmarks", "docs", "Snakefile",
+          "pyproject.toml", "README.md", "Makefile")  # the pages and the Makefile: the house tests read them
 
 
 @dataclass

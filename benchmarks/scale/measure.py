@@ -56,7 +56,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from benchmarks.tools.harness import add_device_arguments, device_and_dtype, embedded_model, held_mib, peak_mib, reset_peak, \
+from benchmarks.tools.harness import REPO, add_device_arguments, device_and_dtype, embedded_model, held_mib, peak_mib, reset_peak, \
     synchronize, write_result
 
 CONFIGS = Path(__file__).parent / "model_configs"
