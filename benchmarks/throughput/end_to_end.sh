@@ -3,7 +3,7 @@
 # then a second run with nothing changed. Prints wall-clock seconds of both.
 #   bash benchmarks/throughput/end_to_end.sh [extra snakemake args]
 set -euo pipefail
-repo="$(cd "$(dirname "$0")/.." && pwd)"
+repo="$(cd "$(dirname "$0")/../.." && pwd)"  # two folders down: benchmarks/throughput/
 snakemake="$repo/.venv/bin/snakemake"
 workdir="$(mktemp -d "${TMPDIR:-/tmp}/attnlab-e2e.XXXXXX")"
 mkdir -p "$repo/benchmarks/out"
