@@ -3,6 +3,7 @@ the checkout's root, as ``python -m`` runs it, and the shell scripts find the ch
 they sit."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,8 @@ def test_the_end_to_end_script_finds_the_checkout_two_folders_up(tmp_path):
     script reaches the checkout's snakemake and writes its JSON into benchmarks/out/."""
     out = REPO / "benchmarks" / "out" / "end_to_end.json"
     out.unlink(missing_ok=True)
+    env = {**os.environ, "SNAKEMAKE": str(Path(sys.executable).parent / "snakemake")}  # this environment's
     finished = subprocess.run(["bash", str(REPO / "benchmarks" / "throughput" / "end_to_end.sh"), "--help"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert json.loads(out.read_text())["second_run_jobs"] == 0

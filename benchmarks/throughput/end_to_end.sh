@@ -4,7 +4,7 @@
 #   bash benchmarks/throughput/end_to_end.sh [extra snakemake args]
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"  # two folders down: benchmarks/throughput/
-snakemake="$repo/.venv/bin/snakemake"
+snakemake="${SNAKEMAKE:-$repo/.venv/bin/snakemake}"  # the project's, unless named
 workdir="$(mktemp -d "${TMPDIR:-/tmp}/attnlab-e2e.XXXXXX")"
 mkdir -p "$repo/benchmarks/out"
 
