@@ -154,6 +154,33 @@ def test_every_path_the_docs_and_the_makefile_name_exists():
     assert missing_paths([*doc_pages(), REPO / "Makefile"]) == []
 
 
+NAMED_LIBRARY = re.compile(r"(?<![\w./-])attnlab(?:\.\w+)+(?![\w/-])")
+FILE_SUFFIXES = ("yaml", "py", "md", "json", "txt")
+
+
+def missing_modules(pages: list[Path]) -> list[str]:
+    """Each ``attnlab.a.b.c`` a page names: a module or package of the library, or a name its
+    parent module's text holds (only the last part may be an attribute; nothing is imported)."""
+    missing = []
+    for page in pages:
+        for name in set(NAMED_LIBRARY.findall(page.read_text())):
+            parts = name.split(".")
+            if parts[-1] in FILE_SUFFIXES:
+                continue  # a file such as envs/attnlab.yaml
+            module = REPO / "src" / Path(*parts)
+            if module.with_suffix(".py").is_file() or module.is_dir():
+                continue
+            holder = next((path for path in (module.parent.with_suffix(".py"), module.parent / "__init__.py")
+                           if path.is_file()), None)
+            if holder is None or not re.search(rf"\b{parts[-1]}\b", holder.read_text()):
+                missing.append(f"{page.relative_to(REPO)} names {name}")
+    return sorted(missing)
+
+
+def test_every_library_module_the_docs_name_exists():
+    assert missing_modules(doc_pages()) == []
+
+
 def test_a_moved_path_is_found(tmp_path):
     page = REPO / "docs" / "a-page-written-by-this-test.md"
     page.write_text("Run `python -m benchmarks.tools.gone` on `docs/gone.md`; see `benchmarks/out/x.json`,"
@@ -161,5 +188,8 @@ def test_a_moved_path_is_found(tmp_path):
     try:
         assert missing_paths([page]) == [f"docs/a-page-written-by-this-test.md names {path}"
                                          for path in ("benchmarks/tools/gone.py", "docs/gone.md")]
+        page.write_text("`attnlab.config.cost` moved to `attnlab.cost.model`; `attnlab.cost.model.estimate`, "
+                        "`envs/attnlab.yaml`.\n")
+        assert missing_modules([page]) == ["docs/a-page-written-by-this-test.md names attnlab.config.cost"]
     finally:
         page.unlink()
