@@ -109,6 +109,44 @@ def test_benchmarks_import_only_down_into_the_library_their_own_package_and_the_
     assert wrong == []
 
 
+# Installed only in the peers' own virtualenvs (make bench-peers, make bench-edge-peers).
+PEER_PACKAGES = {"transformer_lens", "nnsight", "auto_circuit"}
+
+
+def unresolved_imports(paths) -> list[str]:
+    """Every import of ``paths`` (inside functions too, which a module's import never runs) that
+    names no standard-library module, installed package, peer package or module of this checkout."""
+    import importlib.util
+    import sys
+
+    unresolved = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in ("benchmarks", "attnlab"):
+                    parts = name.split(".")
+                    root = REPO / "src" if top == "attnlab" else REPO
+                    found = any((root / Path(*parts[:n])).with_suffix(".py").is_file() or (root / Path(*parts[:n])).is_dir()
+                                for n in (len(parts), len(parts) - 1))
+                else:
+                    found = top in sys.stdlib_module_names | PEER_PACKAGES or importlib.util.find_spec(top) is not None
+                if not found:
+                    unresolved.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
+    return unresolved
+
+
+def test_every_import_of_a_benchmark_resolves_nested_ones_too():
+    """A script renamed or moved leaves no import of its old name, even one that only runs on a GPU."""
+    assert unresolved_imports(sorted(BENCHMARKS.rglob("*.py"))) == []
+
+
 def doc_pages() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(BENCHMARKS.glob("*.md")),
             *sorted(BENCHMARKS.glob("*/README.md"))]

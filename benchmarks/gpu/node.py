@@ -11,10 +11,10 @@ which ``snakemake --until prepare_model`` writes on a login node; without it the
 converted from its wheel into benchmarks/out/, which needs the project's install). Sections,
 each timed and written as it ends (a failing section records its error and the rest go on):
 
-- ``checks``: the fused kernels against the eager blocks on this card, float32 (gpu_checks.py);
+- ``checks``: the fused kernels against the eager blocks on this card, float32 (checks.py);
 - ``extraction``: received attention of 4 × 2,048 tokens, bf16, against a plain sdpa forward;
 - ``training``: a post-training step of 16 × 1,024 tokens against plain fine-tuning;
-  both then profile their kernel paths and plain anchors once (gpu_profile.py), traces in traces/;
+  both then profile their kernel paths and plain anchors once (profiles.py), traces in traces/;
 - ``generation``: every engine on 64 GSM8K chat prompts, 256 new tokens, batch 64;
 - ``generation-gemma3``: Gemma-3-270M base (``--gemma-dir``, else ``resources/models/gemma3-270m``,
   else converted from its wheel), ``static`` and ``static_cache`` on the same items with 4
@@ -27,7 +27,7 @@ each timed and written as it ends (a failing section records its error and the r
   (benchmarks/sparse/heads.py) into ``--out``'s folder;
 - ``scale`` (not in the default): random Llama-3.1-8B and OLMo-7B at their full depth through
   every stage (benchmarks/scale/measure.py, ``--warm-up``), each model under ``--scale-deadline-s``, into
-  scale/ beside ``--out`` (a JSON and a log per model; ``scale_fit.py`` reads the JSONs).
+  scale/ beside ``--out`` (a JSON and a log per model; ``benchmarks/scale/fit.py`` reads the JSONs).
 
 The JSON (default benchmarks/out/gpu.json) names the card, the versions and every setting.
 """
@@ -76,9 +76,9 @@ def _recipe() -> dict:
 
 
 def _gsm8k_prompts(items: int, model: str = "smollm2-135m"):
-    from generation_engines import workload
+    from benchmarks.tools.harness import gsm8k_workload
 
-    return lambda tokenizer: workload(tokenizer, model, items)
+    return lambda tokenizer: gsm8k_workload(tokenizer, model, items)
 
 
 def _section(name: str, model_dir: Path, device: torch.device, sizes: dict, args) -> dict:
@@ -95,12 +95,12 @@ def _section(name: str, model_dir: Path, device: torch.device, sizes: dict, args
         items, new_tokens, batch = sizes["generation"]
         return gpu_speed.generation_speed(model_dir, device, _gsm8k_prompts(items), batch, new_tokens)
     if name == "generation-gemma3":
-        from generation_engines import MODELS
+        from benchmarks.tools.harness import GENERATION_MODELS
 
         items, new_tokens, batch = sizes["generation"]
         gemma = _model_dir(args.gemma_dir, "gemma3-270m")
         measured = gpu_speed.generation_speed(gemma, device, _gsm8k_prompts(items, "gemma3-270m"), batch,
-                                              new_tokens, MODELS["gemma3-270m"]["stops"],
+                                              new_tokens, GENERATION_MODELS["gemma3-270m"]["stops"],
                                               engines=("static", "static_cache"))
         return {**measured, "model_dir": str(gemma), "model_converted_by": converted_by(gemma)}
     if name == "edges":
@@ -127,7 +127,7 @@ def _sparse_regime(model_dir: Path, folder: Path) -> dict:
              "--rankings", "exact", "--batch-size", "1024", "--out", str(folder / "heads")]
     models = {"dense": str(model_dir), "sparse": str(folder / "run" / "model")}
     # task by task, the dense model's count then the copy's: a run stopped by its deadline keeps
-    # paired counts of the tasks it finished (sparse_heads.py appends each task as it ends)
+    # paired counts of the tasks it finished (benchmarks/sparse/heads.py appends each task as it ends)
     counts = [(f"heads_{label}_{task}", heads + ["--tasks", task, "--label", label, "--model", models[label]])
               for task in SPARSE_TASKS for label in ("dense", "sparse")]
     done = {}
@@ -147,7 +147,7 @@ def _sparse_regime(model_dir: Path, folder: Path) -> dict:
 
 
 def _scale(sizes: dict, device: torch.device, model_dir: Path, folder: Path, deadline_s: float) -> dict:
-    """scale.py on random models of the papers' shapes (SmolLM2's tokenizer from ``model_dir``), each
+    """benchmarks/scale/measure.py on random models of the papers' shapes (SmolLM2's tokenizer from ``model_dir``), each
     model with its own deadline (a model stopped by it keeps the stages it finished) and its own
     log and JSON in ``folder``."""
     folder = folder.resolve()

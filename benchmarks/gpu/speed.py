@@ -2,7 +2,7 @@
 
 - extraction: ``attnlab.extraction.extract.extract`` (the fused kernels on CUDA) and the eager blocks
   against a plain sdpa decoder forward of the same batch; the plain forward, the reduced forward and
-  extract through the kernels then profiled once each (gpu_profile.py: launches, host waits, the
+  extract through the kernels then profiled once each (profiles.py: launches, host waits, the
   top kernels and host ops, a trace);
 - post-training: a ``sparsify.Trainer`` step as ``config/sparse-gpu.yaml`` runs it (bf16
   autocast, no checkpointing: the fused kernels) and the eager blocks with checkpointing (the
@@ -230,8 +230,7 @@ def edge_speed(model_dir, device, prompts: int, keep: list[int], steps: int) -> 
     from attnlab.patching.edges import EdgeCircuits, ranked_edges
     from attnlab.patching.heads import build_batch
     from attnlab.patching.tasks import generate_task
-    from benchmarks.tools.harness import ratio_to_unit
-    from edge_cost import forward_backward
+    from benchmarks.tools.harness import forward_backward, ratio_to_unit
 
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, device, torch.float32)

@@ -43,7 +43,7 @@ from attnlab.patching.heads import build_batch
 from attnlab.patching.tasks import generate_task, subset
 from benchmarks.tools.harness import OUT, REPO, embedded_model, load_embedded, timed, write_result
 
-# auto-circuit's worker runs on the CPU in float32 (autocircuit_worker.py), and so does attnlab here
+# auto-circuit's worker runs on the CPU in float32 (edges_worker.py), and so does attnlab here
 DEVICE, DTYPE = torch.device("cpu"), torch.float32
 
 

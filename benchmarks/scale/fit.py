@@ -57,13 +57,13 @@ def stage_rows(result: dict) -> list[dict]:
 def _cost_stage(stage: str, name: str, measured: dict, stages: dict) -> tuple[str, dict]:
     if stage == "edges" and name.startswith("score"):
         return "edge_scores", measured
-    if stage == "edges":  # rows measured before scale.py recorded a batch's points: the scores' batch of 8
+    if stage == "edges":  # rows measured before measure.py recorded a batch's points: the scores' batch of 8
         scored = stages["edges"].get("score batch=8", {})
         return "edge_circuit", {"points_per_batch": scored.get("points_per_batch"), **measured}
-    if stage == "mediation":  # rows measured before scale.py recorded the treated sequence's length
+    if stage == "mediation":  # rows measured before measure.py recorded the treated sequence's length
         return stage, {"prompts": measured["items"], "tokens": sum(measured[k] for k in MEDIATION_TOKENS),
                        "scored": measured["continuation"] + 1, **measured}
-    if stage == "heads":  # rows measured before scale.py recorded its forwards: 2 and the sweep's 5
+    if stage == "heads":  # rows measured before measure.py recorded its forwards: 2 and the sweep's 5
         return stage, {"forwards": 7, **measured}
     return stage, measured
 
@@ -71,7 +71,7 @@ def _cost_stage(stage: str, name: str, measured: dict, stages: dict) -> tuple[st
 def merged_rows(results: list[str], repeats: list[str]) -> tuple[list[dict], dict[str, tuple[float, float]]]:
     """The measurements of ``results`` (a later file's measurement of the same model, depth, stage
     and workload replaces an earlier one: measured again on a quiet machine), each averaged with
-    its repeat in ``repeats`` where both were taken alike (with or without ``scale.py --warm-up``);
+    its repeat in ``repeats`` where both were taken alike (with or without ``measure.py --warm-up``);
     and per stage the largest difference between a measurement and its repeat (peak: relative to
     the smaller; time: a factor)."""
     merged, spread = {}, {}

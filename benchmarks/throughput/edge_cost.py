@@ -33,7 +33,7 @@ from attnlab.interventions.edges import Graph, Plan
 from attnlab.patching.edges import EdgeCircuits, ranked_edges
 from attnlab.patching.heads import build_batch
 from attnlab.patching.tasks import generate_task
-from benchmarks.tools.harness import (add_device_arguments, device_and_dtype, load_embedded, median_seconds, peak_mib, ratio_to_unit,
+from benchmarks.tools.harness import (add_device_arguments, device_and_dtype, forward_backward, load_embedded, median_seconds, peak_mib, ratio_to_unit,
                     timed, write_result)
 
 
@@ -42,16 +42,6 @@ def mixing_flop(graph: Graph, kept: torch.Tensor, points: int, hidden: int) -> f
     plan (each summing receiver's base and the senders it sums, from whichever base sums fewer)
     at every patched point (``EdgePatch``: an embedding bag per point and receiver)."""
     return Plan.of(graph, kept).terms * points * hidden * 2
-
-
-def forward_backward(circuits: EdgeCircuits) -> None:
-    """One forward and backward of the metric with respect to the input embeddings."""
-    batch, device = circuits.batch, circuits.device  # every input on the model's device (CUDA too)
-    embeds = circuits.model.get_input_embeddings()(batch.clean.to(device)).detach().requires_grad_(True)
-    logits = circuits.model(inputs_embeds=embeds, attention_mask=batch.mask.to(device),
-                            position_ids=circuits.positions.to(device), use_cache=False,
-                            logits_to_keep=2).logits
-    (batch.metric(logits, slice(0, batch.n_prompts)).sum() / batch.n_prompts).backward()
 
 
 def scoring_cost(circuits: EdgeCircuits, steps: int, repeats: int) -> tuple[torch.Tensor, dict]:

