@@ -188,8 +188,8 @@ class HandForward:
                 shifts: torch.Tensor | dict | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(logits, every sender's contribution [rows, tokens, hidden] in the graph's order).
         Receiver r reads Σ over its upstream senders s of the live contribution where
-        ``kept[s, r]`` (or ``kept`` is None), else ``corrupted[s]``, plus the constant biases
-        below it, plus ``shifts[r]``."""
+        ``kept[s, r]`` (or ``kept`` is None), else ``corrupted[s]`` (a float ``kept``: w · live +
+        (1 − w) · corrupted), plus the constant biases below it, plus ``shifts[r]``."""
         graph = self.graph
         self.expected = []
         if self.gpt2:  # learned positions join the token embeddings: the embeddings' sender
@@ -199,6 +199,10 @@ class HandForward:
         def read(receiver: int) -> torch.Tensor:
             total = sum(constants) if constants else 0
             for sender in range(graph.upstream(receiver)):
+                if kept is not None and kept.dtype != torch.bool:  # a weight: w live + (1 − w) corrupted
+                    weight = kept[sender, receiver]
+                    total = total + weight * senders[sender] + (1 - weight) * corrupted[sender]
+                    continue
                 use_live = kept is None or bool(kept[sender, receiver])
                 total = total + (senders[sender] if use_live else corrupted[sender])
             if shifts is not None and (not isinstance(shifts, dict) or receiver in shifts):

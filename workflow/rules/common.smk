@@ -21,7 +21,7 @@ from attnlab.config.sources import sparse_bases
 from attnlab.config.schema import check_unique_keys
 from attnlab.config.validate import ConfigError, check, rebuild_requests
 from attnlab.cost.budget import check_gpu_memory, gpu_memory_limit
-from attnlab.cost.requests import READ_INPUTS, job_request, planned_estimates
+from attnlab.cost.requests import READ_INPUTS, check_acdc_time, job_request, planned_estimates
 
 
 def check_local_dataset(name, spec):
@@ -63,6 +63,8 @@ CHOSEN = selections(config)  # what runs: attention and MLP datasets, composite 
 # A declared GPU memory (--resources gpu_mem_gb=80): every planned job the cost fit can estimate
 # must fit it, before any job runs (attnlab.cost.budget).
 try:
+    # ACDC's time against its declared minutes, on the device its jobs will run on
+    check_acdc_time(config, CHOSEN, SPARSE_BASES, Path("resources/models"), local=workflow.local_exec)
     _GPU_MEMORY = gpu_memory_limit(workflow.global_resources.get("gpu_mem_gb"))
     if _GPU_MEMORY is not None:  # nothing to read otherwise (every job parses this file again)
         check_gpu_memory(planned_estimates(config, CHOSEN, SPARSE_BASES, Path("resources/models")), _GPU_MEMORY)
@@ -340,7 +342,7 @@ def pruning_sweeps(wildcards):
 
 
 def edge_settings(wildcards):
-    return typed.slice_of(typed.EdgeSweep, {**PRUNING, **PRUNING["edges"]})
+    return typed.edge_params(PRUNING)
 
 
 def groundtruth_settings(wildcards):

@@ -1,5 +1,6 @@
 rule edge_circuit:
-    """Every edge's EAP-IG score on the prompts heads were ranked on, then the top n edges kept
+    """Every edge ordered by pruning.edges.method (EAP-IG's scores, ACDC's circuit or Edge
+    Pruning's masks) on the prompts heads were ranked on, then the top n edges kept
     (the rest patched from the corrupted run) on the prompts heads were counted on: the explained
     effect for each n, each prompt's metric, the edges to the threshold with their interval."""
     input:
@@ -45,7 +46,7 @@ rule plot_edges:
         compare=PRUNING["compare"],
         threshold=PRUNING["threshold"],
         ablation="corrupted",
-        ranking=f"EAP-IG ({PRUNING['edges']['steps']} steps), by |score|",
+        ranking=typed.edge_ranking(PRUNING["edges"]),
         bootstrap=pruning_bootstrap(),
         dpi=config["plots"]["dpi"],
         unit="edges",

@@ -148,6 +148,33 @@ class EdgeSweep:
     threshold: float
     bootstrap: dict[str, Any]  # n_resamples, confidence
     mib_sizes: bool = True  # also measure MIB's circuit sizes (circuits.areas)
+    method: str = "eap_ig"  # eap_ig, acdc or edge_pruning: what orders the edges (edge_params)
+    faithfulness: str = "kl"  # acdc, edge_pruning: kl or metric (patching.faithfulness)
+    acdc: dict[str, Any] | None = None  # threshold, max_minutes
+    edge_pruning: dict[str, Any] | None = None  # sparsity, steps, warmup, lr, lambda_lr, read_at
+
+
+# each method's own settings in pruning.edges; EAP-IG's are the section's top level (steps, score_chunk)
+METHOD_KEYS = {"eap_ig": (), "acdc": ("faithfulness", "acdc"), "edge_pruning": ("faithfulness", "edge_pruning")}
+
+
+def edge_ranking(edges: dict) -> str:
+    """How ``pruning.edges``' method orders the edges, as a figure says it."""
+    method = edges.get("method", "eap_ig")
+    if method == "acdc":
+        return f"ACDC ({edges['faithfulness']}, threshold {edges['acdc']['threshold']:g}), by the growth at removal"
+    if method == "edge_pruning":
+        return f"Edge Pruning ({edges['faithfulness']}, sparsity {edges['edge_pruning']['sparsity']:g}), by gate"
+    return f"EAP-IG ({edges['steps']} steps), by |score|"
+
+
+def edge_params(pruning: dict) -> dict:
+    """An edge job's settings (``EdgeSweep``): the method's own only, so that a method's keys never
+    rerun another method's jobs (EAP-IG's jobs read none of ACDC's or Edge Pruning's)."""
+    settings = {**pruning, **pruning["edges"]}
+    unread = {key for keys in METHOD_KEYS.values() for key in keys} - set(METHOD_KEYS[settings.get("method", "eap_ig")])
+    return {key: value for key, value in slice_of(EdgeSweep, {**{k: None for k in unread}, **settings}).items()
+            if key not in unread and not (key == "method" and value == "eap_ig")}
 
 
 @dataclass(frozen=True)
@@ -161,3 +188,5 @@ class GroundTruth:
     eap_ig_steps: list[int]  # edge scores at each step count (1: plain EAP), ROC AUC for each
     control_n: int  # negative-control pairs
     tolerance: float  # a negative control passes when every effect is at most this
+    acdc: dict[str, Any] | None = None  # ACDC's threshold and faithfulness (None: not scored)
+    edge_pruning: dict[str, Any] | None = None  # Edge Pruning's schedule and faithfulness (None: not scored)

@@ -54,6 +54,10 @@ def _check_pruning(pruning: dict) -> None:
         raise ConfigError("pruning.exact is false but pruning.ranking is exact (its default): heads are "
                           "ranked by exact patching; remove exact: false, or set ranking: attribution "
                           "to rank by attribution alone")
+    pruned = pruning["edges"]["edge_pruning"]
+    if pruned["warmup"] > pruned["steps"]:
+        raise ConfigError(f"pruning.edges.edge_pruning.warmup = {pruned['warmup']} exceeds its steps = "
+                          f"{pruned['steps']}: the target sparsity would never be reached; set warmup at most steps")
     unswept = [task for task in pruning["edges"]["tasks"] if task not in pruning["tasks"]]
     if unswept:
         raise ConfigError(f"pruning.edges.tasks names {unswept}, which pruning.tasks lacks "

@@ -103,14 +103,11 @@ def edge_estimate(config: dict, task: str, pruning: dict, device: str = "cuda") 
     evaluation (float32 weights), the time of both, on the prompts the head sweep ranks on and
     counts on."""
     edges, (tokens, points, rows_per_prompt) = pruning["edges"], TASK_TOKENS[task]
-    ranked, counted = prompt_split(pruning, task)
+    _, counted = prompt_split(pruning, task)
     counted = min(counted, edges["n_counted"] or counted)
     rows = whole_prompts(edges["batch_size"], rows_per_prompt)
     per_batch = rows * points
-    chunk = min(per_batch, edges["score_chunk"] or per_batch)
-    scores = cost.estimate("edge_scores", config, {"batch": rows, "tokens": tokens, "points_per_batch": chunk,
-                                                   "prompts": ranked * rows_per_prompt, "steps": edges["steps"],
-                                                   "chunks": math.ceil(per_batch / chunk)}, FLOAT32, device)
+    scores = ranking_estimate(config, task, pruning, device)
     circuit = cost.estimate("edge_circuit", config, {"batch": rows, "tokens": tokens, "points_per_batch": per_batch,
                                                      "points": counted * rows_per_prompt * points,
                                                      "prompts": counted * rows_per_prompt}, FLOAT32, device)
@@ -119,6 +116,33 @@ def edge_estimate(config: dict, task: str, pruning: dict, device: str = "cuda") 
     circuit = within_cache(circuit, edges["cache_gb"], per_batch / (counted * rows_per_prompt * points))
     # one circuit's time: the sweep evaluates one per edge count (EdgeSweep's counts)
     return cost.in_sequence(scores, circuit, _edge_counts({**pruning, **edges}))
+
+
+def ranking_estimate(config: dict, task: str, pruning: dict, device: str = "cuda") -> cost.Estimate | None:
+    """What orders the edges, on the ranked prompts (``pruning.edges.method``): EAP-IG's scoring;
+    ACDC's patched forward of every ranked prompt per edge, every edge tried (an upper bound:
+    edges into a component that sends nothing are removed without one), and its two references;
+    Edge Pruning's steps, each as one EAP step of a mini-batch (a recording forward, then a forward
+    and a backward: the cost fit has not measured Edge Pruning's own passes)."""
+    edges, (tokens, points, rows_per_prompt) = pruning["edges"], TASK_TOKENS[task]
+    ranked, _ = prompt_split(pruning, task)
+    rows = whole_prompts(edges["batch_size"], rows_per_prompt)
+    per_batch = rows * points
+    method = edges.get("method", "eap_ig")
+    if method == "acdc":
+        one = cost.estimate("edge_circuit", config, {"batch": rows, "tokens": tokens, "points_per_batch": per_batch,
+                                                     "points": ranked * rows_per_prompt * points,
+                                                     "prompts": ranked * rows_per_prompt}, FLOAT32, device)
+        shape = cost.Shape.of(config)
+        return None if one is None or shape is None else cost.in_sequence(one, one, shape.edges() + 1)
+    if method == "edge_pruning":
+        step = cost.estimate("edge_scores", config, {"batch": rows, "tokens": tokens, "points_per_batch": per_batch,
+                                                     "prompts": rows, "steps": 1, "chunks": 1}, FLOAT32, device)
+        return None if step is None else cost.in_sequence(step, step, edges["edge_pruning"]["steps"] - 1)
+    chunk = min(per_batch, edges["score_chunk"] or per_batch)
+    return cost.estimate("edge_scores", config, {"batch": rows, "tokens": tokens, "points_per_batch": chunk,
+                                                 "prompts": ranked * rows_per_prompt, "steps": edges["steps"],
+                                                 "chunks": math.ceil(per_batch / chunk)}, FLOAT32, device)
 
 
 def _edge_counts(settings: dict) -> int:

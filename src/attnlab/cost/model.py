@@ -95,6 +95,13 @@ class Shape:
     def receivers(self) -> int:
         return 1 + self.depth * (self.heads + 2 * self.kv_heads + 1)
 
+    def edges(self) -> int:
+        """Every sender feeding every later receiver (``Graph.n_edges``; a block's MLP reads its
+        heads)."""
+        before = [1 + layer * (self.heads + 1) for layer in range(self.depth)]
+        return (sum((self.heads + 2 * self.kv_heads) * first + first + self.heads for first in before)
+                + self.senders())
+
     def recorded_per_point(self) -> int:
         """Elements a ``Recording`` holds per point: every sender's contribution, each layer's
         input and its MLP's input, the final norm's input; where no norm follows the attention,

@@ -39,8 +39,9 @@ from pathlib import Path
 
 from attnlab.anatomy.families import text_config
 from attnlab.cost import model as cost
+from attnlab.config.checks import ConfigError
 from attnlab.cost.budget import (FLOAT32, TASK_TOKENS, JobEstimate, edge_estimate, estimates, model_config,
-                                   prompt_split, whole_prompts)
+                                   prompt_split, ranking_estimate, whole_prompts)
 from attnlab.config.plan import cell_generation, pruning_ablations, with_mib_sizes
 from attnlab.cost.defaults import model_memory_mb, weights_bytes
 from attnlab.cost.training import sparsify_estimate
@@ -336,3 +337,44 @@ def planned_estimates(config: dict, chosen: dict, bases: dict, models_dir: Path)
                                "its config.json is not at hand before it is prepared" if model_json is None
                                else "the cost fit has no family or stage for it", settings_of[rule]))
     return out
+
+
+def acdc_minutes(model_json: dict, task: str, pruning: dict, device: str) -> tuple[float, int] | None:
+    """ACDC's estimated minutes on ``device`` (every edge tried, times the fit's largest time
+    factor on edge circuits) and the model's edges; None where the fit has no time for it (a GPU)."""
+    found = ranking_estimate(model_json, task, pruning, device)
+    shape = cost.Shape.of(model_json)
+    if found is None or found.seconds is None or shape is None:
+        return None
+    _, factor = margins("edges", text_config(model_json).get("model_type", ""))
+    return found.seconds * factor / 60, shape.edges()
+
+
+def check_acdc_time(config: dict, chosen: dict, bases: dict, models_dir: Path, local: bool) -> list[str]:
+    """Refuse a plan whose ACDC job is estimated longer than ``pruning.edges.acdc.max_minutes``,
+    naming the key, its value and each estimate. Returns what could not be estimated (a model
+    whose config.json is not at hand yet, a job on a GPU): those are checked again when the job
+    starts (``steps.edges``)."""
+    pruning = config["pruning"]
+    if pruning["edges"].get("method") != "acdc":
+        return []
+    limit, device = pruning["edges"]["acdc"]["max_minutes"], job_device(pruning["device"], local)
+    over, unknown = [], []
+    for model in chosen.get("edge_models") or []:
+        model_json = model_config(model, config["models"], models_dir, bases)
+        for task in [task for task in pruning["edges"]["tasks"] if task in pruning["tasks"]]:
+            found = None if model_json is None else acdc_minutes(model_json, task, pruning, device)
+            if found is None:
+                unknown.append(f"{model}/{task}")
+            elif found[0] > limit:
+                over.append(f"  {model}/{task}: {found[1]:,} edges, estimated {found[0]:,.0f} min on the {device}")
+    if over:
+        raise ConfigError(acdc_refusal(limit, over))
+    return unknown
+
+
+def acdc_refusal(limit: float, over: list[str]) -> str:
+    return (f"pruning.edges.acdc.max_minutes = {limit:g}, but ACDC (one patched forward of the ranked prompts per "
+            "edge, every edge tried; the cost fit's estimate, attnlab.cost.budget.ranking_estimate) would take "
+            "longer:\n" + "\n".join(over) + "\nraise max_minutes where the job may run that long, use method "
+            "eap_ig or edge_pruning, or fewer ranked prompts (pruning.tasks.<task>.n, pruning.rank_share)")

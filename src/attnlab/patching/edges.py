@@ -69,8 +69,8 @@ class EdgeCircuits:
         return self.batch.chunks(self.batch_size)
 
     def _logits(self, rows: slice, patch: EdgePatch, ids: torch.Tensor | None = None,
-                embeds: torch.Tensor | None = None) -> torch.Tensor:
-        readout = Readout(LOGITS_KEPT, self.batch.read_tokens)
+                embeds: torch.Tensor | None = None, every_token: bool = False) -> torch.Tensor:
+        readout = Readout(LOGITS_KEPT, None if every_token else self.batch.read_tokens)
         inputs = {"inputs_embeds": embeds} if embeds is not None else {"input_ids": ids[rows].to(self.device)}
         with intervened(self.model, edges=patch, readout=readout):
             return self.model(**inputs, attention_mask=self.batch.mask[rows].to(self.device),
@@ -190,6 +190,25 @@ class EdgeCircuits:
             self._table = corrupted.senders.new_full((size,), float("nan"))
         corrupted.table = self._table[:size].view(senders + 2, points, hidden)
         return corrupted
+
+    def patched_logits(self, index: int, kept: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+                       every_token: bool = False) -> torch.Tensor:
+        """Mini-batch ``index``'s logits at the last positions on its clean prompts, with only the
+        ``kept`` edges carrying the clean activations, or each edge its ``weights`` mix of clean
+        and corrupted (differentiable in them), or neither (the clean forward); ``every_token``:
+        every token's logit (a KL divergence), else those the metric reads."""
+        rows = self._chunks()[index]
+        if kept is None and weights is None:
+            patch = EdgePatch(self.graph)
+        else:
+            patch = EdgePatch(self.graph, kept=kept, weights=weights,
+                              corrupted=self.corrupted_run(index) if weights is not None
+                              else self._with_table(self.corrupted_run(index)))
+        try:
+            return self._logits(rows, patch, ids=self.batch.clean, every_token=every_token)
+        finally:
+            if patch.corrupted is not None:
+                patch.corrupted.table = None  # the shared table: the next batch's
 
     def metric(self, kept: torch.Tensor | None = None) -> float:
         return self.per_prompt(kept)[0]

@@ -9,6 +9,7 @@ from attnlab import io
 from attnlab.circuits.curves import renamed_unit
 from attnlab.config.settings import EdgeSweep
 from attnlab.steps.common import _batch_size, _seed_everything, log, log_cost_estimate
+from attnlab.steps.edge_methods import circuit_effect, ordered_edges
 
 
 def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, scoring_path: str,
@@ -35,8 +36,8 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     prompts = TaskPrompts(**io.read_json(prompts_path))
     model = load_model(model_dir, pick_device(settings.device), torch.float32)
     size = _batch_size(settings.batch_size, batch_size)
-    edges, scored_s = _scored_edges(model, model_dir, build_batch(subset(prompts, scoring["ranked_on"]), tokenizer),
-                                    settings, size)
+    edges, scored_s, method = _scored_edges(model, model_dir, build_batch(subset(prompts, scoring["ranked_on"]),
+                                                                          tokenizer), settings, size)
     io.write_parquet(edges, outputs["edges"])
     counted_on = scoring["counted_on"][:settings.n_counted]  # ascending ids: the first n (None: all)
     counted = subset(prompts, counted_on)
@@ -52,14 +53,17 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     started = time.perf_counter()
     count = _swept_count(circuits, edges.sort_values("rank").index.to_numpy(), settings, bootstrap, counted_on)
     swept_s = time.perf_counter() - started
+    if "method_circuit" in method:  # ACDC's or Edge Pruning's own circuit, on the counted prompts
+        method.update(circuit_effect(circuits, circuits.kept(edges.sort_values("rank").index.to_numpy(),
+                                                              method["method_circuit"]), bootstrap))
     io.write_csv(renamed_unit(count.curve), outputs["curve"])
     io.write_parquet(renamed_unit(count.per_prompt), outputs["per_prompt"])
     graph = circuits.graph
     io.write_json({"task": task, "edges": len(edges), "senders": graph.n_senders, "receivers": graph.n_receivers,
                    "layers": graph.n_layers, "heads": graph.n_heads, "kv_heads": graph.n_kv_heads,
-                   "eap_ig_steps": settings.steps, "score_chunk": settings.score_chunk,
+                   "method": settings.method, **method, "score_chunk": settings.score_chunk,
                    "recordings_kept": list(circuits.recordings_kept), "ablation": "corrupted", "search": settings.search,
-                   "ranking": f"EAP-IG {settings.steps} steps", "threshold": settings.threshold,
+                   "threshold": settings.threshold,
                    **renamed_unit(count.summary),
                    "clean_metric": clean, "corrupted_metric": corrupted, "points": len(count.curve),
                    "refined_points": int(count.curve["refined"].sum()), "score_s": scored_s, "sweep_s": swept_s,
@@ -71,14 +75,13 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
 
 
 def _scored_edges(model, model_dir: str, batch, settings, size: int):
-    """Every edge's EAP-IG score and rank on ``batch`` (the prompts heads were ranked on), and the seconds taken."""
-    from attnlab.patching.edges import EdgeCircuits, ranked_edges
+    """Every edge's score and rank under ``settings.method`` on ``batch`` (the prompts heads were
+    ranked on), the seconds taken and the method's summary (``steps.edge_methods``)."""
+    from attnlab.patching.edges import EdgeCircuits
 
-    ranking = EdgeCircuits(model, batch, size, score_chunk=settings.score_chunk)
-    _log_estimates(model_dir, ranking, settings, size)
-    started = time.perf_counter()
-    edges = ranked_edges(ranking.graph, ranking.scores(settings.steps))
-    return edges, time.perf_counter() - started
+    if settings.method == "eap_ig":  # the estimate of EAP-IG's scoring (the cost fit's stage)
+        _log_estimates(model_dir, EdgeCircuits(model, batch, size, score_chunk=settings.score_chunk), settings, size)
+    return ordered_edges(model, batch, settings, size)
 
 
 def _log_estimates(model_dir: str, circuits, settings, batch_size: int, scoring: bool = True) -> None:

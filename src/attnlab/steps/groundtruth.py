@@ -11,6 +11,7 @@ import pandas as pd
 from attnlab import io
 from attnlab.config.settings import GroundTruth
 from attnlab.steps.common import _batch_size, _seed_everything, log
+from attnlab.steps.edge_methods import METHOD_NAMES
 
 
 def groundtruth_score(model_dir: str, task: str, settings: dict, inputs: dict, outputs: dict, threads: int,
@@ -37,7 +38,8 @@ def groundtruth_score(model_dir: str, task: str, settings: dict, inputs: dict, o
     size = _batch_size(settings.batch_size, batch_size)
     ranked_on = io.read_json(inputs["scoring"])["ranked_on"]
     rankings = (_head_rankings(inputs) + [_circuit_ranking(inputs)]
-                + _edge_rankings(model, tokenizer, prompts, ranked_on, settings, size))
+                + _edge_rankings(model, tokenizer, prompts, ranked_on, settings, size)
+                + _circuit_methods(model, tokenizer, prompts, ranked_on, settings, size, len(known.edges)))
     truths = {"heads": set(known.heads), "edges": set(known.edges)}
     rows = [method_row(r.method, r.unit, r.names, r.scores, truths[r.unit], r.kept) for r in rankings]
     curves = [roc_points(r.method, r.unit, r.names, r.scores, truths[r.unit]) for r in rankings]
@@ -86,8 +88,9 @@ def _circuit_ranking(inputs: dict) -> Ranking:
     count = summary.get("edges_to_reach_threshold")
     kept = list(zip(*(edges.loc[edges["rank"] <= count, column] for column in ("sender_name", "receiver_name")))) \
         if count is not None else None
-    return Ranking(f"EAP-IG ({summary['eap_ig_steps']} steps), circuit at the crossing", "edges", names,
-                   edges["score"].to_numpy(), kept)
+    method = summary.get("method", "eap_ig")
+    name = f"EAP-IG ({summary['eap_ig_steps']} steps)" if method == "eap_ig" else METHOD_NAMES[method]
+    return Ranking(f"{name}, circuit at the crossing", "edges", names, edges["score"].to_numpy(), kept)
 
 
 def _edge_rankings(model, tokenizer, prompts, ranked_on: list[int], settings: GroundTruth,
@@ -104,6 +107,40 @@ def _edge_rankings(model, tokenizer, prompts, ranked_on: list[int], settings: Gr
         method = "EAP" if steps == 1 else f"EAP-IG ({steps} steps)"
         rankings.append(Ranking(method, "edges", list(zip(edges["sender_name"], edges["receiver_name"])),
                                 edges["score"].to_numpy()))
+    return rankings
+
+
+def _circuit_methods(model, tokenizer, prompts, ranked_on: list[int], settings: GroundTruth, size: int,
+                     truth_edges: int) -> list[Ranking]:
+    """ACDC's and Edge Pruning's circuits on the ranked prompts, where ``groundtruth`` asks for
+    them: each scored by its own circuit (what it kept) and the AUC of its scores. Edge Pruning is
+    told the truth's size (sparsity 1 − truth / edges): whether it finds the circuit given its size."""
+    from attnlab.patching.acdc import acdc
+    from attnlab.patching.edge_pruning import PruningSchedule, prune_edges
+    from attnlab.patching.edges import EdgeCircuits, ranked_edges
+    from attnlab.patching.faithfulness import Faithfulness
+    from attnlab.patching.heads import build_batch
+    from attnlab.patching.tasks import subset
+
+    circuits = EdgeCircuits(model, build_batch(subset(prompts, ranked_on), tokenizer), size)
+    graph, rankings = circuits.graph, []
+    names = lambda mask: [(graph.sender_names()[s], graph.receiver_names()[r]) for s, r in mask.nonzero().tolist()]  # noqa: E731
+    if settings.acdc is not None:
+        options = settings.acdc
+        found = acdc(Faithfulness(circuits, options["faithfulness"]), options["threshold"], progress=False)
+        edges = ranked_edges(graph, found.scores)
+        rankings.append(Ranking(f"ACDC ({options['faithfulness']}, threshold {options['threshold']:g})", "edges",
+                                list(zip(edges["sender_name"], edges["receiver_name"])), edges["score"].to_numpy(),
+                                names(found.kept)))
+    if settings.edge_pruning is not None and truth_edges:
+        options = dict(settings.edge_pruning)
+        faithfulness = options.pop("faithfulness")
+        schedule = PruningSchedule(sparsity=1 - truth_edges / graph.n_edges, seed=settings.seed, **options)
+        found = prune_edges(Faithfulness(circuits, faithfulness), schedule, progress=False)
+        edges = ranked_edges(graph, found.scores)
+        rankings.append(Ranking(f"Edge Pruning ({faithfulness}, {schedule.steps} steps, sparsity at the truth's "
+                                f"size)", "edges", list(zip(edges["sender_name"], edges["receiver_name"])),
+                                edges["score"].to_numpy(), names(found.kept)))
     return rankings
 
 

@@ -142,6 +142,8 @@ class ReceiverHooks:
         over every sender some receiver of the point sums costs ~4x the flops at a circuit's
         crossing and runs only ~2x faster per flop on a CPU)."""
         state = self.state
+        if state.weighted:
+            return self._weighted(mix, corrupted)
         table, base = state.table(), state.graph.n_senders
         table[base].copy_(select_points(live, state.points))
         table[base + 1].copy_(corrupted)
@@ -149,3 +151,13 @@ class ReceiverHooks:
         indices, offsets, weights = Mix.bags(points, *state.plan.on(table.device, table.dtype)[point])
         inputs = F.embedding_bag(indices, table.view(-1, hidden), offsets, mode="sum", per_sample_weights=weights)
         return inputs.view(points, len(mix.receivers), hidden).transpose(0, 1)
+
+    def _weighted(self, mix: Mix, corrupted: torch.Tensor) -> torch.Tensor:
+        """With edge weights w: the inputs [receivers, points, hidden] of ``mix``'s receivers, the
+        corrupted residual plus Σ_s w[s, r] (live − corrupted)_s over their upstream senders (one
+        reading point's receivers share them), differentiable in w and in the differences."""
+        state = self.state
+        upstream = state.graph.upstream(mix.receivers[-1])
+        differences = torch.stack([state.differences[sender] for sender in range(upstream)])  # [U, points, hidden]
+        weights = state.patch.weights[:upstream, mix.receivers].to(differences.device, differences.dtype)
+        return corrupted[None] + torch.einsum("ur,uph->rph", weights, differences)

@@ -37,18 +37,32 @@ class SenderHooks:
         state = self.state
         if state.plan is None or not bool(state.plan.used[index:index + count].any()):  # never read
             return
+        if state.weighted:
+            self.keep_differences(index, current() - state.patch.corrupted.senders[index:index + count])
+            return
         torch.sub(current(), state.patch.corrupted.senders[index:index + count],
                   out=state.table()[index:index + count])
+
+    def keep_differences(self, first: int, differences: torch.Tensor) -> None:
+        """Senders ``first`` on wrote ``differences`` [count, points, hidden] (live − corrupted),
+        kept as they are (with autograd's graph) for the weighted sums."""
+        for offset, difference in enumerate(differences):
+            self.state.differences[first + offset] = difference
 
     def write_head_differences(self, o_proj: nn.Module, first: int, z: torch.Tensor,
                                corrupted_z: torch.Tensor) -> None:
         """The heads' (live − corrupted) from o_proj's inputs at the patched points, ``z`` and
         ``corrupted_z`` [points, heads · e]: W_O,h (z_h − corrupted z_h), written straight into
-        the table (one product instead of a product and a difference)."""
+        the table (one product instead of a product and a difference; with edge weights, kept
+        out of place). Returns them [heads, points, hidden]."""
         n_heads = self.state.graph.n_heads
         difference = (z - corrupted_z).view(len(z), n_heads, -1).transpose(0, 1)  # [heads, points, e]
         weight = anatomy.heads_out(o_proj, n_heads)  # [heads, e, hidden]
-        torch.bmm(difference, weight.to(difference.dtype), out=self.state.table()[first:first + n_heads])
+        if self.state.weighted:
+            differences = torch.bmm(difference, weight.to(difference.dtype))
+            self.keep_differences(first, differences)
+            return differences
+        return torch.bmm(difference, weight.to(difference.dtype), out=self.state.table()[first:first + n_heads])
 
     def heads(self, index: int, scale: anatomy.NormSpec | None):
         """The forward hook on layer ``index``'s output projection (its stand-in) that keeps its
@@ -87,9 +101,11 @@ class SenderHooks:
         first, n_heads, corrupted = state.graph.head_sender(index, 0), state.graph.n_heads, state.patch.corrupted
         if not bool(state.plan.used[first:first + n_heads].any()) or index not in corrupted.attention_outputs:
             return o_proj(z)
-        self.write_head_differences(o_proj, first, z, corrupted.head_inputs[index])
+        differences = self.write_head_differences(o_proj, first, z, corrupted.head_inputs[index])
         state.heads_written.add(index)
-        return torch.sum(state.table()[first:first + n_heads], 0).add_(corrupted.attention_outputs[index])
+        if state.weighted:
+            return differences.sum(0) + corrupted.attention_outputs[index]
+        return torch.sum(differences, 0).add_(corrupted.attention_outputs[index])
 
     def head_outputs(self, o_proj: nn.Module, z: torch.Tensor, output: torch.Tensor,
                      scale: anatomy.NormSpec | None) -> torch.Tensor:

@@ -37,6 +37,10 @@ class PassState:
         self.attention_inputs: dict[int, GroupInputs] = {}
         self.live_inputs: dict[int, torch.Tensor] = {}  # each layer's input, kept for receiver gradients
         self.heads_written: set[int] = set()  # layers whose heads' differences this pass has written
+        # with edge weights: each sender's (live − corrupted) [points, hidden], kept in the graph
+        # (no table written in place: autograd reads every one in the backward pass)
+        self.weighted = patch.weights is not None
+        self.differences: dict[int, torch.Tensor] = {}
         self.hidden, self.device = parts.hidden, model.device
         self.points = None if patch.plan is None else patch.corrupted.points
         self.unpatched_points = None  # the other tokens of the pass
@@ -53,6 +57,7 @@ class PassState:
         self.attention_inputs.clear()
         self.live_inputs.clear()
         self.heads_written.clear()
+        self.differences.clear()
 
     def input_norm(self, layer: int) -> NormSpec | None:
         """What the norm before a layer's attention computes (``anatomy.norm_spec`` keeps it while
