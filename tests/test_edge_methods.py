@@ -80,6 +80,27 @@ def test_weights_are_refused_beside_kept_edges_or_of_the_wrong_shape():
         EdgePatch(graph, weights=torch.ones(2, 2), corrupted=Recording())
 
 
+def test_the_kl_is_the_full_models_against_the_circuits():
+    """``Faithfulness('kl')``'s distance of a partial circuit: KL(full ‖ circuit) at each row's last
+    position over every token, the mean over rows, against the hand forward's logits (float64)."""
+    model = _model("llama-gqa")
+    batch = _batch()
+    circuits = EdgeCircuits(model, batch, batch_size=4)
+    kept = _partial_mask(circuits.graph, seed=4)
+    hand = HandForward(model)
+    with torch.no_grad():
+        embeds = {name: model.get_input_embeddings()(ids) for name, ids in (("clean", batch.clean),
+                                                                             ("corrupted", batch.corrupted))}
+        full, _ = hand.forward(embeds["clean"], batch.mask, batch.positions)
+        _, corrupted = hand.forward(embeds["corrupted"], batch.mask, batch.positions)
+        circuit, _ = hand.forward(embeds["clean"], batch.mask, batch.positions, kept=kept, corrupted=corrupted)
+    p, q = (torch.log_softmax(logits[:, -1], -1) for logits in (full, circuit))
+    want = float((p.exp() * (p - q)).sum(-1).mean())
+    reverse = float((q.exp() * (q - p)).sum(-1).mean())
+    assert want > 1e-4 and abs(want - reverse) > 1e-3 * want  # the two directions differ here
+    assert Faithfulness(circuits, "kl").distance(kept) == pytest.approx(want, rel=1e-4)
+
+
 # ---- ACDC ----
 def _acdc_by_hand(hand: HandForward, batch, graph, threshold: float) -> torch.Tensor:
     """ACDC written plainly on the hand forward: every edge tried (none skipped), receivers from the
@@ -189,3 +210,113 @@ def test_both_methods_take_a_step_on_every_familys_tiny_model(arch):
     assert bool(torch.isfinite(pruned.log_alpha).all()) and np.isfinite(pruned.history[0]["loss"])
     stepped = moved > 1e-9
     assert 0 < int(stepped.sum()) < graph.n_edges and float(moved.max()) <= 0.01 * (1 + 1e-6)
+
+
+# ---- refusals before any job ----
+def _edge_config(**edges):
+    import yaml
+
+    from conftest import REPO
+
+    config = yaml.safe_load((REPO / "tests/configs/tiny.yaml").read_text())
+    config["pruning"]["edges"] = {"tasks": ["ioi"], **edges}
+    return config
+
+
+@pytest.mark.parametrize("edges,needles", [
+    ({"method": "eap"}, ["pruning.edges.method", "'eap'", "acdc"]),
+    ({"method": "acdc", "acdc": {"threshold": 0}}, ["pruning.edges.acdc.threshold", "0"]),
+    ({"method": "acdc", "acdc": {"threshold": 1.5}}, ["pruning.edges.acdc.threshold", "1.5"]),
+    ({"method": "edge_pruning", "edge_pruning": {"sparsity": 1}}, ["pruning.edges.edge_pruning.sparsity", "1"]),
+    ({"method": "edge_pruning", "edge_pruning": {"steps": 10, "warmup": 20}},
+     ["pruning.edges.edge_pruning.warmup = 20", "steps = 10"]),
+    ({"faithfulness": "mse"}, ["pruning.edges.faithfulness", "'mse'"]),
+])
+def test_an_edge_method_or_its_setting_out_of_range_is_refused_naming_the_key(tmp_path, edges, needles):
+    from conftest import refusal
+
+    message = refusal(_edge_config(**edges), tmp_path)
+    assert message is not None
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_acdc_on_a_graph_too_large_for_its_declared_time_is_refused_before_any_job(tmp_path):
+    """OLMo-7B's IOI graph (about 1.4 million edges on its config: one patched forward each) against
+    an hour; a compiled program's graph fits."""
+    import yaml
+
+    from conftest import REPO, dry_run
+    from test_cost import _big_model_config
+
+    config = _big_model_config(tmp_path)
+    config["pruning"]["edges"].update(method="acdc", acdc={"max_minutes": 60})
+    refused = dry_run(tmp_path, config)
+    assert refused.returncode != 0, refused.stdout[-2000:]
+    for needle in ("pruning.edges.acdc.max_minutes = 60", "olmo-shaped/ioi", "edges, estimated", "min on the cpu",
+                   "use method eap_ig or edge_pruning"):
+        assert needle in refused.stdout, (needle, refused.stdout[-3000:])
+    assert not (tmp_path / "results").exists()
+    config = yaml.safe_load((REPO / "config" / "groundtruth.yaml").read_text())
+    config["models"] = {"tracr-reverse": {**config["models"]["tracr-reverse"],
+                                          "source": {"local": str(FOLDER / "tracr-reverse")}}}
+    config["groundtruth"]["models"] = ["tracr-reverse"]
+    config["pruning"].update(compare=None)
+    config["pruning"]["edges"].update(method="acdc", acdc={"max_minutes": 60})
+    accepted = dry_run(tmp_path, config)
+    assert accepted.returncode == 0, accepted.stdout[-3000:]
+
+
+# ---- the workflow's edge step ----
+@pytest.mark.parametrize("method", ["acdc", "edge_pruning"])
+def test_the_edge_step_writes_each_methods_circuit_beside_the_sweep(tmp_path, method):
+    """``steps.edge_circuit`` (the edge_circuit rule's step) on a compiled program: the same files as
+    EAP-IG's, the method's own circuit marked in edges.parquet and measured in summary.json."""
+    import dataclasses
+
+    import pandas as pd
+    import yaml
+
+    from attnlab import io
+    from attnlab.config.schema import validate_config
+    from attnlab.config.settings import edge_params
+    from attnlab.config.validate import SCHEMA
+    from attnlab.patching.tasks import split_for_ranking
+    from attnlab.steps.edges import edge_circuit
+    from conftest import REPO
+
+    folder = FOLDER / "tracr-reverse"
+    config = yaml.safe_load((REPO / "config" / "groundtruth.yaml").read_text())
+    config["pruning"]["edges"].update(method=method, faithfulness="metric", acdc={"threshold": 1e-3},
+                                      edge_pruning={"sparsity": 1 - 2 / 77, "steps": 200, "warmup": 100})
+    validate_config(config, SCHEMA)
+    prompts = pairs.generate("program", load_tokenizer(folder), 24, 0, folder)
+    ranked_on, counted_on = split_for_ranking(24, 0.5, 0)
+    io.write_json(dataclasses.asdict(prompts), tmp_path / "prompts.json")
+    io.write_json({"ranked_on": ranked_on, "counted_on": counted_on, "rank_share": 0.5}, tmp_path / "scores.json")
+    outputs = {name: str(tmp_path / f"{name}.{ext}") for name, ext in (("edges", "parquet"), ("curve", "csv"),
+                                                                      ("per_prompt", "parquet"), ("summary", "json"))}
+    edge_circuit(str(folder), "program", edge_params(config["pruning"]), str(tmp_path / "prompts.json"),
+                 str(tmp_path / "scores.json"), outputs, threads=1)
+    summary, edges = io.read_json(outputs["summary"]), pd.read_parquet(outputs["edges"])
+    own = set(zip(edges.loc[edges["in_circuit"], "sender_name"], edges.loc[edges["in_circuit"], "receiver_name"]))
+    assert own == {("embed", "L3.KV0.v"), ("L3.H0", "logits")} and summary["method"] == method
+    assert summary["method_circuit"] == 2 and summary["edges_to_reach_threshold"] == 2
+    low, high = summary["method_circuit_effect_interval"]
+    assert low <= summary["method_circuit_effect"] <= high and abs(summary["method_circuit_effect"] - 1) < 1e-6
+    assert set(edges.sort_values("rank").head(2)["in_circuit"]) == {True}
+    assert summary["ranking"].startswith({"acdc": "ACDC", "edge_pruning": "Edge Pruning"}[method])
+
+
+def test_acdc_is_refused_at_the_jobs_start_when_its_own_prompts_exceed_the_declared_time():
+    """The job checks again on its own prompts (a model whose config.json the plan could not read)."""
+    from types import SimpleNamespace
+
+    from attnlab.config.checks import ConfigError
+    from attnlab.steps.edge_methods import acdc_time_check
+
+    circuits, _ = _compiled("tracr-reverse")
+    settings = SimpleNamespace(acdc={"max_minutes": 1e-6})
+    with pytest.raises(ConfigError, match=r"(?s)pruning.edges.acdc.max_minutes = 1e-06.*77 edges, estimated"):
+        acdc_time_check(str(FOLDER / "tracr-reverse"), circuits, settings, 24)
+    assert 0 < acdc_time_check(str(FOLDER / "tracr-reverse"), circuits, SimpleNamespace(acdc={"max_minutes": 60}), 24) < 60

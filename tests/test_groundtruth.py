@@ -249,6 +249,11 @@ def test_make_groundtruth_scores_every_method_against_the_truth(tmp_path):
     assert len(exact) == 4 and (exact["precision"] == 1).all() and (exact["recall"] == 1).all()
     steps = table[table["method"].str.startswith("EAP")]
     assert (steps.groupby("model")["auc"].max() == 1).all()
+    # ACDC and Edge Pruning (told the truth's size) listed beside them, each exact on both models
+    for name in ("ACDC (metric, threshold 0.001)", "Edge Pruning (metric, 600 steps, sparsity at the truth's size)"):
+        rows = table[table["method"] == name]
+        assert len(rows) == 2 and (rows["precision"] == 1).all() and (rows["recall"] == 1).all(), table
+        assert (rows["auc"] == 1).all(), rows
     controls = table[table["task"] == "program_control"]
     assert len(controls) == 2 and controls["passed"].all() and (controls["largest_effect"] <= 1e-6).all()
     assert (tmp_path / "results" / "figures" / "groundtruth" / "roc.png").stat().st_size > 10_000

@@ -353,8 +353,8 @@ def acdc_minutes(model_json: dict, task: str, pruning: dict, device: str) -> tup
 def check_acdc_time(config: dict, chosen: dict, bases: dict, models_dir: Path, local: bool) -> list[str]:
     """Refuse a plan whose ACDC job is estimated longer than ``pruning.edges.acdc.max_minutes``,
     naming the key, its value and each estimate. Returns what could not be estimated (a model
-    whose config.json is not at hand yet, a job on a GPU): those are checked again when the job
-    starts (``steps.edges``)."""
+    whose config.json is not at hand yet, a job on a GPU): the job checks again when it starts, on
+    its own prompts (``steps.edge_methods.acdc_time_check``)."""
     pruning = config["pruning"]
     if pruning["edges"].get("method") != "acdc":
         return []

@@ -47,7 +47,8 @@ class PruningSchedule:
         if not 0 < self.sparsity < 1:
             raise ValueError(f"Edge Pruning's sparsity: the share of edges closed, in (0, 1), not {self.sparsity}")
         if self.steps < 1 or not 0 <= self.warmup <= self.steps:
-            raise ValueError(f"Edge Pruning: steps ≥ 1 and 0 ≤ warmup ≤ steps, not steps {self.steps}, warmup {self.warmup}")
+            raise ValueError(f"Edge Pruning: steps ≥ 1 and 0 ≤ warmup ≤ steps, not steps {self.steps}, "
+                             f"warmup {self.warmup}")
         if not 0 < self.read_at < 1:
             raise ValueError(f"Edge Pruning's read_at: a gate value in (0, 1), not {self.read_at}")
 
@@ -108,8 +109,9 @@ def prune_edges(faithfulness: Faithfulness, schedule: PruningSchedule, progress:
         (loss + penalty).backward()
         optimiser.step()
         ascent.step()
-        history.append({"step": step, "loss": float(loss.detach()), "expected_sparsity": float(gap.detach()) + schedule.target(step),
-                        "target": schedule.target(step), "lambda_1": float(lambdas[0]), "lambda_2": float(lambdas[1])})
+        target = schedule.target(step)
+        history.append({"step": step, "loss": float(loss.detach()), "expected_sparsity": float(gap.detach()) + target,
+                        "target": target, "lambda_1": float(lambdas[0]), "lambda_2": float(lambdas[1])})
     with torch.no_grad():
         located = torch.zeros(valid.shape, dtype=torch.float64).masked_scatter(valid, log_alpha.detach())
         kept = valid & (deterministic_gates(located) > schedule.read_at)

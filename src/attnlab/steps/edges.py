@@ -54,8 +54,9 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     count = _swept_count(circuits, edges.sort_values("rank").index.to_numpy(), settings, bootstrap, counted_on)
     swept_s = time.perf_counter() - started
     if "method_circuit" in method:  # ACDC's or Edge Pruning's own circuit, on the counted prompts
-        method.update(circuit_effect(circuits, circuits.kept(edges.sort_values("rank").index.to_numpy(),
-                                                              method["method_circuit"]), bootstrap))
+        own = edges[edges["in_circuit"]]
+        kept = circuits.graph.mask(own["sender"].to_numpy(), own["receiver"].to_numpy())
+        method.update(circuit_effect(circuits, kept, bootstrap))
     io.write_csv(renamed_unit(count.curve), outputs["curve"])
     io.write_parquet(renamed_unit(count.per_prompt), outputs["per_prompt"])
     graph = circuits.graph
@@ -81,7 +82,7 @@ def _scored_edges(model, model_dir: str, batch, settings, size: int):
 
     if settings.method == "eap_ig":  # the estimate of EAP-IG's scoring (the cost fit's stage)
         _log_estimates(model_dir, EdgeCircuits(model, batch, size, score_chunk=settings.score_chunk), settings, size)
-    return ordered_edges(model, batch, settings, size)
+    return ordered_edges(model, model_dir, batch, settings, size)
 
 
 def _log_estimates(model_dir: str, circuits, settings, batch_size: int, scoring: bool = True) -> None:
