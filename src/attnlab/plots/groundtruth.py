@@ -3,6 +3,8 @@ construction, one panel per method, one curve per compiled-program model."""
 
 from __future__ import annotations
 
+import textwrap
+
 import pandas as pd
 
 from attnlab.plots.base import _save, fitted_suptitle, plt
@@ -33,7 +35,8 @@ def plot_roc(curves: pd.DataFrame, table: pd.DataFrame, out_path, dpi: int = 150
             else:
                 ax.plot([], [], color=colours(k % 10), label=label)
         ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=0.8)
-        ax.set_title(f"{method} ({unit})", fontsize=9)
+        # a long method name (Edge Pruning's settings) wraps within its panel
+        ax.set_title(textwrap.fill(f"{method} ({unit})", 44), fontsize=9)
         ax.set_xlabel("false positive rate", fontsize=8)
         ax.set_ylabel("true positive rate", fontsize=8)
         ax.legend(fontsize=6, loc="lower right")
