@@ -136,6 +136,7 @@ $(AUTOCIRCUIT_STAMP): benchmarks/peers/autocircuit-requirements.txt benchmarks/p
 
 bench-edge-peers: install $(AUTOCIRCUIT_STAMP)
 	$(BIN)/python -m benchmarks.peers.edges --peer-python $(AUTOCIRCUIT_VENV)/bin/python $(EDGE_PEERS_ARGS)
+	$(BIN)/python -m benchmarks.peers.circuits --peer-python $(AUTOCIRCUIT_VENV)/bin/python $(EDGE_CIRCUITS_ARGS)
 
 clean:
 	rm -rf results/* resources .snakemake

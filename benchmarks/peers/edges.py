@@ -101,7 +101,7 @@ def main() -> None:
             lambda steps=steps: ranked_edges(circuits.graph, circuits.scores(steps)))
         ours[steps].to_parquet(out / f"attnlab_steps{steps}.parquet")
     seconds["attnlab_forward_s"] = timed(circuits.metric)[1]
-    circuits_path, ours_circuits = out / "circuits.json", {}
+    circuits_path, ours_circuits = out / "eap_circuits.json", {}  # circuits.json: benchmarks.peers.circuits
     order = ours[1].sort_values("rank")
     for n in args.circuits:
         top = order.head(n)

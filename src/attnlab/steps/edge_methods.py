@@ -111,11 +111,16 @@ def _edge_pruning(faithfulness, settings):
                    "edge_pruning_expected_sparsity": last["expected_sparsity"]}
 
 
-def circuit_effect(circuits, kept, bootstrap) -> dict:
-    """The explained effect of the circuit keeping ``kept`` on ``circuits``' prompts (the counted
-    ones), with the bootstrap interval over those prompts (the sweep's draws)."""
+def circuit_effect(circuits, edges, bootstrap) -> dict:
+    """The explained effect of the method's own circuit (``edges``' ``in_circuit``; none for
+    EAP-IG: {}) on ``circuits``' prompts (the counted ones), with the bootstrap interval over those
+    prompts (the sweep's draws)."""
     from attnlab.circuits.curves import order_interval, resampled_effects
 
+    if "in_circuit" not in edges:
+        return {}
+    own = edges[edges["in_circuit"]]
+    kept = circuits.graph.mask(own["sender"].to_numpy(), own["receiver"].to_numpy())
     none = kept.clone().zero_()
     metrics = np.stack([circuits.per_prompt(mask)[1] for mask in (none, kept, None)])  # [none, circuit, all]
     effects = resampled_effects(metrics, bootstrap.draws(metrics.shape[1]))[:, 1]

@@ -14,8 +14,8 @@ from attnlab.steps.edge_methods import circuit_effect, ordered_edges
 
 def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, scoring_path: str,
                  outputs: dict, threads: int, batch_size: int | None = None) -> None:
-    """Score every edge by EAP-IG on the prompts the head sweep ranked heads on, then keep the
-    top n by |score| and patch every other edge from the corrupted run on the prompts it counted
+    """Score every edge by ``settings.method`` (EAP-IG, ACDC, Edge Pruning: ``steps.edge_methods``)
+    on the prompts the head sweep ranked heads on, then keep the top n by |score| and patch every other edge from the corrupted run on the prompts it counted
     on, for n on a log grid refined around the first crossing (``settings.search``: rounds) or
     with the crossing and the interval's ends searched (bisection: ``crossing_search``).
     ``outputs``: edges (every edge's score and rank), curve, per_prompt, summary."""
@@ -53,10 +53,7 @@ def edge_circuit(model_dir: str, task: str, settings: dict, prompts_path: str, s
     started = time.perf_counter()
     count = _swept_count(circuits, edges.sort_values("rank").index.to_numpy(), settings, bootstrap, counted_on)
     swept_s = time.perf_counter() - started
-    if "method_circuit" in method:  # ACDC's or Edge Pruning's own circuit, on the counted prompts
-        own = edges[edges["in_circuit"]]
-        kept = circuits.graph.mask(own["sender"].to_numpy(), own["receiver"].to_numpy())
-        method.update(circuit_effect(circuits, kept, bootstrap))
+    method.update(circuit_effect(circuits, edges, bootstrap))  # ACDC's or Edge Pruning's own circuit
     io.write_csv(renamed_unit(count.curve), outputs["curve"])
     io.write_parquet(renamed_unit(count.per_prompt), outputs["per_prompt"])
     graph = circuits.graph
