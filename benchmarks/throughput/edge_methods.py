@@ -12,8 +12,8 @@ each: the edges to the threshold and their interval (every method's order counte
 search on the same counted prompts), ACDC's and Edge Pruning's own circuit and its explained
 effect with its interval, MIB's areas (CPR, CMD) of the curve with their intervals (on MIB's
 sizes and on the measured grid), the seconds spent ordering the edges and sweeping, and ACDC's
-forwards and Edge Pruning's steps. Written to ``edge_methods.json`` (the run's device, threads,
-versions and commit beside them).
+forwards and Edge Pruning's steps. Written to ``edge_methods_<methods>.json`` (the run's device,
+threads, versions and commit beside them).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main() -> None:
     results = {method: run_method(config, method, inputs, task, args.out, args.threads) for method in args.methods}
     write_result({"config": str(args.config.relative_to(REPO)) if args.config.is_relative_to(REPO) else str(args.config),
                   "model": model, "task": task, "threads": args.threads, "threshold": config["pruning"]["threshold"],
-                  "methods": results}, "edge_methods.json", torch.device("cpu"), torch.float32)
+                  "methods": results}, f"edge_methods_{'_'.join(args.methods)}.json", torch.device("cpu"), torch.float32)
 
 
 if __name__ == "__main__":

@@ -197,7 +197,7 @@ class EdgeCircuits:
         ``kept`` edges carrying the clean activations, or each edge its ``weights`` mix of clean
         and corrupted (differentiable in them), or neither (the clean forward); ``every_token``:
         every token's logit (a KL divergence), else those the metric reads."""
-        rows = self._chunks()[index]
+        chunk = self._chunks()[index]
         if kept is None and weights is None:
             patch = EdgePatch(self.graph)
         else:
@@ -205,7 +205,7 @@ class EdgeCircuits:
                               corrupted=self.corrupted_run(index) if weights is not None
                               else self._with_table(self.corrupted_run(index)))
         try:
-            return self._logits(rows, patch, ids=self.batch.clean, every_token=every_token)
+            return self._logits(chunk, patch, ids=self.batch.clean, every_token=every_token)
         finally:
             if patch.corrupted is not None:
                 patch.corrupted.table = None  # the shared table: the next batch's
