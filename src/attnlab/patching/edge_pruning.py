@@ -111,7 +111,7 @@ def prune_edges(faithfulness: Faithfulness, schedule: PruningSchedule, progress:
         ascent.step()
         target = schedule.target(step)
         history.append({"step": step, "loss": float(loss.detach()), "expected_sparsity": float(gap.detach()) + target,
-                        "target": target, "lambda_1": float(lambdas[0]), "lambda_2": float(lambdas[1])})
+                        "target": target, "lambda_1": float(lambdas[0].detach()), "lambda_2": float(lambdas[1].detach())})
     with torch.no_grad():
         located = torch.zeros(valid.shape, dtype=torch.float64).masked_scatter(valid, log_alpha.detach())
         kept = valid & (deterministic_gates(located) > schedule.read_at)
