@@ -320,3 +320,34 @@ def test_acdc_is_refused_at_the_jobs_start_when_its_own_prompts_exceed_the_decla
     with pytest.raises(ConfigError, match=r"(?s)pruning.edges.acdc.max_minutes = 1e-06.*77 edges, estimated"):
         acdc_time_check(str(FOLDER / "tracr-reverse"), circuits, settings, 24)
     assert 0 < acdc_time_check(str(FOLDER / "tracr-reverse"), circuits, SimpleNamespace(acdc={"max_minutes": 60}), 24) < 60
+
+
+def test_edge_prunings_metric_loss_is_the_mean_squared_gap_over_the_span():
+    """Faithfulness 'metric' with weights: the mean over prompts of ((m_circuit − m_clean) /
+    (m̄_clean − m̄_corrupted))², from per-prompt metrics of the kept-edges patch (weights 0 and 1)."""
+    model = _model("llama-gqa")
+    batch = _batch()
+    circuits = EdgeCircuits(model, batch, batch_size=4)
+    kept = _partial_mask(circuits.graph, seed=5)
+    faithfulness = Faithfulness(circuits, "metric")
+    clean, circuit = circuits.per_prompt(None)[1], circuits.per_prompt(kept)[1]
+    span = clean.mean() - circuits.corrupted_metric()
+    want = float((((circuit - clean) / span) ** 2).mean())
+    with torch.no_grad():
+        got = sum(float(faithfulness.batch_term(i, weights=kept.double())) for i in range(faithfulness.batches))
+    assert want > 1e-3 and got == pytest.approx(want, rel=1e-5)
+    assert faithfulness.clean == pytest.approx(circuits.metric(), rel=1e-9)
+
+
+def test_the_target_sparsity_rises_linearly_over_the_warmup_and_the_gates_follow_the_hard_concrete():
+    import math
+
+    from attnlab.patching.edge_pruning import deterministic_gates, open_probability
+
+    schedule = PruningSchedule(sparsity=0.9, steps=10, warmup=4)
+    assert [schedule.target(step) for step in (0, 1, 2, 4, 9)] == pytest.approx([0, 0.225, 0.45, 0.9, 0.9])
+    log_alpha = torch.tensor([-3.0, 0.0, 3.0], dtype=torch.float64)
+    sigmoid = 1 / (1 + torch.exp(-log_alpha))
+    torch.testing.assert_close(deterministic_gates(log_alpha), (sigmoid * 1.2 - 0.1).clamp(0, 1))
+    torch.testing.assert_close(open_probability(log_alpha),
+                               1 / (1 + torch.exp(-(log_alpha - 2 / 3 * math.log(0.1 / 1.1)))))

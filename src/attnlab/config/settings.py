@@ -14,14 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def slice_of(cls, config: dict) -> dict:
+def slice_of(cls, config: dict, leave_out: set[str] = frozenset()) -> dict:
     """What ``cls`` reads from ``config``, in field order (a rule's params: Snakemake reruns a
-    job when they change, so a key the step does not read never reruns it)."""
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in config]
+    job when they change, so a key the step does not read never reruns it); ``leave_out``: fields
+    left to their defaults."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in leave_out]
+    missing = [name for name in names if name not in config]
     if missing:
         raise KeyError(f"{cls.__name__} reads {missing}, which the config section lacks "
                        f"(has: {sorted(config)}); was the config validated (attnlab.config.validate.check)?")
-    return {f.name: config[f.name] for f in dataclasses.fields(cls)}
+    return {name: config[name] for name in names}
 
 
 def scoring_params(pruning: dict, task: str, ablations: list[str]) -> dict:
@@ -172,9 +174,9 @@ def edge_params(pruning: dict) -> dict:
     """An edge job's settings (``EdgeSweep``): the method's own only, so that a method's keys never
     rerun another method's jobs (EAP-IG's jobs read none of ACDC's or Edge Pruning's)."""
     settings = {**pruning, **pruning["edges"]}
-    unread = {key for keys in METHOD_KEYS.values() for key in keys} - set(METHOD_KEYS[settings.get("method", "eap_ig")])
-    return {key: value for key, value in slice_of(EdgeSweep, {**{k: None for k in unread}, **settings}).items()
-            if key not in unread and not (key == "method" and value == "eap_ig")}
+    method = settings.get("method", "eap_ig")
+    unread = {key for keys in METHOD_KEYS.values() for key in keys} - set(METHOD_KEYS[method])
+    return slice_of(EdgeSweep, settings, leave_out=unread | ({"method"} if method == "eap_ig" else set()))
 
 
 @dataclass(frozen=True)

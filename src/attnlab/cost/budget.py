@@ -130,11 +130,9 @@ def ranking_estimate(config: dict, task: str, pruning: dict, device: str = "cuda
     per_batch = rows * points
     method = edges.get("method", "eap_ig")
     if method == "acdc":
-        one = cost.estimate("edge_circuit", config, {"batch": rows, "tokens": tokens, "points_per_batch": per_batch,
-                                                     "points": ranked * rows_per_prompt * points,
-                                                     "prompts": ranked * rows_per_prompt}, FLOAT32, device)
-        shape = cost.Shape.of(config)
-        return None if one is None or shape is None else cost.in_sequence(one, one, shape.edges() + 1)
+        return acdc_estimate(config, {"batch": rows, "tokens": tokens, "points_per_batch": per_batch,
+                                      "points": ranked * rows_per_prompt * points,
+                                      "prompts": ranked * rows_per_prompt}, device)
     if method == "edge_pruning":
         step = cost.estimate("edge_scores", config, {"batch": rows, "tokens": tokens, "points_per_batch": per_batch,
                                                      "prompts": rows, "steps": 1, "chunks": 1}, FLOAT32, device)
@@ -143,6 +141,13 @@ def ranking_estimate(config: dict, task: str, pruning: dict, device: str = "cuda
     return cost.estimate("edge_scores", config, {"batch": rows, "tokens": tokens, "points_per_batch": chunk,
                                                  "prompts": ranked * rows_per_prompt, "steps": edges["steps"],
                                                  "chunks": math.ceil(per_batch / chunk)}, FLOAT32, device)
+
+
+def acdc_estimate(config: dict, work: dict, device: str) -> cost.Estimate | None:
+    """ACDC on ``work`` (an edge_circuit workload of the ranked prompts): its reference and one
+    patched forward per edge, every edge tried (an upper bound)."""
+    one, shape = cost.estimate("edge_circuit", config, work, FLOAT32, device), cost.Shape.of(config)
+    return None if one is None or shape is None else cost.in_sequence(one, one, shape.edges())
 
 
 def _edge_counts(settings: dict) -> int:

@@ -340,9 +340,14 @@ def planned_estimates(config: dict, chosen: dict, bases: dict, models_dir: Path)
 
 
 def acdc_minutes(model_json: dict, task: str, pruning: dict, device: str) -> tuple[float, int] | None:
-    """ACDC's estimated minutes on ``device`` (every edge tried, times the fit's largest time
-    factor on edge circuits) and the model's edges; None where the fit has no time for it (a GPU)."""
-    found = ranking_estimate(model_json, task, pruning, device)
+    """ACDC's estimated minutes on ``device`` for the task's ranked prompts and the model's edges
+    (``with_time_factor``); None where the fit has no time for it (a GPU)."""
+    return with_time_factor(ranking_estimate(model_json, task, pruning, device), model_json)
+
+
+def with_time_factor(found: cost.Estimate | None, model_json: dict) -> tuple[float, int] | None:
+    """An ACDC estimate's minutes times the fit's largest time factor on edge circuits, and the
+    model's edges; None without a time."""
     shape = cost.Shape.of(model_json)
     if found is None or found.seconds is None or shape is None:
         return None

@@ -27,10 +27,14 @@ class Faithfulness:
             raise ValueError(f"faithfulness: one of {KINDS}, not {kind!r}")
         self.circuits, self.kind = circuits, kind
         batch = circuits.batch
-        with torch.no_grad():
-            self.references = [self._reference(circuits.patched_logits(index, every_token=kind == "kl"), index)
-                               for index in range(len(circuits.batch.chunks(circuits.batch_size)))]
-        self.clean = circuits.metric()
+        self.references, clean = [], 0.0
+        with torch.no_grad():  # one clean pass per mini-batch gives both the reference and the metric
+            for index in range(len(batch.chunks(circuits.batch_size))):
+                logits = circuits.patched_logits(index, every_token=kind == "kl")
+                metric = self._metric(logits, index)
+                clean += float(metric.sum())
+                self.references.append(torch.log_softmax(logits[:, -1].double(), -1) if kind == "kl" else metric)
+        self.clean = clean / batch.n_prompts
         self.corrupted = circuits.corrupted_metric()
         self.span = self.clean - self.corrupted
         if kind == "metric" and abs(self.span) < 1e-12:
@@ -41,12 +45,6 @@ class Faithfulness:
     @property
     def batches(self) -> int:
         return len(self.references)
-
-    def _reference(self, logits: torch.Tensor, index: int) -> torch.Tensor:
-        if self.kind == "kl":
-            return torch.log_softmax(logits[:, -1].double(), -1)
-        rows = self.circuits.batch.chunks(self.circuits.batch_size)[index]
-        return self.circuits.batch.metric(logits, self.circuits.batch.prompts_of(rows)).double()
 
     def _metric(self, logits: torch.Tensor, index: int) -> torch.Tensor:
         rows = self.circuits.batch.chunks(self.circuits.batch_size)[index]
@@ -77,7 +75,3 @@ class Faithfulness:
         if self.kind == "kl":
             return total
         return abs(1.0 - (total - self.corrupted) / self.span)
-
-    def explained_effect(self, kept: torch.Tensor) -> float:
-        """The explained effect of the circuit keeping ``kept`` on these prompts."""
-        return (self.circuits.metric(kept) - self.corrupted) / self.span if abs(self.span) > 0 else float("nan")

@@ -13,22 +13,20 @@ from attnlab.steps.common import log
 METHOD_NAMES = {"eap_ig": "EAP-IG", "acdc": "ACDC", "edge_pruning": "Edge Pruning"}
 
 
-def ordered_edges(model, model_dir: str, batch, settings, size: int):
-    """Every edge with its score and rank under ``settings.method`` on ``batch`` (the prompts heads
-    were ranked on); the seconds taken; the method's own summary (``ranking``: how edges are
+def ordered_edges(circuits, model_dir: str, settings, size: int):
+    """Every edge with its score and rank under ``settings.method`` on ``circuits``' prompts (those
+    heads were ranked on); the seconds taken; the method's own summary (``ranking``: how edges are
     ordered; for ACDC and Edge Pruning ``method_circuit``: the edges of the circuit it found)."""
-    from attnlab.patching.edges import EdgeCircuits, ranked_edges
+    from attnlab.patching.edges import ranked_edges
+    from attnlab.patching.faithfulness import Faithfulness
 
-    circuits = EdgeCircuits(model, batch, size, score_chunk=settings.score_chunk)
+    if settings.method == "acdc":  # before any forward
+        acdc_time_check(model_dir, circuits, settings, size)
     started = time.perf_counter()
     if settings.method == "eap_ig":
         edges = ranked_edges(circuits.graph, circuits.scores(settings.steps))
         return edges, time.perf_counter() - started, {"ranking": f"EAP-IG {settings.steps} steps",
                                                        "eap_ig_steps": settings.steps}
-    from attnlab.patching.faithfulness import Faithfulness
-
-    if settings.method == "acdc":
-        acdc_time_check(model_dir, circuits, settings, size)
     faithfulness = Faithfulness(circuits, settings.faithfulness)
     if settings.method == "acdc":
         found, extra = _acdc(faithfulness, settings)
@@ -48,31 +46,31 @@ def _at_edges(matrix, edges) -> np.ndarray:
 
 
 def acdc_time_check(model_dir: str, circuits, settings, size: int) -> float | None:
-    """ACDC's estimated minutes for this job's ranked prompts (one patched forward of them per edge,
-    every edge tried, times the cost fit's largest time factor), logged, and refused above
+    """ACDC's estimated minutes for this job's ranked prompts (``cost.budget.acdc_estimate`` on
+    their own sizes, times the fit's largest time factor), logged, and refused above
     ``acdc.max_minutes`` before any forward: the plan checks it too, but a model whose config.json
     was not at hand when the plan was made is estimated only here. None where the fit has no time
     (a GPU)."""
     from attnlab import io
-    from attnlab.anatomy.families import text_config
     from attnlab.config.checks import ConfigError
-    from attnlab.cost import model as cost
-    from attnlab.cost.requests import acdc_refusal, margins
+    from attnlab.cost.budget import acdc_estimate
+    from attnlab.cost.requests import acdc_refusal, with_time_factor
 
     config, batch = io.read_json(f"{model_dir}/config.json"), circuits.batch
     work = {"batch": batch.whole_prompts(size), "tokens": int(batch.clean.shape[1]), "prompts": len(batch.clean),
             "points_per_batch": max(len(batch.differing_points(chunk)) for chunk in batch.chunks(size)),
             "points": len(batch.differing_points(slice(0, len(batch.clean))))}
-    one = cost.estimate("edge_circuit", config, work, 4, circuits.device.type)
-    if one is None or one.seconds is None:
+    found = with_time_factor(acdc_estimate(config, work, circuits.device.type), config)
+    if found is None:
         log.info("ACDC: the cost fit has no time for this model or device; not checked against acdc.max_minutes")
         return None
-    minutes = one.seconds * (circuits.graph.n_edges + 1) * margins("edges", text_config(config).get("model_type", ""))[1] / 60
+    minutes, edges = found
+    limit = settings.acdc["max_minutes"]
     log.info("ACDC: at most %d patched forwards of %d prompts, estimated %.1f min (acdc.max_minutes %g)",
-             circuits.graph.n_edges + 1, len(batch.clean), minutes, settings.acdc["max_minutes"])
-    if minutes > settings.acdc["max_minutes"]:
-        raise ConfigError(acdc_refusal(settings.acdc["max_minutes"], [
-            f"  {model_dir}: {circuits.graph.n_edges:,} edges, estimated {minutes:,.3g} min on the {circuits.device.type}"]))
+             edges + 1, len(batch.clean), minutes, limit)
+    if minutes > limit:
+        raise ConfigError(acdc_refusal(limit, [
+            f"  {model_dir}: {edges:,} edges, estimated {minutes:,.3g} min on the {circuits.device.type}"]))
     return minutes
 
 

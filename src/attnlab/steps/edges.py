@@ -77,9 +77,10 @@ def _scored_edges(model, model_dir: str, batch, settings, size: int):
     ranked on), the seconds taken and the method's summary (``steps.edge_methods``)."""
     from attnlab.patching.edges import EdgeCircuits
 
+    circuits = EdgeCircuits(model, batch, size, score_chunk=settings.score_chunk)
     if settings.method == "eap_ig":  # the estimate of EAP-IG's scoring (the cost fit's stage)
-        _log_estimates(model_dir, EdgeCircuits(model, batch, size, score_chunk=settings.score_chunk), settings, size)
-    return ordered_edges(model, model_dir, batch, settings, size)
+        _log_estimates(model_dir, circuits, settings, size)
+    return ordered_edges(circuits, model_dir, settings, size)
 
 
 def _log_estimates(model_dir: str, circuits, settings, batch_size: int, scoring: bool = True) -> None:
