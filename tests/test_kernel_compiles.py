@@ -222,14 +222,17 @@ GPU_TILES = sorted({tile[:2] for table in (launch.TILES, launch.SM80_TILES, *lau
 
 
 # The interpreter's own 16 x 16 tiles run in the fast suite (test_kernels.py and the first shape
-# here); the larger shapes, 3-5 s each in the interpreter, in the full suite.
+# here); the larger shapes, 4-10 s each in the interpreter, in the full suite.
 @pytest.mark.parametrize("tile", [pytest.param(tile, marks=() if tile == (16, 16) else pytest.mark.slow)
                                   for tile in GPU_TILES], ids=lambda tile: f"{tile[0]}x{tile[1]}")
 def test_the_kernels_equal_the_eager_formula_on_every_gpu_tile_shape(tile, monkeypatch):
     """The interpreter otherwise runs 16 × 16 blocks: here every kernel runs on a tile shape a GPU
-    would, over 70 positions (several query and key blocks, a partial last one): a sampled gate
-    with a window of 7 that cuts inside them, a deterministic one without."""
-    from attnlab.attention.kernels import launch
+    would, over three query blocks and a partial fourth, so that each loop meets every kind of tile
+    (test_kernel_tiles.py): full tiles (no mask; some of padding keys alone, some holding padding
+    rows with no allowed key at all), tiles the window's edge crosses, tiles the diagonal crosses
+    and padded rows. A sampled gate with a window (training), a deterministic gate without one
+    (inference, received attention); one batch row left-padded past the second query block."""
+    from test_kernel_tiles import _allowed, _tile
     from test_kernels import _compare_with_eager
 
     original = launch.blocks
@@ -237,9 +240,16 @@ def test_the_kernels_equal_the_eager_formula_on_every_gpu_tile_shape(tile, monke
     def gpu_tile(head_dim, device, dtype=torch.float32, kernel="forward", queries=None, arch=None):
         return (*tile, original(head_dim, device, dtype, kernel, queries, arch)[2], {})
 
+    block_m, block_n = tile
+    length, window, pad = 3 * block_m + 6, block_m + block_n + block_n // 2, block_m + block_m // 2 + 3
+    last_block = [_tile(_allowed(length, length, 0, window), 2 * block_m, n, block_m, block_n)
+                  for n in range(0, length, block_n)]
+    assert any(t.all() for t in last_block) and sum(t.any() and not t.all() for t in last_block) >= 2
+    padded_full = _tile(_allowed(length, length, 0, None), block_m, 0, block_m, block_n)
+    assert padded_full.all() and pad > block_m and pad >= block_n  # padding rows over padding keys, no mask
     monkeypatch.setattr(launch, "blocks", gpu_tile)
-    for gate_name, window in (("sampled", 7), ("deterministic", None)):
-        _compare_with_eager(gate_name, window, length=70, heads=2, kv_heads=1)
+    for gate_name, gate_window in (("sampled", window), ("deterministic", None)):
+        _compare_with_eager(gate_name, gate_window, pads=(pad,), batch=1, length=length, heads=2, kv_heads=1)
 
 
 def test_float32_stays_off_the_kernels_on_cuda_unless_forced(monkeypatch):

@@ -55,9 +55,11 @@ def _eager(q, k, v, allowed, gate: launch.Gate, noise=None):
     return (weights @ v).transpose(1, 2), penalty, weights
 
 
-def _padded_layout(batch, length, window=None, pad=5):
+def _padded_layout(batch, length, window=None, pads=(5,)):
+    """Left padding of ``pads[i]`` keys in row i (the first row only, by default)."""
     key_real = torch.ones(batch, length, dtype=torch.bool)
-    key_real[0, :pad] = False  # left padding in the first row
+    for row, pad in enumerate(pads):
+        key_real[row, :pad] = False
     return MaskLayout(key_real, 0, window)
 
 
@@ -75,11 +77,11 @@ def test_kernels_equal_the_eager_formula_values_gradients_and_statistics(gate_na
     _compare_with_eager(gate_name, window)
 
 
-def _compare_with_eager(gate_name: str, window: int | None, **shape):
-    gate = GATES[gate_name]
+def _compare_with_eager(gate_name: str, window: int | None, pads=(5,), gate=None, **shape):
+    gate = gate or GATES[gate_name]
     q, k, v = _inputs(**shape)
     batch, heads, length = q.shape[:3]
-    layout = _padded_layout(batch, length, window)
+    layout = _padded_layout(batch, length, window, pads)
     allowed = allowed_by(layout, batch, length, length, "cpu")
     noise = launch.sampled_noise(gate.seed, batch, heads, length, length, "cpu")
     inserted = torch.zeros(batch, length, dtype=torch.bool)
@@ -104,12 +106,26 @@ def _compare_with_eager(gate_name: str, window: int | None, **shape):
         columns = launch.received_columns(q.detach(), k.detach(), lse, layout, gate, SCALE)
         later = torch.ones(length, length).tril(-1).bool()
         want_columns = (w * later * real[:, None, :, None]).sum(-2)
-        torch.testing.assert_close(columns[real[:, None].expand_as(columns)],
-                                   want_columns[real[:, None].expand_as(columns)], atol=1e-5, rtol=0)
+        torch.testing.assert_close(columns, want_columns, atol=1e-5, rtol=0)  # padding keys receive 0
     else:
         with pytest.raises(ValueError, match="not sampled ones"):
             launch.received_columns(q.detach(), k.detach(), lse, layout, gate, SCALE)
     _assert_same_gradients(q, k, v, out, expected, want, want_expected, real)
+
+
+def test_tiles_whose_inference_gates_are_all_closed_are_skipped_exactly():
+    """A deterministic gate at bias -3 leaves most 16 × 16 tiles with every gate closed (the
+    forward skips their product with V, received attention their exponentials) and some with an
+    open one: values, statistics, received attention and gradients still equal the eager formula."""
+    gate = launch.Gate(launch.DETERMINISTIC, -3.0)
+    shape = dict(batch=2, heads=2, kv_heads=1, length=54)
+    q, k, _ = _inputs(**shape)
+    layout = _padded_layout(2, 54, None, (5, 24))
+    hard = _hard(q, k, gate, None) * allowed_by(layout, 2, 54, 54, "cpu")
+    tiles = hard.reshape(2, 2, 54, 54)[..., :48, :48].reshape(2, 2, 3, 16, 3, 16).amax((3, 5))
+    visited = torch.ones(3, 3).tril().bool()  # the causal loops' tiles of the first 48 positions
+    assert (tiles[..., visited] == 0).any() and (tiles[..., visited] == 1).any()
+    _compare_with_eager("deterministic", None, pads=(5, 24), gate=gate, **shape)
 
 
 def _hard(q, k, gate, noise):

@@ -19,34 +19,45 @@ log-sum-exp, so nothing of size queries × keys is stored.
 import triton
 import triton.language as tl
 
-from attnlab.attention.kernels.tiles import VARYING, allowed_tile, gate_tile, key_blocks, load_rows, query_blocks
+from attnlab.attention.kernels.tiles import (VARYING, allowed_tile, full_tile_scores, gate_tile, key_block_split,
+                                             load_rows, query_block_split)
 
 
 @triton.jit
 def _score_gradient(q, k, v, dy, lse, delta, dexp, offs_m, offs_n, key_real, bh, scale, bias, seed,
                     M, N, OFFSET, WINDOW, GATE: tl.constexpr, NOISY: tl.constexpr,
-                    HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """(ds, p·g) of one tile: the score gradient (module docstring) and the gated weights."""
+                    HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                    MASKED: tl.constexpr):
+    """(ds, p·g) of one tile: the score gradient (module docstring) and the gated weights. The
+    scores are -inf on every closed edge (built edge by edge where ``MASKED``, by padding keys
+    alone in a full tile), so p, the gate and σ are 0 there and so is ds: no mask after."""
     logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    allowed = allowed_tile(offs_m, offs_n, M, N, OFFSET, WINDOW, key_real, HAS_KEY_REAL, HAS_WINDOW)
-    p = tl.where(allowed, tl.exp(logits - lse[:, None]), 0.0)
-    hard, gate_logit = gate_tile(logits, bias, seed, bh, offs_m, offs_n, M, N, GATE)
+    if MASKED:
+        allowed = allowed_tile(offs_m, offs_n, M, N, OFFSET, WINDOW, key_real, HAS_KEY_REAL, HAS_WINDOW)
+        scores = tl.where(allowed, logits, float("-inf"))
+    else:
+        scores, _ = full_tile_scores(logits, key_real, offs_n, N, HAS_KEY_REAL)
+    p = tl.exp(scores - lse[:, None])
+    hard, gate_logit = gate_tile(scores, bias, seed, bh, offs_m, offs_n, M, N, GATE)
     d_weights = tl.dot(dy, tl.trans(v), input_precision=PRECISION)
     ds = p * (hard * d_weights - delta[:, None])
     if GATE == 2:
-        expected = tl.sigmoid(logits + bias)
+        expected = tl.sigmoid(scores + bias)
         surrogate = expected
         if NOISY:
             surrogate = tl.sigmoid(gate_logit)
         ds += p * d_weights * surrogate * (1 - surrogate) + dexp[:, None] * expected * (1 - expected)
-    return tl.where(allowed, ds, 0.0), p * hard
+    return ds, p * hard
 
 
 @triton.jit
 def _row_terms(LSE, DELTA, DEXP, bh, offs_m, M):
+    """A row's log-sum-exp, Δ and density gradient; a row with no allowed key (log-sum-exp -inf)
+    takes +inf, so its weights exp(s - lse) are 0 even where a full tile leaves s finite."""
     row = bh.to(tl.int64) * M + offs_m
     inside = offs_m < M
     lse = tl.load(LSE + row, mask=inside, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
     delta = tl.load(DELTA + row, mask=inside, other=0.0)
     dexp = tl.load(DEXP + row, mask=inside, other=0.0)
     return lse, delta, dexp
@@ -67,24 +78,45 @@ def _backward_kv_kernel(
     v = load_rows(V + b * sv_b + kv * sv_h, offs_n, offs_d, sv_n, sv_d, N, D)
     key_real = KEY_REAL + b * N
     dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    lo, hi = query_blocks(n_start, M, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    # query tiles the diagonal crosses, full ones (no mask), then those the window's edge or the
+    # queries' end crosses
+    lo, full_lo, full_hi, hi = query_block_split(n_start, M, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N, 0)
     for g in range(GROUPS):
         h = kv * GROUPS + g
-        bh = b * H + h
-        for m_start in range(lo, hi, BLOCK_M):
-            offs_m = m_start + tl.arange(0, BLOCK_M)
-            q = load_rows(Q + b * sq_b + h * sq_h, offs_m, offs_d, sq_m, sq_d, M, D)
-            dy = load_rows(DY + b * sy_b + h * sy_h, offs_m, offs_d, sy_m, sy_d, M, D)
-            lse, delta, dexp = _row_terms(LSE, DELTA, DEXP, bh, offs_m, M)
-            ds, weighted = _score_gradient(q, k, v, dy, lse, delta, dexp, offs_m, offs_n, key_real, bh,
-                                           scale, bias, seed, M, N, OFFSET, WINDOW, GATE, NOISY,
-                                           HAS_KEY_REAL, HAS_WINDOW, PRECISION)
-            dv += tl.dot(tl.trans(weighted.to(dy.dtype)), dy, input_precision=PRECISION)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        Qh, DYh, bh = Q + b * sq_b + h * sq_h, DY + b * sy_b + h * sy_h, b * H + h
+        for m_start in range(lo, full_lo, BLOCK_M):
+            dk, dv = _kv_tile(Qh, DYh, LSE, DELTA, DEXP, k, v, dk, dv, m_start, offs_n, offs_d, key_real, bh,
+                              sq_m, sq_d, sy_m, sy_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY,
+                              HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, True)
+        for m_start in range(full_lo, full_hi, BLOCK_M):
+            dk, dv = _kv_tile(Qh, DYh, LSE, DELTA, DEXP, k, v, dk, dv, m_start, offs_n, offs_d, key_real, bh,
+                              sq_m, sq_d, sy_m, sy_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY,
+                              HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, False)
+        for m_start in range(full_hi, hi, BLOCK_M):
+            dk, dv = _kv_tile(Qh, DYh, LSE, DELTA, DEXP, k, v, dk, dv, m_start, offs_n, offs_d, key_real, bh,
+                              sq_m, sq_d, sy_m, sy_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY,
+                              HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, True)
     grad_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
     where = offs_n[:, None] * sg_n + offs_d[None, :] * sg_d
     tl.store(DK + b * sg_b + kv * sg_h + where, (dk * scale).to(DK.dtype.element_ty), mask=grad_mask)
     tl.store(DV + b * sg_b + kv * sg_h + where, dv.to(DV.dtype.element_ty), mask=grad_mask)
+
+
+@triton.jit
+def _kv_tile(Q, DY, LSE, DELTA, DEXP, k, v, dk, dv, m_start, offs_n, offs_d, key_real, bh, sq_m, sq_d, sy_m, sy_d,
+             scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE: tl.constexpr, NOISY: tl.constexpr,
+             HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+             MASKED: tl.constexpr):
+    """One query tile's share of a key block's dk and dv."""
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    q = load_rows(Q, offs_m, offs_d, sq_m, sq_d, M, D)
+    dy = load_rows(DY, offs_m, offs_d, sy_m, sy_d, M, D)
+    lse, delta, dexp = _row_terms(LSE, DELTA, DEXP, bh, offs_m, M)
+    ds, weighted = _score_gradient(q, k, v, dy, lse, delta, dexp, offs_m, offs_n, key_real, bh, scale, bias, seed,
+                                   M, N, OFFSET, WINDOW, GATE, NOISY, HAS_KEY_REAL, HAS_WINDOW, PRECISION, MASKED)
+    dv += tl.dot(tl.trans(weighted.to(dy.dtype)), dy, input_precision=PRECISION)
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    return dk, dv
 
 
 @triton.jit(do_not_specialize=VARYING)
@@ -105,15 +137,36 @@ def _backward_q_kernel(
     K, V = K + b * sk_b + kv * sk_h, V + b * sv_b + kv * sv_h
     key_real = KEY_REAL + b * N
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = key_blocks(m_start, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
-    for n_start in range(lo, hi, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        k = load_rows(K, offs_n, offs_d, sk_n, sk_d, N, D)
-        v = load_rows(V, offs_n, offs_d, sv_n, sv_d, N, D)
-        ds, _ = _score_gradient(q, k, v, dy, lse, delta, dexp, offs_m, offs_n, key_real, bh,
-                                scale, bias, seed, M, N, OFFSET, WINDOW, GATE, NOISY,
-                                HAS_KEY_REAL, HAS_WINDOW, PRECISION)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    # key tiles the window's edge crosses, full ones (no mask), then those the diagonal or the
+    # keys' end crosses
+    lo, full_lo, full_hi, hi = key_block_split(m_start, M, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    if HAS_WINDOW:
+        for n_start in range(lo, full_lo, BLOCK_N):
+            dq = _q_tile(q, dy, lse, delta, dexp, K, V, dq, n_start, offs_m, offs_d, key_real, bh, sk_n, sk_d, sv_n,
+                         sv_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY, HAS_KEY_REAL, HAS_WINDOW,
+                         BLOCK_N, PRECISION, True)
+    for n_start in range(full_lo, full_hi, BLOCK_N):
+        dq = _q_tile(q, dy, lse, delta, dexp, K, V, dq, n_start, offs_m, offs_d, key_real, bh, sk_n, sk_d, sv_n,
+                     sv_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY, HAS_KEY_REAL, HAS_WINDOW,
+                     BLOCK_N, PRECISION, False)
+    for n_start in range(full_hi, hi, BLOCK_N):
+        dq = _q_tile(q, dy, lse, delta, dexp, K, V, dq, n_start, offs_m, offs_d, key_real, bh, sk_n, sk_d, sv_n,
+                     sv_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY, HAS_KEY_REAL, HAS_WINDOW,
+                     BLOCK_N, PRECISION, True)
     grad_mask = (offs_m[:, None] < M) & (offs_d[None, :] < D)
     tl.store(DQ + b * sg_b + h * sg_h + offs_m[:, None] * sg_m + offs_d[None, :] * sg_d,
              (dq * scale).to(DQ.dtype.element_ty), mask=grad_mask)
+
+
+@triton.jit
+def _q_tile(q, dy, lse, delta, dexp, K, V, dq, n_start, offs_m, offs_d, key_real, bh, sk_n, sk_d, sv_n, sv_d,
+            scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE: tl.constexpr, NOISY: tl.constexpr,
+            HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+            MASKED: tl.constexpr):
+    """One key tile's share of a query block's dq."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    k = load_rows(K, offs_n, offs_d, sk_n, sk_d, N, D)
+    v = load_rows(V, offs_n, offs_d, sv_n, sv_d, N, D)
+    ds, _ = _score_gradient(q, k, v, dy, lse, delta, dexp, offs_m, offs_n, key_real, bh, scale, bias, seed,
+                            M, N, OFFSET, WINDOW, GATE, NOISY, HAS_KEY_REAL, HAS_WINDOW, PRECISION, MASKED)
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)

@@ -12,15 +12,11 @@ and the open and allowed edge counts. Nothing of size queries × keys is ever st
 import triton
 import triton.language as tl
 
-from attnlab.attention.kernels.tiles import VARYING, allowed_tile, gate_tile, key_blocks, load_rows
+from attnlab.attention.kernels.tiles import (VARYING, allowed_tile, full_tile_scores, gate_tile, key_block_split,
+                                             load_rows)
 
 # Per-row statistics, in this order along the first axis of the kernel's ``stats`` output.
 ROW_STATS = ("gated_mass", "inserted_mass", "expected", "opened", "allowed")
-
-
-@triton.jit
-def _rescaled(old, alpha, added):
-    return old * alpha + added
 
 
 @triton.jit(do_not_specialize=VARYING)
@@ -38,41 +34,89 @@ def _forward_kernel(
     offs_m, offs_d = m_start + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     q = load_rows(Q + b * sq_b + h * sq_h, offs_m, offs_d, sq_m, sq_d, M, D)
     K, V = K + b * sk_b + kv * sk_h, V + b * sv_b + kv * sv_h
-    key_real = KEY_REAL + b * N
+    key_real, inserted_keys = KEY_REAL + b * N, INSERTED + b * N
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     normaliser = tl.zeros([BLOCK_M], tl.float32)
     gated, inserted = tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M], tl.float32)
     expected, opened, allowed_n = (tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M], tl.float32),
                                    tl.zeros([BLOCK_M], tl.float32))
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = key_blocks(m_start, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
-    for n_start in range(lo, hi, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        k = load_rows(K, offs_n, offs_d, sk_n, sk_d, N, D)
-        v = load_rows(V, offs_n, offs_d, sv_n, sv_d, N, D)
-        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        allowed = allowed_tile(offs_m, offs_n, M, N, OFFSET, WINDOW, key_real, HAS_KEY_REAL, HAS_WINDOW)
-        masked = tl.where(allowed, logits, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(masked, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with nothing allowed yet
-        alpha = tl.exp(running_max - safe_max)
-        p = tl.exp(masked - safe_max[:, None])
-        hard, gate_logit = gate_tile(logits, bias, seed, bh, offs_m, offs_n, M, N, GATE)
-        weighted = p * hard
-        normaliser = _rescaled(normaliser, alpha, tl.sum(p, 1))
-        gated = _rescaled(gated, alpha, tl.sum(weighted, 1))
-        acc = acc * alpha[:, None] + tl.dot(weighted.to(v.dtype), v, input_precision=PRECISION)
-        if HAS_INSERTED:
-            flag = tl.load(INSERTED + b * N + offs_n, mask=offs_n < N, other=0)
-            inserted = _rescaled(inserted, alpha, tl.sum(tl.where(flag[None, :] != 0, weighted, 0.0), 1))
-        if GATE == 2:  # the density penalty's terms, for training only
-            expected += tl.sum(tl.where(allowed, tl.sigmoid(logits + bias), 0.0), 1)
-        if GATE > 0:
-            opened += tl.sum(tl.where(allowed & (hard > 0), 1.0, 0.0), 1)
-        allowed_n += tl.sum(tl.where(allowed, 1.0, 0.0), 1)
-        running_max = new_max
+    lo, full_lo, full_hi, hi = key_block_split(m_start, M, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    # three loops, as FlashAttention's: tiles the window's edge crosses, full tiles (no mask), and
+    # tiles the diagonal or the keys' end crosses; the same body, its mask a constant of each
+    if HAS_WINDOW:
+        for n_start in range(lo, full_lo, BLOCK_N):
+            running_max, normaliser, gated, inserted, expected, opened, allowed_n, acc = _forward_tile(
+                q, K, V, key_real, inserted_keys, n_start, offs_m, offs_d, sk_n, sk_d, sv_n, sv_d, M, N, D, OFFSET,
+                WINDOW, scale, bias, seed, bh, running_max, normaliser, gated, inserted, expected, opened,
+                allowed_n, acc, GATE, HAS_KEY_REAL, HAS_WINDOW, HAS_INSERTED, BLOCK_N, PRECISION, True)
+    for n_start in range(full_lo, full_hi, BLOCK_N):
+        running_max, normaliser, gated, inserted, expected, opened, allowed_n, acc = _forward_tile(
+            q, K, V, key_real, inserted_keys, n_start, offs_m, offs_d, sk_n, sk_d, sv_n, sv_d, M, N, D, OFFSET,
+            WINDOW, scale, bias, seed, bh, running_max, normaliser, gated, inserted, expected, opened,
+            allowed_n, acc, GATE, HAS_KEY_REAL, HAS_WINDOW, HAS_INSERTED, BLOCK_N, PRECISION, False)
+    for n_start in range(full_hi, hi, BLOCK_N):
+        running_max, normaliser, gated, inserted, expected, opened, allowed_n, acc = _forward_tile(
+            q, K, V, key_real, inserted_keys, n_start, offs_m, offs_d, sk_n, sk_d, sv_n, sv_d, M, N, D, OFFSET,
+            WINDOW, scale, bias, seed, bh, running_max, normaliser, gated, inserted, expected, opened,
+            allowed_n, acc, GATE, HAS_KEY_REAL, HAS_WINDOW, HAS_INSERTED, BLOCK_N, PRECISION, True)
     _store_rows(O + b * so_b + h * so_h, LSE, STATS, acc, running_max, normaliser, gated, inserted,
                 expected, opened, allowed_n, bh, offs_m, offs_d, so_m, so_d, B, H, M, D)
+
+
+@triton.jit
+def _forward_tile(q, K, V, key_real, inserted_keys, n_start, offs_m, offs_d, sk_n, sk_d, sv_n, sv_d, M, N, D,
+                  OFFSET, WINDOW, scale, bias, seed, bh, running_max, normaliser, gated, inserted, expected, opened,
+                  allowed_n, acc, GATE: tl.constexpr, HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_INSERTED: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """One key tile of the online softmax. Scores are -inf on every edge the mask closes (built
+    edge by edge where ``MASKED``, by padding keys alone in a full tile), so the exponential, the
+    gate (closed at -inf) and the density term need no mask of their own."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    k = load_rows(K, offs_n, offs_d, sk_n, sk_d, N, D)
+    v = load_rows(V, offs_n, offs_d, sv_n, sv_d, N, D)
+    logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if MASKED:
+        allowed = allowed_tile(offs_m, offs_n, M, N, OFFSET, WINDOW, key_real, HAS_KEY_REAL, HAS_WINDOW)
+        scores = tl.where(allowed, logits, float("-inf"))
+        allowed_n += tl.sum(tl.where(allowed, 1.0, 0.0), 1)
+    else:
+        scores, real_keys = full_tile_scores(logits, key_real, offs_n, N, HAS_KEY_REAL)
+        allowed_n += real_keys
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with nothing allowed yet
+    alpha = tl.exp(running_max - safe_max)
+    p = tl.exp(scores - safe_max[:, None])
+    normaliser = normaliser * alpha + tl.sum(p, 1)
+    acc, gated, inserted = acc * alpha[:, None], gated * alpha, inserted * alpha
+    hard, _ = gate_tile(scores, bias, seed, bh, offs_m, offs_n, M, N, GATE)
+    weighted = p * hard
+    if GATE > 0:
+        tile_open = tl.sum(hard, 1)
+        opened += tile_open
+    if GATE == 2:  # the density penalty's terms, for training only
+        expected += tl.sum(tl.sigmoid(scores + bias), 1)
+    if GATE == 1:
+        if tl.max(tile_open, 0) > 0:  # inference gates: a tile whose gates are all closed adds nothing
+            acc, gated, inserted = _add_gated(weighted, v, acc, gated, inserted, inserted_keys, offs_n, N,
+                                              HAS_INSERTED, PRECISION)
+    else:
+        acc, gated, inserted = _add_gated(weighted, v, acc, gated, inserted, inserted_keys, offs_n, N, HAS_INSERTED,
+                                          PRECISION)
+    return new_max, normaliser, gated, inserted, expected, opened, allowed_n, acc
+
+
+@triton.jit
+def _add_gated(weighted, v, acc, gated, inserted, inserted_keys, offs_n, N, HAS_INSERTED: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """The tile's gated weights into the output, the gated mass and the mass on inserted keys."""
+    acc += tl.dot(weighted.to(v.dtype), v, input_precision=PRECISION)
+    gated += tl.sum(weighted, 1)
+    if HAS_INSERTED:
+        flag = tl.load(inserted_keys + offs_n, mask=offs_n < N, other=0)
+        inserted += tl.sum(tl.where(flag[None, :] != 0, weighted, 0.0), 1)
+    return acc, gated, inserted
 
 
 @triton.jit

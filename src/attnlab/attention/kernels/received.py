@@ -9,7 +9,7 @@ diagonal out, as ``reduction.METRIC_DEFINITION`` does; padding rows are left out
 import triton
 import triton.language as tl
 
-from attnlab.attention.kernels.tiles import VARYING, allowed_tile, load_rows, query_blocks
+from attnlab.attention.kernels.tiles import VARYING, allowed_tile, load_rows, query_block_split
 
 
 @triton.jit(do_not_specialize=VARYING[1:])
@@ -25,21 +25,46 @@ def _received_kernel(
     kv = (h // GROUPS).to(tl.int64)
     offs_n, offs_d = n_start + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     k = load_rows(K + b * sk_b + kv * sk_h, offs_n, offs_d, sk_n, sk_d, N, D)
-    Q = Q + b * sq_b + h * sq_h
+    Q, LSE = Q + b * sq_b + h * sq_h, LSE + bh.to(tl.int64) * M
     key_real = KEY_REAL + b * N
     columns = tl.zeros([BLOCK_N], tl.float32)
-    lo, hi = query_blocks(n_start, M, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
-    for m_start in range(lo, hi, BLOCK_M):
-        offs_m = m_start + tl.arange(0, BLOCK_M)
-        q = load_rows(Q, offs_m, offs_d, sq_m, sq_d, M, D)
-        lse = tl.load(LSE + bh.to(tl.int64) * M + offs_m, mask=offs_m < M, other=0.0)
-        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        allowed = allowed_tile(offs_m, offs_n, M, N, OFFSET, WINDOW, key_real, HAS_KEY_REAL, HAS_WINDOW)
-        later = allowed & (offs_m[:, None] + OFFSET > offs_n[None, :])
-        if HAS_KEY_REAL:  # padding rows are no queries
-            real_row = tl.load(key_real + offs_m + OFFSET, mask=offs_m < M, other=0)
-            later = later & (real_row[:, None] != 0)
-        if GATE == 1:
-            later = later & (logits + bias > 0)
-        columns += tl.sum(tl.where(later, tl.exp(logits - lse[:, None]), 0.0), 0)
+    # query tiles the diagonal crosses, full ones (every query strictly after every key: no mask),
+    # then those the window's edge or the queries' end crosses
+    lo, full_lo, full_hi, hi = query_block_split(n_start, M, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N, 1)
+    for m_start in range(lo, full_lo, BLOCK_M):
+        columns = _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D, OFFSET,
+                                 WINDOW, scale, bias, GATE, HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, True)
+    for m_start in range(full_lo, full_hi, BLOCK_M):
+        columns = _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D, OFFSET,
+                                 WINDOW, scale, bias, GATE, HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, False)
+    for m_start in range(full_hi, hi, BLOCK_M):
+        columns = _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D, OFFSET,
+                                 WINDOW, scale, bias, GATE, HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, True)
+    if HAS_KEY_REAL:  # a padding key receives nothing (full tiles summed its column all the same)
+        columns = tl.where(tl.load(key_real + offs_n, mask=offs_n < N, other=0) != 0, columns, 0.0)
     tl.store(COLUMNS + bh.to(tl.int64) * N + offs_n, columns, mask=offs_n < N)
+
+
+@triton.jit
+def _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D, OFFSET, WINDOW,
+                   scale, bias, GATE: tl.constexpr, HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One query tile's weights summed into the key block's columns. Padding rows, and rows with
+    no allowed key, take a log-sum-exp of +inf: their weights exp(s - lse) are 0 without a mask."""
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    q = load_rows(Q, offs_m, offs_d, sq_m, sq_d, M, D)
+    lse = tl.load(LSE + offs_m, mask=offs_m < M, other=float("inf"))
+    if HAS_KEY_REAL:  # padding rows are no queries
+        real_row = tl.load(key_real + offs_m + OFFSET, mask=offs_m < M, other=0)
+        lse = tl.where(real_row != 0, lse, float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if MASKED:
+        allowed = allowed_tile(offs_m, offs_n, M, N, OFFSET, WINDOW, key_real, HAS_KEY_REAL, HAS_WINDOW)
+        scores = tl.where(allowed & (offs_m[:, None] + OFFSET > offs_n[None, :]), scores, float("-inf"))
+    if GATE == 1:  # inference gates 1[s + b > 0]; a tile whose gates are all closed adds nothing
+        if tl.max(tl.max(scores, 1), 0) + bias > 0:
+            columns += tl.sum(tl.where(scores + bias > 0, tl.exp(scores - lse[:, None]), 0.0), 0)
+    else:
+        columns += tl.sum(tl.exp(scores - lse[:, None]), 0)
+    return columns

@@ -6,6 +6,13 @@ sits at position ``i + OFFSET``. An edge (i, j) is allowed when key ``j`` is not
 query, within the sliding window (``pos - j < WINDOW``, as transformers' masks build it) and a
 real (non-padding) token; this is the structure ``layout.layout_of`` verified against the
 model's own mask.
+
+Most tiles of a long sequence lie wholly inside that structure. As in FlashAttention, the loops
+split their blocks (``key_block_split``, ``query_block_split``) into tiles the diagonal, the
+window's edge or the tensor's end crosses, which build the mask edge by edge (``allowed_tile``),
+and full tiles, which skip it: there padding keys alone are closed, by a -inf per column
+(``full_tile_scores``), and nothing else is per edge. The model of the compiled loops
+(benchmarks/gpu/kernel_work.py) found the per-edge mask the dense kernels' largest cost.
 """
 
 import triton
@@ -38,6 +45,17 @@ def allowed_tile(offs_m, offs_n, M, N, OFFSET, WINDOW, key_real_ptr,
         real = tl.load(key_real_ptr + offs_n, mask=offs_n < N, other=0)
         allowed = allowed & (real[None, :] != 0)
     return allowed
+
+
+@triton.jit
+def full_tile_scores(logits, key_real_ptr, offs_n, N, HAS_KEY_REAL: tl.constexpr):
+    """(scores, real keys): a full tile's scores with its padding keys at -inf, and how many of
+    its keys are real (a scalar). A full tile's only mask: one addition per edge, by a bias per
+    column, instead of ``allowed_tile``'s comparisons."""
+    if HAS_KEY_REAL:
+        real = tl.load(key_real_ptr + offs_n, mask=offs_n < N, other=0)
+        return logits + tl.where(real != 0, 0.0, float("-inf"))[None, :], tl.sum(tl.where(real != 0, 1.0, 0.0), 0)
+    return logits, offs_n.shape[0] * 1.0
 
 
 @triton.jit
@@ -84,6 +102,51 @@ def key_blocks(m_start, N, OFFSET, WINDOW, HAS_WINDOW: tl.constexpr,
         lo = tl.maximum(0, m_start + OFFSET - WINDOW + 1)
         lo = (lo // BLOCK_N) * BLOCK_N
     return lo, hi
+
+
+@triton.jit
+def _round_up(x, block: tl.constexpr):
+    """The smallest multiple of ``block`` at or above ``x`` (x ≥ 0: no rounding toward zero)."""
+    return (tl.maximum(x, 0) + block - 1) // block * block
+
+
+@triton.jit
+def key_block_split(m_start, M, N, OFFSET, WINDOW, HAS_WINDOW: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(lo, full_lo, full_hi, hi): the key blocks of ``key_blocks`` split for the query block at
+    ``m_start`` into [lo, full_lo) (the window's edge crosses them), [full_lo, full_hi) (full:
+    every edge of the tile allowed but for padding keys) and [full_hi, hi) (the diagonal or the
+    keys' end crosses them). A query block with rows past ``M`` has no full tile."""
+    lo, hi = key_blocks(m_start, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    hi = tl.maximum(hi, lo)
+    first, last = m_start + OFFSET, m_start + BLOCK_M - 1 + OFFSET  # the block's query positions
+    full_lo = lo
+    if HAS_WINDOW:  # every key of the tile within the window of the last query: j > last - WINDOW
+        full_lo = tl.minimum(tl.maximum(lo, _round_up(last - WINDOW + 1, BLOCK_N)), hi)
+    # every key of the tile at or before the first query, and inside the tensor
+    full_hi = tl.maximum(tl.minimum(first + 1, N), 0) // BLOCK_N * BLOCK_N
+    full_hi = tl.where(m_start + BLOCK_M <= M, tl.maximum(full_hi, full_lo), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_block_split(n_start, M, N, OFFSET, WINDOW, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, STRICT: tl.constexpr):
+    """(lo, full_lo, full_hi, hi): the query blocks of ``query_blocks`` split for the key block at
+    ``n_start`` into [lo, full_lo) (the diagonal crosses them), [full_lo, full_hi) (full) and
+    [full_hi, hi) (the window's edge or the queries' end crosses them). ``STRICT``: a full tile's
+    queries lie strictly after its keys (received attention leaves the diagonal out). A key block
+    with columns past ``N`` has no full tile."""
+    lo, hi = query_blocks(n_start, M, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    hi = tl.maximum(hi, lo)  # a key block the window puts out of every query's reach: nothing to visit
+    # the tile's first query at or after (strictly after) its last key, n_start + BLOCK_N - 1
+    full_lo = tl.minimum(tl.maximum(lo, _round_up(n_start + BLOCK_N - 1 + STRICT - OFFSET, BLOCK_M)), hi)
+    end = M  # the tile's rows inside the tensor, and its last query within the window of its first key
+    if HAS_WINDOW:
+        end = tl.minimum(M, n_start + WINDOW - OFFSET)
+    full_hi = tl.maximum(end, 0) // BLOCK_M * BLOCK_M
+    full_hi = tl.where(n_start + BLOCK_N <= N, tl.maximum(full_hi, full_lo), full_lo)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit

@@ -1,0 +1,109 @@
+"""Which tiles the fused kernels mask (attnlab.attention.kernels.tiles): the split of each loop into
+tiles that build the mask edge by edge and full tiles that skip it, against a brute-force count of
+every tile's allowed edges written here. A full tile must have every edge allowed (but for padding
+keys, closed by a bias per column); every tile with every edge allowed must run as full (the mask
+is built only where needed); and the split must visit the same blocks as the loop it replaces.
+
+In Triton's interpreter (TRITON_INTERPRET=1, conftest.py); the kernels' values on such tiles are
+checked against the eager formula in test_kernel_compiles.py and test_kernels.py."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton.language as tl  # noqa: E402
+from triton import jit  # noqa: E402
+
+from attnlab.attention.kernels.tiles import key_block_split, query_block_split  # noqa: E402
+
+
+@jit
+def _key_splits(OUT, M, N, OFFSET, WINDOW, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    block = tl.program_id(0)
+    lo, full_lo, full_hi, hi = key_block_split(block * BLOCK_M, M, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    for k, value in enumerate((lo, full_lo, full_hi, hi)):
+        tl.store(OUT + block * 4 + k, value)
+
+
+@jit
+def _query_splits(OUT, M, N, OFFSET, WINDOW, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, STRICT: tl.constexpr):
+    block = tl.program_id(0)
+    lo, full_lo, full_hi, hi = query_block_split(block * BLOCK_N, M, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N,
+                                                 STRICT)
+    for k, value in enumerate((lo, full_lo, full_hi, hi)):
+        tl.store(OUT + block * 4 + k, value)
+
+
+def _allowed(queries, keys, offset, window, strict=False):
+    """[M, N] bool, edge by edge: key j seen by the query at position i + offset."""
+    position = np.arange(queries)[:, None] + offset
+    key = np.arange(keys)[None, :]
+    allowed = key < position if strict else key <= position
+    if window is not None:
+        allowed &= position - key < window
+    return allowed
+
+
+def _tile(allowed, m_start, n_start, block_m, block_n):
+    """The tile's allowed edges, padded with closed ones past the tensor's ends (as the kernels' tiles)."""
+    tile = np.zeros((block_m, block_n), bool)
+    part = allowed[m_start:m_start + block_m, n_start:n_start + block_n]
+    tile[:part.shape[0], :part.shape[1]] = part
+    return tile
+
+
+def _check_split(split, starts, blocks_of, tile_of, outer):
+    lo, full_lo, full_hi, hi = (int(x) for x in split)
+    assert lo <= full_lo <= full_hi <= max(hi, full_lo) and full_hi <= hi or full_lo == full_hi, split
+    # the three loops together visit range(lo, hi) once each, as the single loop did
+    visited = [*range(lo, full_lo, blocks_of), *range(full_lo, full_hi, blocks_of), *range(full_hi, hi, blocks_of)]
+    assert visited == list(range(lo, hi, blocks_of)), (outer, split)
+    for start in starts:
+        tile = tile_of(start)
+        if tile.any():
+            assert lo <= start < hi, (outer, start, split)  # no allowed edge is skipped
+        assert (full_lo <= start < full_hi) == bool(tile.all()), (outer, start, split, tile.sum())
+
+
+CASES = [  # (queries, keys, window): a prefill, one with a cache (fewer queries than keys), a decoding step
+    (70, 70, None), (70, 70, 7), (200, 200, 130), (150, 150, 40), (37, 101, None), (37, 101, 50), (1, 90, None),
+    (1, 90, 33), (130, 130, 64),
+    # offsets that are no multiple of a tile: a tile's first query can sit on its last key
+    (37, 100, None), (40, 100, 50), (20, 83, None)]
+TILES = [(16, 16), (32, 16), (32, 32), (64, 16), (64, 32), (64, 64)]
+
+
+@pytest.mark.parametrize("queries,keys,window", CASES)
+def test_the_loops_mask_exactly_the_tiles_an_edge_of_which_is_closed(queries, keys, window):
+    offset = keys - queries
+    for (block_m, block_n), strict in itertools.product(TILES, (0, 1)):
+        allowed = _allowed(queries, keys, offset, window, strict=bool(strict))
+        key_starts, query_starts = range(0, keys, block_n), range(0, queries, block_m)
+        args = (queries, keys, offset, window or 0)
+        if not strict:  # key loops (forward, backward_q): the diagonal is kept
+            splits = torch.empty(len(query_starts), 4, dtype=torch.int32)
+            _key_splits[(len(query_starts),)](splits, *args, HAS_WINDOW=window is not None, BLOCK_M=block_m,
+                                              BLOCK_N=block_n)
+            for m_start, split in zip(query_starts, splits):
+                _check_split(split, key_starts, block_n,
+                             lambda n_start: _tile(allowed, m_start, n_start, block_m, block_n), ("keys", m_start))
+        splits = torch.empty(len(key_starts), 4, dtype=torch.int32)
+        _query_splits[(len(key_starts),)](splits, *args, HAS_WINDOW=window is not None, BLOCK_M=block_m,
+                                          BLOCK_N=block_n, STRICT=strict)
+        for n_start, split in zip(key_starts, splits):
+            _check_split(split, query_starts, block_m,
+                         lambda m_start: _tile(allowed, m_start, n_start, block_m, block_n), ("queries", n_start))
+
+
+def test_the_cases_hold_full_tiles_and_tiles_the_window_and_diagonal_cross():
+    """The cases above are not vacuous: on 64 x 32 tiles the 200-token case with a window has full
+    tiles, tiles the window's edge crosses and tiles the diagonal crosses in one query block."""
+    allowed = _allowed(200, 200, 0, 130)
+    kinds = {("full" if t.all() else "crossed" if t.any() else "empty")
+             for t in (_tile(allowed, 128, n, 64, 32) for n in range(0, 200, 32))}
+    assert kinds == {"full", "crossed", "empty"}
