@@ -104,6 +104,26 @@ def test_a_representative_set_compiles_without_spills_in_16_bits(variant, arch):
     assert report["mma"] == ("wgmma" if arch == 90 and block_m >= 64 else "mma"), report
 
 
+def test_a_compile_is_specialised_as_the_launch_it_stands_for_would_be():
+    """``compiled`` compiles from the launcher's own arguments, with Triton's specialisation: a
+    head dimension's stride of 1 a constant, pointers and sizes divisible by 16 marked so, the
+    head dimension a constant of the kernel; the per-call integers never, though here divisible
+    by 16 (they would compile again per call)."""
+    from attnlab.attention.kernels.tiles import VARYING
+
+    call = compiled.representative_launch(compiled.Variant("forward", "sampled", False, 64, torch.bfloat16), 90)
+    signature, constexprs, attrs, options = compiled.specialised(call)
+    index = {name: (position,) for position, name in enumerate(call.kernel.arg_names)}
+    assert signature["sq_d"] == signature["sv_d"] == "constexpr" and constexprs[index["sq_d"]] == 1
+    assert signature["D"] == "constexpr" and constexprs[index["D"]] == 64
+    assert signature["Q"] == "*bf16" and attrs[index["Q"]] == [["tt.divisibility", 16]]
+    assert attrs[index["sq_m"]] == [["tt.divisibility", 16]] and attrs[index["H"]] == []  # 576; 9 heads
+    for name in VARYING:
+        assert signature[name] == "i32" and index[name] not in attrs, name
+    assert {call.args[call.kernel.arg_names.index(name)] for name in ("M", "N")} == {compiled.TOKENS}
+    assert options == {"num_warps": 4, "num_stages": 2}
+
+
 def test_launch_parameters_that_would_recompile_or_waste_rows():
     """The per-call integers are not specialised on (a new seed per layer and step, a growing
     decode); a one-row decoding query runs on a 16-row block, not a 64-row one."""
@@ -140,16 +160,16 @@ def test_triton_3_6_takes_its_own_tiles(monkeypatch):
     assert tile("backward_kv", 128, 90) == (32, 32, 8, 2) != launch.TILES[("backward_kv", "16bit")][128]
     assert tile("forward", 64, 90) == (64, 16, 4, 2) != launch.TILES[("forward", "16bit")][64]
     assert tile("backward_kv", 64, 80) == (32, 32, 4, 2) != launch.SM80_TILES[("backward_kv", "16bit")][64]
-    assert tile("received", 64, 90) == launch.TILES[("received", "16bit")][64]  # no 3.6 entry
+    assert tile("received", 64, 80) == launch.SM80_TILES[("received", "16bit")][64]  # no 3.6 entry on sm_80
     monkeypatch.setattr(launch, "TRITON_VERSION", (3, 7))
-    assert tile("backward_kv", 128, 90) == (64, 16, 4, 2)
+    assert tile("backward_kv", 128, 90) == launch.TILES[("backward_kv", "16bit")][128]
     assert tile("backward_kv", 64, 80) == launch.SM80_TILES[("backward_kv", "16bit")][64] == (64, 32, 8, 2)
 
 
-REPORT_36 = Path(__file__).resolve().parents[1] / "benchmarks/results/kernel_resources_triton36_2026-11-29.json"
-# The only variants the 3.6 report finds spilling, with their spilled bytes (stores = loads; 8 of
-# stack each): the deterministic forward at head dimension 256 on sm_90, in both 16-bit dtypes.
-SPILLING_UNDER_36 = {(f"forward/deterministic/causal/d256/{dtype}", "sm_90"): 4 for dtype in ("bf16", "fp16")}
+REPORT_36 = Path(__file__).resolve().parents[1] / "benchmarks/results/kernel_resources_triton36_2026-12-05.json"
+# The variants the 3.6 report finds spilling, with their spilled bytes (stores = loads; 8 of stack
+# each): none since 2026-12-05 (before: the deterministic forward at head dimension 256 on sm_90).
+SPILLING_UNDER_36: dict[tuple[str, str], int] = {}
 
 
 def _report_36() -> list[dict]:
@@ -183,19 +203,19 @@ def test_every_triton_3_6_tile_is_the_one_its_resource_report_measured_without_s
 
 
 def test_under_triton_3_6_the_launcher_picks_the_tile_of_every_variant_in_its_report(monkeypatch):
-    """Every row of the 3.6 report (all four kernels, the received one from ``TILES``, both
+    """Every row of the 3.6 report (all four kernels, the received one on sm_80 from ``SM80_TILES``, both
     targets and 16-bit dtypes): ``launch.blocks`` under Triton 3.6 gives its measured tile."""
     monkeypatch.setattr(launch, "TRITON_VERSION", (3, 6))
     dtypes, cuda = {"bf16": torch.bfloat16, "fp16": torch.float16}, torch.device("cuda")
     for row in _report_36():
         kernel, *_, dim, dtype = row["variant"].split("/")
         block_m, block_n, _, options = launch.blocks(int(dim[1:]), cuda, dtypes[dtype], kernel,
-                                                     arch=int(row["arch"][3:]))
+                                                     arch=int(row["arch"][3:]), sampled="/sampled/" in row["variant"])
         assert (block_m, block_n, options["num_warps"], options["num_stages"]) == (
             row["block_m"], row["block_n"], row["num_warps"], row["num_stages"]), (row["variant"], row["arch"])
 
 
-REPORT_37 = Path(__file__).resolve().parents[1] / "benchmarks/results/kernel_resources_2026-11-29.json"
+REPORT_37 = Path(__file__).resolve().parents[1] / "benchmarks/results/kernel_resources_2026-12-05.json"
 
 
 def test_under_triton_3_7_every_16_bit_variant_runs_the_tile_its_report_measured_without_spills(monkeypatch):
@@ -210,7 +230,7 @@ def test_under_triton_3_7_every_16_bit_variant_runs_the_tile_its_report_measured
     for row in rows:
         kernel, *_, dim, dtype = row["variant"].split("/")
         block_m, block_n, _, options = launch.blocks(int(dim[1:]), cuda, dtypes[dtype], kernel,
-                                                     arch=int(row["arch"][3:]))
+                                                     arch=int(row["arch"][3:]), sampled="/sampled/" in row["variant"])
         assert (block_m, block_n, options["num_warps"], options["num_stages"]) == (
             row["block_m"], row["block_n"], row["num_warps"], row["num_stages"]), (row["variant"], row["arch"])
         assert (row["spill_store_bytes"], row["spill_load_bytes"], row["stack_bytes"]) == (0, 0, 0), row["variant"]
@@ -237,7 +257,7 @@ def test_the_kernels_equal_the_eager_formula_on_every_gpu_tile_shape(tile, monke
 
     original = launch.blocks
 
-    def gpu_tile(head_dim, device, dtype=torch.float32, kernel="forward", queries=None, arch=None):
+    def gpu_tile(head_dim, device, dtype=torch.float32, kernel="forward", queries=None, arch=None, sampled=False):
         return (*tile, original(head_dim, device, dtype, kernel, queries, arch)[2], {})
 
     block_m, block_n = tile

@@ -2,7 +2,8 @@
 tiles that build the mask edge by edge and full tiles that skip it, against a brute-force count of
 every tile's allowed edges written here. A full tile must have every edge allowed (but for padding
 keys, closed by a bias per column); every tile with every edge allowed must run as full (the mask
-is built only where needed); and the split must visit the same blocks as the loop it replaces.
+is built only where needed); and the full loop and the masked loop together must visit the same
+blocks as the single loop they replace, each once.
 
 In Triton's interpreter (TRITON_INTERPRET=1, conftest.py); the kernels' values on such tiles are
 checked against the eager formula in test_kernel_compiles.py and test_kernels.py."""
@@ -18,15 +19,26 @@ pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from triton import jit  # noqa: E402
 
-from attnlab.attention.kernels.tiles import key_block_split, query_block_split  # noqa: E402
+from attnlab.attention.kernels.tiles import key_block_split, masked_blocks, masked_start, query_block_split  # noqa: E402
+
+
+SLOTS = 40  # per outer block: lo, full_lo, full_hi, hi, then the masked loop's block starts (-1 after)
+
+
+@jit
+def _write_split(OUT, block, lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """The split as the kernels' loops use it: its bounds, and each start the masked loop visits."""
+    for k, value in enumerate((lo, full_lo, full_hi, hi)):
+        tl.store(OUT + block * SLOTS + k, value)
+    for index in range(0, masked_blocks(lo, full_lo, full_hi, hi, BLOCK)):
+        tl.store(OUT + block * SLOTS + 4 + index, masked_start(index, lo, full_lo, full_hi, BLOCK))
 
 
 @jit
 def _key_splits(OUT, M, N, OFFSET, WINDOW, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     block = tl.program_id(0)
     lo, full_lo, full_hi, hi = key_block_split(block * BLOCK_M, M, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
-    for k, value in enumerate((lo, full_lo, full_hi, hi)):
-        tl.store(OUT + block * 4 + k, value)
+    _write_split(OUT, block, lo, full_lo, full_hi, hi, BLOCK_N)
 
 
 @jit
@@ -35,8 +47,7 @@ def _query_splits(OUT, M, N, OFFSET, WINDOW, HAS_WINDOW: tl.constexpr, BLOCK_M: 
     block = tl.program_id(0)
     lo, full_lo, full_hi, hi = query_block_split(block * BLOCK_N, M, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N,
                                                  STRICT)
-    for k, value in enumerate((lo, full_lo, full_hi, hi)):
-        tl.store(OUT + block * 4 + k, value)
+    _write_split(OUT, block, lo, full_lo, full_hi, hi, BLOCK_M)
 
 
 def _allowed(queries, keys, offset, window, strict=False):
@@ -58,16 +69,16 @@ def _tile(allowed, m_start, n_start, block_m, block_n):
 
 
 def _check_split(split, starts, blocks_of, tile_of, outer):
-    lo, full_lo, full_hi, hi = (int(x) for x in split)
-    assert lo <= full_lo <= full_hi <= max(hi, full_lo) and full_hi <= hi or full_lo == full_hi, split
-    # the three loops together visit range(lo, hi) once each, as the single loop did
-    visited = [*range(lo, full_lo, blocks_of), *range(full_lo, full_hi, blocks_of), *range(full_hi, hi, blocks_of)]
-    assert visited == list(range(lo, hi, blocks_of)), (outer, split)
+    lo, full_lo, full_hi, hi = (int(x) for x in split[:4])
+    masked = [int(x) for x in split[4:] if x >= 0]
+    # the full loop and the masked one together visit range(lo, hi) once each, as the single loop did
+    visited = [*range(full_lo, full_hi, blocks_of), *masked]
+    assert sorted(visited) == list(range(lo, hi, blocks_of)), (outer, split[:4].tolist(), masked)
     for start in starts:
         tile = tile_of(start)
         if tile.any():
-            assert lo <= start < hi, (outer, start, split)  # no allowed edge is skipped
-        assert (full_lo <= start < full_hi) == bool(tile.all()), (outer, start, split, tile.sum())
+            assert start in visited, (outer, start, split[:4].tolist())  # no allowed edge is skipped
+        assert (start in range(full_lo, full_hi, blocks_of)) == bool(tile.all()), (outer, start, split[:4].tolist())
 
 
 CASES = [  # (queries, keys, window): a prefill, one with a cache (fewer queries than keys), a decoding step
@@ -86,13 +97,13 @@ def test_the_loops_mask_exactly_the_tiles_an_edge_of_which_is_closed(queries, ke
         key_starts, query_starts = range(0, keys, block_n), range(0, queries, block_m)
         args = (queries, keys, offset, window or 0)
         if not strict:  # key loops (forward, backward_q): the diagonal is kept
-            splits = torch.empty(len(query_starts), 4, dtype=torch.int32)
+            splits = torch.full((len(query_starts), SLOTS), -1, dtype=torch.int32)
             _key_splits[(len(query_starts),)](splits, *args, HAS_WINDOW=window is not None, BLOCK_M=block_m,
                                               BLOCK_N=block_n)
             for m_start, split in zip(query_starts, splits):
                 _check_split(split, key_starts, block_n,
                              lambda n_start: _tile(allowed, m_start, n_start, block_m, block_n), ("keys", m_start))
-        splits = torch.empty(len(key_starts), 4, dtype=torch.int32)
+        splits = torch.full((len(key_starts), SLOTS), -1, dtype=torch.int32)
         _query_splits[(len(key_starts),)](splits, *args, HAS_WINDOW=window is not None, BLOCK_M=block_m,
                                           BLOCK_N=block_n, STRICT=strict)
         for n_start, split in zip(key_starts, splits):
@@ -107,3 +118,22 @@ def test_the_cases_hold_full_tiles_and_tiles_the_window_and_diagonal_cross():
     kinds = {("full" if t.all() else "crossed" if t.any() else "empty")
              for t in (_tile(allowed, 128, n, 64, 32) for n in range(0, 200, 32))}
     assert kinds == {"full", "crossed", "empty"}
+
+
+def test_tiles_whose_inference_gates_are_all_closed_are_skipped_exactly():
+    """A deterministic gate at bias -3 leaves most 16 × 16 tiles with every gate closed (the
+    forward skips their product with V, received attention their exponentials) and some with an
+    open one: values, statistics, received attention and gradients still equal the eager formula."""
+    from attnlab.attention.kernels import launch
+    from attnlab.attention.kernels.layout import allowed_by
+    from test_kernels import _compare_with_eager, _hard, _inputs, _padded_layout
+
+    gate = launch.Gate(launch.DETERMINISTIC, -3.0)
+    shape = dict(batch=2, heads=2, kv_heads=1, length=54)
+    q, k, _ = _inputs(**shape)
+    layout = _padded_layout(2, 54, None, (5, 24))
+    hard = _hard(q, k, gate, None) * allowed_by(layout, 2, 54, 54, "cpu")
+    tiles = hard.reshape(2, 2, 54, 54)[..., :48, :48].reshape(2, 2, 3, 16, 3, 16).amax((3, 5))
+    visited = torch.ones(3, 3).tril().bool()  # the causal loops' tiles of the first 48 positions
+    assert (tiles[..., visited] == 0).any() and (tiles[..., visited] == 1).any()
+    _compare_with_eager("deterministic", None, pads=(5, 24), gate=gate, **shape)

@@ -74,6 +74,27 @@ def loop_body(sass: str, around: set[str] | None = TENSOR) -> list[str]:
     return min(loops, key=len) if around is not None else max(loops, key=len)
 
 
+def innermost_loops(sass: str, around: set[str] = TENSOR) -> list[list[str]]:
+    """The opcodes of every loop that holds one of the instructions ``around`` and no other such
+    loop: a kernel's inner loops, one per loop of its source (the fused kernels' full tiles and
+    their masked ones), in address order."""
+    instructions = []
+    for line in sass.splitlines():
+        found = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);", line)
+        if found:
+            instructions.append((int(found.group(1), 16), found.group(2), found.group(3)))
+    spans = []
+    for address, opcode, arguments in instructions:
+        target = re.match(r"\s*0x([0-9a-f]+)", arguments)
+        if opcode == "BRA" and target and int(target.group(1), 16) < address:
+            span = (int(target.group(1), 16), address)
+            if any(op.split(".")[0] in around for at, op, _ in instructions if span[0] <= at <= span[1]):
+                spans.append(span)
+    inner = [span for span in spans if not any(other != span and span[0] <= other[0] and other[1] <= span[1]
+                                               for other in spans)]
+    return [[op for at, op, _ in instructions if start <= at <= end] for start, end in sorted(inner)]
+
+
 def unit(opcode: str) -> str:
     base = opcode.split(".")[0]
     if base in TENSOR:
@@ -104,13 +125,46 @@ def sass_of(kernel) -> str:
                               capture_output=True, text=True, check=True).stdout
 
 
-def kernel_row(variant: compiled.Variant, arch: int) -> dict:
+TOKENS = 2048  # the mix of tiles: one causal sequence of the extraction benchmark's length (4 × 2,048)
+KEY_LOOPS = ("forward", "backward_q")  # a query block walks the keys; backward_kv and received the reverse
+
+
+def tile_counts(kernel: str, tokens: int, block_m: int, block_n: int) -> dict:
+    """Of a causal ``tokens`` × ``tokens`` attention (no padding, no window), the tiles a kernel
+    visits (every tile with an allowed edge), counted by brute force over the tile grid: "full"
+    (every edge allowed; received attention leaves the diagonal out, so there strictly below it)
+    and "masked" (the rest: the diagonal crosses them, or the tensor's end)."""
+    import numpy as np
+
+    rows, columns = np.arange(tokens)[:, None], np.arange(tokens)[None, :]
+    allowed = columns < rows if kernel == "received" else columns <= rows
+    counts = {"full": 0, "masked": 0}
+    for m_start in range(0, tokens, block_m):
+        for n_start in range(0, tokens, block_n):
+            tile = allowed[m_start:m_start + block_m, n_start:n_start + block_n]
+            if (columns[0, n_start:n_start + block_n] <= m_start + block_m - 1).any():  # the loops' visit
+                full = tile.shape == (block_m, block_n) and bool(tile.all())
+                counts["full" if full else "masked"] += 1
+    return counts
+
+
+def kernel_row(variant: compiled.Variant, arch: int, tokens: int = TOKENS) -> dict:
+    """The variant's full-tile loop (its shortest inner loop) and masked-tile loop (its longest:
+    the same where a kernel has one loop), per edge by unit, and the bound unit's cycles per edge
+    over the tiles of a causal ``tokens``-token sequence, each loop weighted by its tiles."""
     values, options = compiled.constants(variant, arch)
     edges = values["BLOCK_M"] * values["BLOCK_N"]
     flops = 2 * MATMULS_PER_EDGE[variant.kernel] * variant.head_dim
-    body = loop_body(sass_of(compiled.compile_variant(variant, arch)))
-    return {"variant": variant.name, "tile": f"{values['BLOCK_M']}x{values['BLOCK_N']}", "warps": options["num_warps"],
-            "loop_instructions": len(body), **per_edge(body, edges, options["num_warps"], flops)}
+    loops = innermost_loops(sass_of(compiled.compile_variant(variant, arch)))
+    full, masked = (per_edge(body, edges, options["num_warps"], flops) for body in (min(loops, key=len),
+                                                                                    max(loops, key=len)))
+    counts = tile_counts(variant.kernel, tokens, values["BLOCK_M"], values["BLOCK_N"])
+    bound = {name: max(row["cycles_per_edge"].values()) for name, row in (("full", full), ("masked", masked))}
+    mixed = sum(counts[name] * bound[name] for name in bound) / sum(counts.values())
+    return {"variant": variant.name, "tile": f"{values['BLOCK_M']}x{values['BLOCK_N']}",
+            "warps": options["num_warps"], "loops": len(loops), "loop_instructions": len(min(loops, key=len)),
+            "masked_loop_instructions": len(max(loops, key=len)), **full, "masked": masked, "tiles": counts,
+            "bound_cycles_per_edge": {**bound, f"at {tokens} tokens": mixed}}
 
 
 @triton.jit
@@ -163,9 +217,10 @@ def measure(arch: int, head_dim: int, dtype: torch.dtype) -> dict:
 
 def step_model(rows: list[dict]) -> dict:
     """A training step's modelled cycles per edge, dense kernels against sampled ones: per kernel
-    its bound unit's cycles (the units overlap at best), summed over the step's three kernels."""
-    bound = {row["variant"].split("/")[0] + "/" + row["variant"].split("/")[1]: max(row["cycles_per_edge"].values())
-             for row in rows if "/" in row["variant"]}
+    its bound unit's cycles (the units overlap at best) over a causal sequence's tiles, full and
+    masked, summed over the step's three kernels."""
+    bound = {"/".join(row["variant"].split("/")[:2]): row["bound_cycles_per_edge"][f"at {TOKENS} tokens"]
+             for row in rows if "bound_cycles_per_edge" in row}
     dense = sum(bound[f"{kernel}/dense"] for kernel in STEP)
     sampled = sum(bound[f"{kernel}/sampled"] for kernel in STEP)
     return {"dense_cycles_per_edge": dense, "sampled_cycles_per_edge": sampled, "sampled_over_dense": sampled / dense}
@@ -173,18 +228,25 @@ def step_model(rows: list[dict]) -> dict:
 
 def table(result: dict) -> str:
     lines = [f"sm_{result['arch'][3:]}, head dimension {result['head_dim']}, {result['dtype']}, Triton {result['triton']}",
-             "", "| kernel | tile, warps | loop instructions | lane-instructions per edge: ALU / FP32 / MUFU "
-             "| modelled cycles per edge: tensor / ALU / FP32 / MUFU / shuffle / conversion / issue | bound by |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "", "| kernel | tile, warps | loop instructions, full / masked | lane-instructions per edge, full tiles: "
+             "ALU / FP32 / MUFU | modelled cycles per edge, full tiles: tensor / ALU / FP32 / MUFU / shuffle / "
+             f"conversion / issue | bound by | bound unit's cycles per edge: full / masked / {TOKENS} tokens "
+             "(tiles full : masked) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in result["rows"]:
         lanes, cycles = row["lane_instructions_per_edge"], row["cycles_per_edge"]
-        lines.append(f"| {row['variant']} | {row['tile']}, {row['warps']} | {row['loop_instructions']} | "
+        loops, mix = f"{row['loop_instructions']}", "–"
+        if "bound_cycles_per_edge" in row:
+            loops += f" / {row['masked_loop_instructions']}"
+            bound, tiles = row["bound_cycles_per_edge"], row["tiles"]
+            mix = (f"{bound['full']:.3f} / {bound['masked']:.3f} / **{bound[f'at {TOKENS} tokens']:.3f}** "
+                   f"({tiles['full']} : {tiles['masked']})")
+        lines.append(f"| {row['variant']} | {row['tile']}, {row['warps']} | {loops} | "
                      + " / ".join(f"{lanes.get(u, 0):.1f}" for u in ("alu", "fp32", "mufu")) + " | "
                      + " / ".join(f"{cycles.get(u, 0):.3f}" for u in ("tensor", "alu", "fp32", "mufu", "shuffle", "conversion", "issue"))
-                     + f" | {row['bound_by']} |")
+                     + f" | {row['bound_by']} | {mix} |")
     step = result["training_step"]
-    lines += ["", f"A training step's three kernels, the bound unit's cycles per edge summed: dense "
-                  f"{step['dense_cycles_per_edge']:.3f}, sampled {step['sampled_cycles_per_edge']:.3f} "
+    lines += ["", f"A training step's three kernels, the bound unit's cycles per edge over {TOKENS} tokens' tiles summed: "
+                  f"dense {step['dense_cycles_per_edge']:.3f}, sampled {step['sampled_cycles_per_edge']:.3f} "
                   f"({step['sampled_over_dense']:.1f}x)."]
     return "\n".join(lines)
 

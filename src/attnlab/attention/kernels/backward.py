@@ -13,14 +13,16 @@ where ``u = s + b`` (``expected`` gradient) or ``s + b + L`` with the sample's o
 ``dk = scale · dsᵀ q``, ``dv = (p g)ᵀ dy``. As in flash attention's backward, one kernel walks
 the queries of each key block (dk, dv: summed over the query heads that share a key/value head)
 and one the keys of each query block (dq); both recompute p from the scores and the saved
-log-sum-exp, so nothing of size queries × keys is stored.
+log-sum-exp, so nothing of size queries × keys is stored. Each loop runs its full tiles without a
+mask, then the masked ones (``tiles.key_block_split``, ``query_block_split``), as the forward does.
 """
 
 import triton
 import triton.language as tl
 
-from attnlab.attention.kernels.tiles import (VARYING, allowed_tile, full_tile_scores, gate_tile, key_block_split,
-                                             load_rows, query_block_split)
+from attnlab.attention.kernels.tiles import (VARYING, allowed_tile, exp_below, full_tile_scores, gate_tile,
+                                             key_block_split, load_rows, load_tile, masked_blocks,
+                                             masked_start, query_block_split)
 
 
 @triton.jit
@@ -37,7 +39,7 @@ def _score_gradient(q, k, v, dy, lse, delta, dexp, offs_m, offs_n, key_real, bh,
         scores = tl.where(allowed, logits, float("-inf"))
     else:
         scores, _ = full_tile_scores(logits, key_real, offs_n, N, HAS_KEY_REAL)
-    p = tl.exp(scores - lse[:, None])
+    p = exp_below(scores, lse)
     hard, gate_logit = gate_tile(scores, bias, seed, bh, offs_m, offs_n, M, N, GATE)
     d_weights = tl.dot(dy, tl.trans(v), input_precision=PRECISION)
     ds = p * (hard * d_weights - delta[:, None])
@@ -68,7 +70,7 @@ def _backward_kv_kernel(
         Q, K, V, DY, LSE, DELTA, DEXP, DK, DV, KEY_REAL,
         sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
         sy_b, sy_h, sy_m, sy_d, sg_b, sg_h, sg_n, sg_d,
-        H, HKV, GROUPS, M, N, D, OFFSET, WINDOW, scale, bias, seed,
+        H, HKV, GROUPS, M, N, D: tl.constexpr, OFFSET, WINDOW, scale, bias, seed,
         GATE: tl.constexpr, NOISY: tl.constexpr, HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     n_start, bkv = tl.program_id(0) * BLOCK_N, tl.program_id(1)
@@ -78,21 +80,18 @@ def _backward_kv_kernel(
     v = load_rows(V + b * sv_b + kv * sv_h, offs_n, offs_d, sv_n, sv_d, N, D)
     key_real = KEY_REAL + b * N
     dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # query tiles the diagonal crosses, full ones (no mask), then those the window's edge or the
-    # queries' end crosses
+    # full query tiles without a mask, then those the diagonal, the window's edge or the queries'
+    # end crosses, masked
     lo, full_lo, full_hi, hi = query_block_split(n_start, M, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N, 0)
     for g in range(GROUPS):
         h = kv * GROUPS + g
         Qh, DYh, bh = Q + b * sq_b + h * sq_h, DY + b * sy_b + h * sy_h, b * H + h
-        for m_start in range(lo, full_lo, BLOCK_M):
-            dk, dv = _kv_tile(Qh, DYh, LSE, DELTA, DEXP, k, v, dk, dv, m_start, offs_n, offs_d, key_real, bh,
-                              sq_m, sq_d, sy_m, sy_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY,
-                              HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, True)
         for m_start in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _kv_tile(Qh, DYh, LSE, DELTA, DEXP, k, v, dk, dv, m_start, offs_n, offs_d, key_real, bh,
                               sq_m, sq_d, sy_m, sy_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY,
                               HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, False)
-        for m_start in range(full_hi, hi, BLOCK_M):
+        for index in tl.range(0, masked_blocks(lo, full_lo, full_hi, hi, BLOCK_M), num_stages=1):
+            m_start = masked_start(index, lo, full_lo, full_hi, BLOCK_M)
             dk, dv = _kv_tile(Qh, DYh, LSE, DELTA, DEXP, k, v, dk, dv, m_start, offs_n, offs_d, key_real, bh,
                               sq_m, sq_d, sy_m, sy_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY,
                               HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, True)
@@ -104,13 +103,13 @@ def _backward_kv_kernel(
 
 @triton.jit
 def _kv_tile(Q, DY, LSE, DELTA, DEXP, k, v, dk, dv, m_start, offs_n, offs_d, key_real, bh, sq_m, sq_d, sy_m, sy_d,
-             scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE: tl.constexpr, NOISY: tl.constexpr,
+             scale, bias, seed, M, N, D: tl.constexpr, OFFSET, WINDOW, GATE: tl.constexpr, NOISY: tl.constexpr,
              HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
              MASKED: tl.constexpr):
     """One query tile's share of a key block's dk and dv."""
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    q = load_rows(Q, offs_m, offs_d, sq_m, sq_d, M, D)
-    dy = load_rows(DY, offs_m, offs_d, sy_m, sy_d, M, D)
+    q = load_tile(Q, offs_m, offs_d, sq_m, sq_d, M, D, MASKED)
+    dy = load_tile(DY, offs_m, offs_d, sy_m, sy_d, M, D, MASKED)
     lse, delta, dexp = _row_terms(LSE, DELTA, DEXP, bh, offs_m, M)
     ds, weighted = _score_gradient(q, k, v, dy, lse, delta, dexp, offs_m, offs_n, key_real, bh, scale, bias, seed,
                                    M, N, OFFSET, WINDOW, GATE, NOISY, HAS_KEY_REAL, HAS_WINDOW, PRECISION, MASKED)
@@ -124,7 +123,7 @@ def _backward_q_kernel(
         Q, K, V, DY, LSE, DELTA, DEXP, DQ, KEY_REAL,
         sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
         sy_b, sy_h, sy_m, sy_d, sg_b, sg_h, sg_m, sg_d,
-        H, GROUPS, M, N, D, OFFSET, WINDOW, scale, bias, seed,
+        H, GROUPS, M, N, D: tl.constexpr, OFFSET, WINDOW, scale, bias, seed,
         GATE: tl.constexpr, NOISY: tl.constexpr, HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     m_start, bh = tl.program_id(0) * BLOCK_M, tl.program_id(1)
@@ -137,19 +136,15 @@ def _backward_q_kernel(
     K, V = K + b * sk_b + kv * sk_h, V + b * sv_b + kv * sv_h
     key_real = KEY_REAL + b * N
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # key tiles the window's edge crosses, full ones (no mask), then those the diagonal or the
-    # keys' end crosses
+    # full key tiles without a mask, then those the window's edge, the diagonal or the keys' end
+    # crosses, masked
     lo, full_lo, full_hi, hi = key_block_split(m_start, M, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
-    if HAS_WINDOW:
-        for n_start in range(lo, full_lo, BLOCK_N):
-            dq = _q_tile(q, dy, lse, delta, dexp, K, V, dq, n_start, offs_m, offs_d, key_real, bh, sk_n, sk_d, sv_n,
-                         sv_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY, HAS_KEY_REAL, HAS_WINDOW,
-                         BLOCK_N, PRECISION, True)
     for n_start in range(full_lo, full_hi, BLOCK_N):
         dq = _q_tile(q, dy, lse, delta, dexp, K, V, dq, n_start, offs_m, offs_d, key_real, bh, sk_n, sk_d, sv_n,
                      sv_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY, HAS_KEY_REAL, HAS_WINDOW,
                      BLOCK_N, PRECISION, False)
-    for n_start in range(full_hi, hi, BLOCK_N):
+    for index in tl.range(0, masked_blocks(lo, full_lo, full_hi, hi, BLOCK_N), num_stages=1):
+        n_start = masked_start(index, lo, full_lo, full_hi, BLOCK_N)
         dq = _q_tile(q, dy, lse, delta, dexp, K, V, dq, n_start, offs_m, offs_d, key_real, bh, sk_n, sk_d, sv_n,
                      sv_d, scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE, NOISY, HAS_KEY_REAL, HAS_WINDOW,
                      BLOCK_N, PRECISION, True)
@@ -160,13 +155,13 @@ def _backward_q_kernel(
 
 @triton.jit
 def _q_tile(q, dy, lse, delta, dexp, K, V, dq, n_start, offs_m, offs_d, key_real, bh, sk_n, sk_d, sv_n, sv_d,
-            scale, bias, seed, M, N, D, OFFSET, WINDOW, GATE: tl.constexpr, NOISY: tl.constexpr,
+            scale, bias, seed, M, N, D: tl.constexpr, OFFSET, WINDOW, GATE: tl.constexpr, NOISY: tl.constexpr,
             HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
             MASKED: tl.constexpr):
     """One key tile's share of a query block's dq."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
-    k = load_rows(K, offs_n, offs_d, sk_n, sk_d, N, D)
-    v = load_rows(V, offs_n, offs_d, sv_n, sv_d, N, D)
+    k = load_tile(K, offs_n, offs_d, sk_n, sk_d, N, D, MASKED)
+    v = load_tile(V, offs_n, offs_d, sv_n, sv_d, N, D, MASKED)
     ds, _ = _score_gradient(q, k, v, dy, lse, delta, dexp, offs_m, offs_n, key_real, bh, scale, bias, seed,
                             M, N, OFFSET, WINDOW, GATE, NOISY, HAS_KEY_REAL, HAS_WINDOW, PRECISION, MASKED)
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)

@@ -4,10 +4,15 @@ compiler says of each: registers, spills, stack, shared memory and the matrix in
 
 ``variants()`` lists what the launchers (``launch``) can pick: each kernel × gate × window × head
 dimension × dtype, with the tiles, warps and stages ``launch.blocks`` chooses for it.
-``compile_variant`` builds one for a target (``triton.compile`` of the kernel's source with the
-launcher's argument types and constants, for ``GPUTarget("cuda", arch, 32)``: PTX and a cubin,
-on the CPU) and ``resources`` reads the cubin with the ``cuobjdump`` bundled in Triton's NVIDIA
-backend. tests/test_kernel_compiles.py compiles a representative set; benchmarks/gpu/kernel_resources.py
+``compile_variant`` builds one for a target from the very arguments its launcher passes
+(``representative_launch``: the launcher's own ``Launch`` for CPU tensors of a model's shapes),
+typed and specialised by Triton's own rule as a launch on the card would be (``specialised``: a
+stride of 1 a constant, sizes and strides divisible by 16 and aligned pointers marked so), for
+``GPUTarget("cuda", arch, 32)``: PTX and a cubin, on the CPU. Before 2026-12-05 the compiles
+declared every integer unspecialised, which a launch never does: their register counts and
+instruction counts described code no card runs (benchmarks/gpu/README.md). ``resources`` reads
+the cubin with the ``cuobjdump`` bundled in Triton's NVIDIA backend.
+tests/test_kernel_compiles.py compiles a representative set; benchmarks/gpu/kernel_resources.py
 compiles all of them into a table.
 """
 
@@ -26,16 +31,11 @@ import triton
 from attnlab.attention.kernels import launch
 from attnlab.attention.kernels.backward import _backward_kv_kernel, _backward_q_kernel
 from attnlab.attention.kernels.forward import _forward_kernel
+from attnlab.attention.kernels.layout import MaskLayout
 from attnlab.attention.kernels.received import _received_kernel
 
 KERNELS = {"forward": _forward_kernel, "backward_kv": _backward_kv_kernel, "backward_q": _backward_q_kernel,
            "received": _received_kernel}
-# The kernels' pointer arguments: the attention's tensors (queries, keys, values, output and their
-# gradients: the operands' dtype), float32 rows and int8 flags.
-TENSOR_POINTERS = {"Q", "K", "V", "O", "DY", "DQ", "DK", "DV"}
-FLOAT32_POINTERS = {"LSE", "STATS", "DELTA", "DEXP", "COLUMNS"}
-INT8_POINTERS = {"KEY_REAL", "INSERTED"}
-FLOAT_SCALARS = {"scale", "bias"}
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 GATES = {"dense": launch.DENSE, "deterministic": launch.DETERMINISTIC, "sampled": launch.SAMPLED}
 
@@ -70,50 +70,92 @@ def variants(kernels=tuple(KERNELS), head_dims=(64, 128, 256),
     return found
 
 
-def _signature(kernel, tensor_dtypes: dict[str, torch.dtype], values: dict) -> dict[str, str]:
-    """Triton's type of each argument of ``kernel``: constants, pointers by kind, scalars."""
-    types = {}
-    for name in kernel.arg_names:
-        if name in values:
-            types[name] = "constexpr"
-        elif name in TENSOR_POINTERS:
-            types[name] = f"*{TRITON_TYPES[tensor_dtypes[name]]}"
-        elif name in FLOAT32_POINTERS:
-            types[name] = "*fp32"
-        elif name in INT8_POINTERS:
-            types[name] = "*i8"
-        else:
-            types[name] = "fp32" if name in FLOAT_SCALARS else "i32"
-    return types
+# What a compile stands for: SmolLM2-135M's heads (9 query, 3 key/value), two prompts of 256
+# tokens, as the model hands them: queries and keys contiguous [B, H, T, D] (the rotary embedding
+# writes new tensors), values a view of v_proj's [B, T, H_kv, D] output. A launch specialises on
+# what these share with any such call: strides and sizes equal to 1 or divisible by 16 (every
+# stride here, at a head dimension that is a multiple of 16), 16-byte aligned pointers.
+BATCH, HEADS, KV_HEADS, TOKENS, WINDOW = 2, 9, 3, 256, 512
+
+
+def representative_launch(variant: Variant, arch: int = 90,
+                          tensor_dtypes: dict[str, torch.dtype] | None = None) -> launch.Launch:
+    """The variant's ``launch.Launch`` for a CUDA card of compute capability ``arch``, built by
+    the launcher itself from CPU tensors of the shapes above (nothing runs); the tensors in
+    ``variant.dtype`` unless ``tensor_dtypes`` names others (Q for queries, keys, outputs and
+    their gradients, V for values and theirs)."""
+    dtypes = {"Q": variant.dtype, "V": variant.dtype, **(tensor_dtypes or {})}
+    head_dim = variant.head_dim
+    query = torch.zeros(BATCH, HEADS, TOKENS, head_dim, dtype=dtypes["Q"])
+    key = torch.zeros(BATCH, KV_HEADS, TOKENS, head_dim, dtype=dtypes["Q"])
+    value = torch.zeros(BATCH, TOKENS, KV_HEADS, head_dim, dtype=dtypes["V"]).transpose(1, 2)
+    layout = MaskLayout(torch.ones(BATCH, TOKENS, dtype=torch.bool), 0, WINDOW if variant.window else None)
+    gate = launch.Gate(GATES[variant.gate], 0.3, seed=12345)
+    rows = torch.zeros(BATCH, HEADS, TOKENS)
+    if variant.kernel == "forward":
+        return launch.forward_launch(query, key, value, layout, gate, 0.125,
+                                     torch.zeros(BATCH, TOKENS, dtype=torch.bool), arch=arch)[0]
+    if variant.kernel == "received":
+        return launch.received_launch(query, key, rows, layout, gate, 0.125, arch=arch)[0]
+    out = torch.zeros(BATCH, TOKENS, HEADS, head_dim, dtype=dtypes["Q"])
+    launches, _ = launch.backward_launches((query, key, value, out, rows), out, rows, layout, gate, 0.125, arch=arch)
+    return launches[0 if variant.kernel == "backward_kv" else 1]
+
+
+def specialised(call: launch.Launch) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attributes, options) of ``call`` as Triton's launcher would compile
+    it: each argument typed and specialised by Triton's own rule (``native_specialize_impl``: an
+    int equal to 1 becomes a constant, one divisible by 16 and a 16-byte aligned pointer get
+    ``tt.divisibility``), but for the parameters the kernel keeps from specialisation."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    kernel = _jit_function(call.kernel)
+    values = dict(zip(kernel.arg_names, call.args)) | {k: v for k, v in call.constants.items() if k in kernel.arg_names}
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[(index,)] = "constexpr", value
+            continue
+        kind, key = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
+                                           not param.do_not_specialize_on_alignment)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[(index,)] = value
+        elif isinstance(key, str):
+            attrs[(index,)] = BaseBackend.parse_attr(key)
+    options = {k: v for k, v in call.constants.items() if k not in kernel.arg_names}
+    return signature, constexprs, attrs, options
+
+
+def _jit_function(kernel):
+    """The kernel's ``JITFunction`` (under TRITON_INTERPRET, as in the tests, the decorator gave an
+    interpreter's function: the same source and options, rebuilt for its parameters' metadata)."""
+    if hasattr(kernel, "params"):
+        return kernel
+    options = {name: kernel.kwargs[name] for name in ("do_not_specialize", "do_not_specialize_on_alignment")
+               if name in kernel.kwargs}
+    return triton.runtime.jit.JITFunction(kernel.fn, **options)
 
 
 def constants(variant: Variant, arch: int = 90) -> tuple[dict, dict]:
     """(the kernel's constexpr values, its launch options) as the launcher sets them on a CUDA
     device of compute capability ``arch`` (90: sm_90)."""
-    block_m, block_n, block_d, options = launch.blocks(variant.head_dim, torch.device("cuda"), variant.dtype,
-                                                       variant.kernel, arch=arch)
-    values = {"GATE": GATES[variant.gate], "HAS_KEY_REAL": True, "HAS_WINDOW": variant.window,
-              "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
-              "PRECISION": launch.precision(variant.dtype)}
-    kernel = KERNELS[variant.kernel]
-    if "HAS_INSERTED" in kernel.arg_names:
-        values["HAS_INSERTED"] = True
-    if "NOISY" in kernel.arg_names:
-        values["NOISY"] = False
-    return values, options
+    call = representative_launch(variant, arch)
+    values = {k: v for k, v in call.constants.items() if k in call.kernel.arg_names}
+    return values, {k: v for k, v in call.constants.items() if k not in call.kernel.arg_names}
 
 
 def compile_variant(variant: Variant, arch: int = 90, tensor_dtypes: dict[str, torch.dtype] | None = None):
-    """The variant compiled for ``sm_{arch}`` (a ``triton.compiler.CompiledKernel``); its tensors
-    in ``variant.dtype`` unless ``tensor_dtypes`` names others (as a caller might pass them)."""
+    """The variant compiled for ``sm_{arch}`` (a ``triton.compiler.CompiledKernel``) from the
+    arguments its launcher passes (``representative_launch``), specialised as a launch would be."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = KERNELS[variant.kernel]
-    values, options = constants(variant, arch)
-    signature = _signature(kernel, {**dict.fromkeys(TENSOR_POINTERS, variant.dtype), **(tensor_dtypes or {})}, values)
-    source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(kernel.arg_names.index(name),): value for name, value in values.items()})
+    call = representative_launch(variant, arch, tensor_dtypes)
+    signature, constexprs, attrs, options = specialised(call)
+    source = ASTSource(fn=call.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 

@@ -3,20 +3,23 @@
 Column sums of the (gated) attention weights, recomputed tile by tile from the scores and each
 query row's log-sum-exp (written by the forward kernel), ``p_ij = exp(s_ij - lse_i)``: about one
 more attention's worth of work and no weight matrix in memory. The strict ``i > j`` leaves the
-diagonal out, as ``reduction.METRIC_DEFINITION`` does; padding rows are left out.
+diagonal out, as ``reduction.METRIC_DEFINITION`` does; padding rows are left out. Full query
+tiles (every query strictly after every key) run without a mask, the others with one; under
+inference gates a tile whose gates are all closed skips its exponentials.
 """
 
 import triton
 import triton.language as tl
 
-from attnlab.attention.kernels.tiles import VARYING, allowed_tile, load_rows, query_block_split
+from attnlab.attention.kernels.tiles import (VARYING, allowed_tile, exp_below, load_rows, load_tile, masked_blocks,
+                                             masked_start, query_block_split)
 
 
 @triton.jit(do_not_specialize=VARYING[1:])
 def _received_kernel(
         Q, K, LSE, COLUMNS, KEY_REAL,
         sq_b, sq_h, sq_m, sq_d, sk_b, sk_h, sk_n, sk_d,
-        H, GROUPS, M, N, D, OFFSET, WINDOW, scale, bias,
+        H, GROUPS, M, N, D: tl.constexpr, OFFSET, WINDOW, scale, bias,
         GATE: tl.constexpr, HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         PRECISION: tl.constexpr):
@@ -28,16 +31,14 @@ def _received_kernel(
     Q, LSE = Q + b * sq_b + h * sq_h, LSE + bh.to(tl.int64) * M
     key_real = KEY_REAL + b * N
     columns = tl.zeros([BLOCK_N], tl.float32)
-    # query tiles the diagonal crosses, full ones (every query strictly after every key: no mask),
-    # then those the window's edge or the queries' end crosses
+    # full query tiles (every query strictly after every key) without a mask, then those the
+    # diagonal, the window's edge or the queries' end crosses, masked
     lo, full_lo, full_hi, hi = query_block_split(n_start, M, N, OFFSET, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N, 1)
-    for m_start in range(lo, full_lo, BLOCK_M):
-        columns = _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D, OFFSET,
-                                 WINDOW, scale, bias, GATE, HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, True)
     for m_start in range(full_lo, full_hi, BLOCK_M):
         columns = _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D, OFFSET,
                                  WINDOW, scale, bias, GATE, HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, False)
-    for m_start in range(full_hi, hi, BLOCK_M):
+    for index in tl.range(0, masked_blocks(lo, full_lo, full_hi, hi, BLOCK_M), num_stages=1):
+        m_start = masked_start(index, lo, full_lo, full_hi, BLOCK_M)
         columns = _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D, OFFSET,
                                  WINDOW, scale, bias, GATE, HAS_KEY_REAL, HAS_WINDOW, BLOCK_M, PRECISION, True)
     if HAS_KEY_REAL:  # a padding key receives nothing (full tiles summed its column all the same)
@@ -46,13 +47,13 @@ def _received_kernel(
 
 
 @triton.jit
-def _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D, OFFSET, WINDOW,
+def _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D: tl.constexpr, OFFSET, WINDOW,
                    scale, bias, GATE: tl.constexpr, HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """One query tile's weights summed into the key block's columns. Padding rows, and rows with
     no allowed key, take a log-sum-exp of +inf: their weights exp(s - lse) are 0 without a mask."""
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    q = load_rows(Q, offs_m, offs_d, sq_m, sq_d, M, D)
+    q = load_tile(Q, offs_m, offs_d, sq_m, sq_d, M, D, MASKED)
     lse = tl.load(LSE + offs_m, mask=offs_m < M, other=float("inf"))
     if HAS_KEY_REAL:  # padding rows are no queries
         real_row = tl.load(key_real + offs_m + OFFSET, mask=offs_m < M, other=0)
@@ -64,7 +65,7 @@ def _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, 
         scores = tl.where(allowed & (offs_m[:, None] + OFFSET > offs_n[None, :]), scores, float("-inf"))
     if GATE == 1:  # inference gates 1[s + b > 0]; a tile whose gates are all closed adds nothing
         if tl.max(tl.max(scores, 1), 0) + bias > 0:
-            columns += tl.sum(tl.where(scores + bias > 0, tl.exp(scores - lse[:, None]), 0.0), 0)
+            columns += tl.sum(tl.where(scores + bias > 0, exp_below(scores, lse), 0.0), 0)
     else:
-        columns += tl.sum(tl.exp(scores - lse[:, None]), 0)
+        columns += tl.sum(exp_below(scores, lse), 0)
     return columns

@@ -25,12 +25,38 @@ import triton.language as tl
 # these would compile the kernel again and again.
 VARYING = ["seed", "OFFSET", "M", "N"]
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def exp_below(x, shift):
+    """exp(x - shift) of a [rows, columns] tile and a shift per row, as the hardware's base-2
+    exponential of one fused multiply-add per element. ``tl.exp`` adds three instructions of range
+    fix-up per element on sm_90 (for results below 2^-126, which weights of at most 1 may flush to
+    zero); with a shift of +inf (a row that sees nothing) every weight is 0."""
+    return tl.math.exp2(x * LOG2E - (shift * LOG2E)[:, None])
+
 
 @triton.jit
 def load_rows(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
     """A [rows, cols] tile, zero outside the tensor."""
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     return tl.load(ptr + rows[:, None] * stride_row + cols[None, :] * stride_col, mask=mask, other=0.0)
+
+
+@triton.jit
+def load_tile(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols: tl.constexpr, MASKED: tl.constexpr):
+    """``load_rows`` in a loop over tiles: a full tile's rows all lie inside the tensor, so it
+    loads without a row mask, and without a column mask too where the head dimension ``n_cols``
+    fills its block (address and predicate work per element that the compiled loops spent)."""
+    where = ptr + rows[:, None] * stride_row + cols[None, :] * stride_col
+    if MASKED:
+        tile = tl.load(where, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+    elif n_cols == cols.shape[0]:
+        tile = tl.load(where)
+    else:
+        tile = tl.load(where, mask=cols[None, :] < n_cols, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -53,7 +79,7 @@ def full_tile_scores(logits, key_real_ptr, offs_n, N, HAS_KEY_REAL: tl.constexpr
     its keys are real (a scalar). A full tile's only mask: one addition per edge, by a bias per
     column, instead of ``allowed_tile``'s comparisons."""
     if HAS_KEY_REAL:
-        real = tl.load(key_real_ptr + offs_n, mask=offs_n < N, other=0)
+        real = tl.load(key_real_ptr + offs_n)  # a full tile's keys all lie inside the tensor
         return logits + tl.where(real != 0, 0.0, float("-inf"))[None, :], tl.sum(tl.where(real != 0, 1.0, 0.0), 0)
     return logits, offs_n.shape[0] * 1.0
 
@@ -147,6 +173,22 @@ def query_block_split(n_start, M, N, OFFSET, WINDOW, HAS_WINDOW: tl.constexpr, B
     full_hi = tl.maximum(end, 0) // BLOCK_M * BLOCK_M
     full_hi = tl.where(n_start + BLOCK_N <= N, tl.maximum(full_hi, full_lo), full_lo)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def masked_blocks(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """How many blocks of a split are masked: those of [lo, full_lo) and of [full_hi, hi). The
+    kernels walk them in one loop, unpipelined (``masked_start``), and the full ones in another:
+    two copies of a loop body instead of three, and no prefetch for a loop of a block or two
+    (the compiled backward kernels spilled registers with three pipelined copies)."""
+    return tl.cdiv(full_lo - lo, BLOCK) + tl.cdiv(hi - full_hi, BLOCK)
+
+
+@triton.jit
+def masked_start(index, lo, full_lo, full_hi, BLOCK: tl.constexpr):
+    """The start of the ``index``-th masked block: [lo, full_lo)'s, then [full_hi, hi)'s."""
+    before = tl.cdiv(full_lo - lo, BLOCK)
+    return tl.where(index < before, lo + index * BLOCK, full_hi + (index - before) * BLOCK)
 
 
 @triton.jit
