@@ -36,8 +36,8 @@ class Gate:
 
 # Tiles per (kernel, 16-bit or float32 operands, head-dimension bound): (BLOCK_M, BLOCK_N, warps,
 # stages) on CUDA. Chosen from the compiler's resource report for sm_90 and sm_80 under Triton
-# 3.7.1 (benchmarks/gpu/kernel_resources.py, its table in benchmarks/gpu/README.md): no spilled register
-# in 16 bits at any head dimension, the training kernels included. Re-chosen 2026-12-05, when the
+# 3.7.1 (benchmarks/gpu/kernel_resources.py; benchmarks/results/kernel_resources_summary_2026-12-05.md):
+# no spilled register in 16 bits at any head dimension, training kernels included. Re-chosen 2026-12-05, when the
 # report first compiled the kernels as a launch specialises them (``compiled.specialised``): the
 # code before already spilled 12-100 bytes in 12 backward variants so compiled, and the masks
 # built only where the diagonal runs moved registers; each spilling entry took the first
