@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from triton import jit  # noqa: E402
 
-from attnlab.attention.kernels.tiles import key_block_split, masked_blocks, masked_start, query_block_split  # noqa: E402
+from attnlab.attention.kernels.tiles import (key_block_split, masked_blocks, masked_start,  # noqa: E402
+                                            query_block_split)
 
 
 SLOTS = 40  # per outer block: lo, full_lo, full_hi, hi, then the masked loop's block starts (-1 after)

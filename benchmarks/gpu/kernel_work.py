@@ -245,7 +245,8 @@ def table(result: dict) -> str:
                      + " / ".join(f"{cycles.get(u, 0):.3f}" for u in ("tensor", "alu", "fp32", "mufu", "shuffle", "conversion", "issue"))
                      + f" | {row['bound_by']} | {mix} |")
     step = result["training_step"]
-    lines += ["", f"A training step's three kernels, the bound unit's cycles per edge over {TOKENS} tokens' tiles summed: "
+    lines += ["", "A training step's three kernels, the bound unit's cycles per edge over "
+                  f"{TOKENS} tokens' tiles summed: "
                   f"dense {step['dense_cycles_per_edge']:.3f}, sampled {step['sampled_cycles_per_edge']:.3f} "
                   f"({step['sampled_over_dense']:.1f}x)."]
     return "\n".join(lines)

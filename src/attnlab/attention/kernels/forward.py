@@ -67,8 +67,8 @@ def _forward_kernel(
 
 
 @triton.jit
-def _forward_tile(q, K, V, key_real, inserted_keys, n_start, offs_m, offs_d, sk_n, sk_d, sv_n, sv_d, M, N, D: tl.constexpr,
-                  OFFSET, WINDOW, scale, bias, seed, bh, running_max, normaliser, gated, inserted, expected, opened,
+def _forward_tile(q, K, V, key_real, inserted_keys, n_start, offs_m, offs_d, sk_n, sk_d, sv_n, sv_d, M, N,
+                  D: tl.constexpr, OFFSET, WINDOW, scale, bias, seed, bh, running_max, normaliser, gated, inserted, expected, opened,
                   allowed_n, acc, GATE: tl.constexpr, HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                   HAS_INSERTED: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                   MASKED: tl.constexpr):

@@ -47,9 +47,9 @@ def _received_kernel(
 
 
 @triton.jit
-def _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D: tl.constexpr, OFFSET, WINDOW,
-                   scale, bias, GATE: tl.constexpr, HAS_KEY_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+def _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D: tl.constexpr,
+                   OFFSET, WINDOW, scale, bias, GATE: tl.constexpr, HAS_KEY_REAL: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """One query tile's weights summed into the key block's columns. Padding rows, and rows with
     no allowed key, take a log-sum-exp of +inf: their weights exp(s - lse) are 0 without a mask."""
     offs_m = m_start + tl.arange(0, BLOCK_M)

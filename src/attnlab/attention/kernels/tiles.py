@@ -12,7 +12,8 @@ split their blocks (``key_block_split``, ``query_block_split``) into tiles the d
 window's edge or the tensor's end crosses, which build the mask edge by edge (``allowed_tile``),
 and full tiles, which skip it: there padding keys alone are closed, by a -inf per column
 (``full_tile_scores``), and nothing else is per edge. The model of the compiled loops
-(benchmarks/gpu/kernel_work.py) found the per-edge mask the dense kernels' largest cost.
+(benchmarks/gpu/kernel_work.py) found the per-edge mask among the dense kernels' largest costs,
+beside ``tl.exp``'s range fix-up (``exp_below``) and the tiles' masked loads (``load_tile``).
 """
 
 import triton
