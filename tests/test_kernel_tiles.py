@@ -138,3 +138,39 @@ def test_tiles_whose_inference_gates_are_all_closed_are_skipped_exactly():
     visited = torch.ones(3, 3).tril().bool()  # the causal loops' tiles of the first 48 positions
     assert (tiles[..., visited] == 0).any() and (tiles[..., visited] == 1).any()
     _compare_with_eager("deterministic", None, pads=(5, 24), gate=gate, **shape)
+
+
+def test_a_head_dimension_short_of_its_block_loads_no_column_past_it():
+    """Head dimension 24 runs in 32-wide blocks: full tiles load without a row mask but keep the
+    column mask. Here queries, keys and values are views of rows 32 wide whose last 8 numbers are
+    NaN (as a fused projection's slices sit in memory): a load past column 24 would bring them in,
+    and NaN · 0 is NaN (values, statistics and gradients against the eager formula, over full
+    tiles: 54 positions on 16 × 16)."""
+    from test_kernels import _compare_with_eager, _inputs
+
+    for gate_name, window in (("sampled", 40), ("deterministic", None)):
+        wide = _inputs(batch=2, heads=2, kv_heads=1, length=54, head_dim=32)
+        with torch.no_grad():
+            for x in wide:
+                x[..., 24:] = float("nan")
+        inputs = [x[..., :24] for x in wide]
+        _compare_with_eager(gate_name, window, pads=(5, 24), inputs=inputs)
+
+
+def test_received_attention_leaves_out_right_padding_rows_in_full_tiles():
+    """A right-padded row (a padding token after real ones) attends to the real keys before it:
+    its weights are finite, and received attention must leave the row out in full tiles as in
+    masked ones (against the eager weights summed over real, strictly later rows)."""
+    from attnlab.attention.kernels import launch
+    from attnlab.attention.kernels.layout import MaskLayout, allowed_by
+    from test_kernels import SCALE, _eager, _inputs
+
+    q, k, v = (x.detach() for x in _inputs(batch=1, heads=2, kv_heads=1, length=54))
+    key_real = torch.arange(54)[None, :] < 30  # rows and keys 30-53 pad the right end
+    layout, gate = MaskLayout(key_real, 0, None), launch.Gate(launch.DETERMINISTIC, 0.3)
+    _, _, lse, _ = launch.attention(q, k, v, layout, gate, SCALE)
+    columns = launch.received_columns(q, k, lse, layout, gate, SCALE)
+    _, _, weights = _eager(q, k, v, allowed_by(layout, 1, 54, 54, "cpu"), gate)
+    later = torch.ones(54, 54).tril(-1).bool()
+    torch.testing.assert_close(columns, (weights * later * key_real[:, None, :, None]).sum(-2), atol=1e-5, rtol=0)
+    assert weights[0, :, 40, :30].sum() > 0  # the padding rows do weigh real keys

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu.kernel_work import (LANES_PER_CLOCK, TENSOR_FLOPS_PER_CLOCK, innermost_loops, loop_body, per_edge,
-                                        tile_counts)
+from benchmarks.gpu.kernel_work import (LANES_PER_CLOCK, TENSOR_FLOPS_PER_CLOCK, innermost_loops, loop_body,
+                                        mixed_cycles, per_edge, tile_counts)
 
 REPO = Path(__file__).resolve().parents[1]
 BEFORE_MASK_SPLIT = "benchmarks/results/kernel_work_before_mask_split_2026-12-05.json"
@@ -76,6 +76,12 @@ def test_the_tiles_of_a_causal_sequence_are_counted_full_or_masked():
     assert tile_counts("forward", 64, 32, 32) == {"full": 1, "masked": 2}
     assert tile_counts("received", 64, 32, 32) == {"full": 1, "masked": 2}
     assert tile_counts("forward", 30, 16, 16) == {"full": 0, "masked": 3}  # rows 16-29: padded
+
+
+def test_the_mix_weighs_each_loop_by_its_tiles():
+    """992 full tiles at 0.2 and 64 masked at 0.4 cycles per edge: (992 · 0.2 + 64 · 0.4) / 1,056."""
+    assert mixed_cycles({"full": 0.2, "masked": 0.4}, {"full": 992, "masked": 64}) == (992 * 0.2 + 64 * 0.4) / 1056
+    assert mixed_cycles({"full": 0.1, "masked": 0.5}, {"full": 0, "masked": 3}) == 0.5
 
 
 def test_instructions_per_edge_by_unit_and_their_modelled_cycles():

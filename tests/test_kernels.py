@@ -75,9 +75,9 @@ def test_kernels_equal_the_eager_formula_values_gradients_and_statistics(gate_na
     _compare_with_eager(gate_name, window)
 
 
-def _compare_with_eager(gate_name: str, window: int | None, pads=(5,), gate=None, **shape):
+def _compare_with_eager(gate_name: str, window: int | None, pads=(5,), gate=None, inputs=None, **shape):
     gate = gate or GATES[gate_name]
-    q, k, v = _inputs(**shape)
+    q, k, v = inputs or _inputs(**shape)
     batch, heads, length = q.shape[:3]
     layout = _padded_layout(batch, length, window, pads)
     allowed = allowed_by(layout, batch, length, length, "cpu")

@@ -54,30 +54,9 @@ TENSOR = {"HGMMA", "HMMA"}
 MATMULS_PER_EDGE = {"forward": 2, "backward_kv": 4, "backward_q": 3, "received": 1}
 
 
-def loop_body(sass: str, around: set[str] | None = TENSOR) -> list[str]:
-    """The opcodes of the shortest loop (a branch back to an earlier address) that holds one of the
-    instructions ``around`` (None: the longest loop)."""
-    instructions = []
-    for line in sass.splitlines():
-        found = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);", line)
-        if found:
-            instructions.append((int(found.group(1), 16), found.group(2), found.group(3)))
-    loops = []
-    for address, opcode, arguments in instructions:
-        target = re.match(r"\s*0x([0-9a-f]+)", arguments)
-        if opcode == "BRA" and target and int(target.group(1), 16) < address:
-            body = [op for at, op, _ in instructions if int(target.group(1), 16) <= at <= address]
-            if around is None or any(op.split(".")[0] in around for op in body):
-                loops.append(body)
-    if not loops:
-        raise ValueError(f"no loop around {sorted(around or [])} in this SASS")
-    return min(loops, key=len) if around is not None else max(loops, key=len)
-
-
-def innermost_loops(sass: str, around: set[str] = TENSOR) -> list[list[str]]:
-    """The opcodes of every loop that holds one of the instructions ``around`` and no other such
-    loop: a kernel's inner loops, one per loop of its source (the fused kernels' full tiles and
-    their masked ones), in address order."""
+def _loops(sass: str, around: set[str] | None) -> tuple[list[tuple[int, str]], list[tuple[int, int]]]:
+    """(every instruction as (address, opcode), the address span of every loop: a branch back to an
+    earlier address, holding one of the instructions ``around`` unless that is None)."""
     instructions = []
     for line in sass.splitlines():
         found = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);", line)
@@ -88,11 +67,34 @@ def innermost_loops(sass: str, around: set[str] = TENSOR) -> list[list[str]]:
         target = re.match(r"\s*0x([0-9a-f]+)", arguments)
         if opcode == "BRA" and target and int(target.group(1), 16) < address:
             span = (int(target.group(1), 16), address)
-            if any(op.split(".")[0] in around for at, op, _ in instructions if span[0] <= at <= span[1]):
+            if around is None or any(op.split(".")[0] in around for at, op, _ in instructions
+                                     if span[0] <= at <= span[1]):
                 spans.append(span)
+    return [(at, op) for at, op, _ in instructions], spans
+
+
+def _body(instructions: list[tuple[int, str]], span: tuple[int, int]) -> list[str]:
+    return [op for at, op in instructions if span[0] <= at <= span[1]]
+
+
+def loop_body(sass: str, around: set[str] | None = TENSOR) -> list[str]:
+    """The opcodes of the shortest loop (a branch back to an earlier address) that holds one of the
+    instructions ``around`` (None: the longest loop)."""
+    instructions, spans = _loops(sass, around)
+    loops = [_body(instructions, span) for span in spans]
+    if not loops:
+        raise ValueError(f"no loop around {sorted(around or [])} in this SASS")
+    return min(loops, key=len) if around is not None else max(loops, key=len)
+
+
+def innermost_loops(sass: str, around: set[str] = TENSOR) -> list[list[str]]:
+    """The opcodes of every loop that holds one of the instructions ``around`` and no other such
+    loop: a kernel's inner loops, one per loop of its source (the fused kernels' full tiles and
+    their masked ones), in address order."""
+    instructions, spans = _loops(sass, around)
     inner = [span for span in spans if not any(other != span and span[0] <= other[0] and other[1] <= span[1]
                                                for other in spans)]
-    return [[op for at, op, _ in instructions if start <= at <= end] for start, end in sorted(inner)]
+    return [_body(instructions, span) for span in sorted(inner)]
 
 
 def unit(opcode: str) -> str:
@@ -148,6 +150,12 @@ def tile_counts(kernel: str, tokens: int, block_m: int, block_n: int) -> dict:
     return counts
 
 
+def mixed_cycles(bound: dict, counts: dict) -> float:
+    """Cycles per visited tile edge over a sequence: each loop's cycles per edge weighted by its
+    tiles (every tile holds BLOCK_M × BLOCK_N edges, full or masked)."""
+    return sum(counts[name] * bound[name] for name in ("full", "masked")) / (counts["full"] + counts["masked"])
+
+
 def kernel_row(variant: compiled.Variant, arch: int, tokens: int = TOKENS) -> dict:
     """The variant's full-tile loop (its shortest inner loop) and masked-tile loop (its longest:
     the same where a kernel has one loop), per edge by unit, and the bound unit's cycles per edge
@@ -160,7 +168,7 @@ def kernel_row(variant: compiled.Variant, arch: int, tokens: int = TOKENS) -> di
                                                                                     max(loops, key=len)))
     counts = tile_counts(variant.kernel, tokens, values["BLOCK_M"], values["BLOCK_N"])
     bound = {name: max(row["cycles_per_edge"].values()) for name, row in (("full", full), ("masked", masked))}
-    mixed = sum(counts[name] * bound[name] for name in bound) / sum(counts.values())
+    mixed = mixed_cycles(bound, counts)
     return {"variant": variant.name, "tile": f"{values['BLOCK_M']}x{values['BLOCK_N']}",
             "warps": options["num_warps"], "loops": len(loops), "loop_instructions": len(min(loops, key=len)),
             "masked_loop_instructions": len(max(loops, key=len)), **full, "masked": masked, "tiles": counts,

@@ -161,10 +161,8 @@ class Launch:
 def _tiles(head_dim, device, dtype, kernel, gate: Gate, queries=None, arch=None):
     """``blocks`` on ``device``, or for a CUDA card of compute capability ``arch`` (a compile
     for a card this machine need not have)."""
-    sampled = gate.kind == SAMPLED
-    if arch is not None:
-        return blocks(head_dim, torch.device("cuda"), dtype, kernel, queries, arch, sampled=sampled)
-    return blocks(head_dim, device, dtype, kernel, queries, sampled=sampled)
+    target = torch.device("cuda") if arch is not None else device
+    return blocks(head_dim, target, dtype, kernel, queries, arch, sampled=gate.kind == SAMPLED)
 
 
 def forward_launch(query, key, value, layout: MaskLayout, gate: Gate, scale: float,

@@ -50,15 +50,15 @@ def _received_kernel(
 def _received_tile(Q, LSE, k, columns, m_start, offs_n, offs_d, key_real, sq_m, sq_d, M, N, D: tl.constexpr,
                    OFFSET, WINDOW, scale, bias, GATE: tl.constexpr, HAS_KEY_REAL: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
-    """One query tile's weights summed into the key block's columns. Padding rows, and rows with
-    no allowed key, take a log-sum-exp of +inf: their weights exp(s - lse) are 0 without a mask."""
+    """One query tile's weights summed into the key block's columns. Padding rows take a
+    log-sum-exp of +inf: their weights exp(s - lse) are 0 without a mask (a real row sees at least
+    its own key)."""
     offs_m = m_start + tl.arange(0, BLOCK_M)
     q = load_tile(Q, offs_m, offs_d, sq_m, sq_d, M, D, MASKED)
     lse = tl.load(LSE + offs_m, mask=offs_m < M, other=float("inf"))
-    if HAS_KEY_REAL:  # padding rows are no queries
+    if HAS_KEY_REAL:  # padding rows are no queries (and the only rows with nothing allowed: -inf)
         real_row = tl.load(key_real + offs_m + OFFSET, mask=offs_m < M, other=0)
         lse = tl.where(real_row != 0, lse, float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     if MASKED:
         allowed = allowed_tile(offs_m, offs_n, M, N, OFFSET, WINDOW, key_real, HAS_KEY_REAL, HAS_WINDOW)
